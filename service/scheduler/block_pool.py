@@ -1,0 +1,132 @@
+"""The one KV-cache block table: allocation, reference counts and the prefix cache.
+
+Knows blocks, not requests. Every operation costs O(blocks touched).
+
+Free blocks sit in one ordered dict used as a doubly linked list: allocation takes from the
+head; a freed block that holds a cached prefix goes to the tail (evicted last, LRU), an
+unhashed one to the head (reused first). A block stays findable by its hash until it is
+handed out again, so a preempted request that resumes finds whatever was not evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+ROOT_HASH = 0
+
+
+@dataclass(slots=True)
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = field(default=())  # what the cached hash stands for
+
+
+def extend_block_hashes(block_hashes: list[int], token_ids: list[int], block_size: int) -> None:
+    """Append the chained hash (parent hash + token ids) of every new full block of a sequence."""
+    parent_hash = block_hashes[-1] if block_hashes else ROOT_HASH
+    for start in range(len(block_hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent_hash = hash((parent_hash, tuple(token_ids[start : start + block_size])))
+        block_hashes.append(parent_hash)
+
+
+class BlockPool:
+    """A fixed number of blocks of `block_size` tokens, with an optional prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.num_cached_free = 0  # free blocks that still hold a cached prefix
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks held by live requests (cached-but-free blocks count as free)."""
+        return 1.0 - len(self._free) / len(self.blocks)
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        """Take `num_blocks` free blocks (evicting cached ones, LRU first), or None."""
+        if num_blocks > len(self._free):
+            return None
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_count = 1
+            block_ids.append(block_id)
+        return block_ids
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block; in reverse, so a request's tail is evicted first."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
+                else:
+                    self.num_cached_free += 1
+
+    def find_cached_prefix(self, block_hashes: list[int], token_ids: list[int], max_blocks: int) -> list[int]:
+        """Block ids of the longest cached run of a sequence's first full blocks (at most `max_blocks`).
+
+        A hit is verified against the stored token ids, so a hash collision is a miss.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        size = self.block_size
+        hits = []
+        for index, block_hash in enumerate(block_hashes[:max_blocks]):
+            block_id = self._cached.get(block_hash)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids[index * size : (index + 1) * size]):
+                break
+            hits.append(block_id)
+        return hits
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Take a reference on cached blocks found by `find_cached_prefix`."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+                self.num_cached_free -= 1
+            block.ref_count += 1
+
+    def cache_blocks(self, block_ids: list[int], block_hashes: list[int], token_ids: list[int], start: int, end: int) -> None:
+        """Register a sequence's full blocks `start..end-1` in the prefix cache under their hashes."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        for index in range(start, end):
+            block = self.blocks[block_ids[index]]
+            block_hash = block_hashes[index]
+            if block.block_hash is None and block_hash not in self._cached:
+                block.block_hash = block_hash
+                block.token_ids = tuple(token_ids[index * size : (index + 1) * size])
+                self._cached[block_hash] = block.block_id
+
+    def _evict(self, block: KVBlock) -> None:
+        if self._cached.get(block.block_hash) == block.block_id:
+            del self._cached[block.block_hash]
+        block.block_hash = None
+        block.token_ids = ()
+        self.num_cached_free -= 1

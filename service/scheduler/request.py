@@ -1,0 +1,78 @@
+"""A request as the scheduler sees it: its tokens, its blocks and where it is in its life."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from service.scheduler.block_pool import extend_block_hashes
+from service.wire import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, at the front, to be recomputed
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation request. `token_ids` is the prompt followed by every output token."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+    block_size: int
+    token_ids: list[int] = field(init=False)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks of token_ids
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    max_computed_tokens: int = 0  # high-water mark: tokens below it are recomputation
+    num_cached_blocks: int = 0  # leading blocks already registered in (or taken from) the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    num_skipped: int = 0  # admission rounds in which it was passed over at the head of the queue
+    admitted_seq: int = -1  # order of the latest admission (lifo victim choice)
+    sent_to_worker: bool = False  # the worker holds its state; next time send deltas only
+    first_token_time: float | None = None
+    first_scheduled_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        extend_block_hashes(self.block_hashes, self.token_ids, self.block_size)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if len(self.token_ids) % self.block_size == 0:
+            extend_block_hashes(self.block_hashes, self.token_ids, self.block_size)

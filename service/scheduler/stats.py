@@ -1,0 +1,20 @@
+"""Counters the scheduler keeps about itself (read by metrics and the simulator)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from service.scheduler.request import Request
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up at first admission
+    prefix_cache_hits: int = 0  # of those, tokens served from the cache
+    finished_by_reason: Counter = field(default_factory=Counter)
+
+    def record_finish(self, request: Request) -> None:
+        self.finished_by_reason[request.finish_reason.value] += 1

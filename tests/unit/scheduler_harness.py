@@ -1,0 +1,93 @@
+"""Drives a Scheduler against the verifying FakeWorker and checks invariants every step."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from service import wire
+from service.scheduler.fake_worker import FakeWorker, extend_prefix_hash, next_token
+from service.scheduler.request import RequestStatus
+from service.scheduler.scheduler import Scheduler, SchedulerConfig
+
+VOCAB_SIZE = 64
+EOS_TOKEN_ID = 0
+
+
+def reference_output(prompt: list[int], sampling: wire.SamplingParams, config: SchedulerConfig) -> list[int]:
+    """What an undisturbed run yields: the fake model's tokens up to a stop condition."""
+    tokens = list(prompt)
+    prefix_hash = extend_prefix_hash(0, prompt)
+    output = []
+    while True:
+        token_id = next_token(prefix_hash, VOCAB_SIZE)
+        output.append(token_id)
+        tokens.append(token_id)
+        prefix_hash = extend_prefix_hash(prefix_hash, [token_id])
+        if (not sampling.ignore_eos and token_id in config.eos_token_ids) or token_id in sampling.stop_token_ids:
+            return output
+        if len(output) >= sampling.max_tokens or len(tokens) >= config.max_model_len:
+            return output
+
+
+class Harness:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.scheduler = Scheduler(config)
+        self.worker = FakeWorker(config.num_blocks, config.block_size, VOCAB_SIZE, verify_kv=True)
+        self.outputs: dict[str, list[int]] = {}
+        self.finish_reasons: dict[str, str] = {}
+        self.now = 0.0
+        self.steps = 0
+
+    def add(self, request_id: str, prompt: list[int], sampling: wire.SamplingParams) -> None:
+        self.scheduler.add_request(request_id, prompt, sampling, self.now)
+        self.outputs[request_id] = []
+
+    def abort(self, request_id: str) -> None:
+        delta = self.scheduler.abort_request(request_id)
+        if delta is not None:
+            self.finish_reasons[request_id] = delta.finish_reason
+
+    def step(self) -> wire.SchedulerOutput:
+        output = self.scheduler.schedule(self.now)
+        self.check_step(output)
+        result = self.worker.execute(output)
+        self.now += 1.0
+        for delta in self.scheduler.update(result, self.now):
+            self.outputs[delta.request_id].extend(delta.token_ids)
+            if delta.finish_reason is not None:
+                self.finish_reasons[delta.request_id] = delta.finish_reason
+        self.check_pool()
+        self.steps += 1
+        return output
+
+    def run_until_idle(self, max_steps: int = 20_000) -> None:
+        while self.scheduler.requests:
+            self.step()
+            assert self.steps < max_steps, "no progress: livelock or starvation"
+
+    def check_step(self, output: wire.SchedulerOutput) -> None:
+        cfg = self.config
+        assert output.num_scheduled_tokens <= cfg.max_num_batched_tokens
+        assert len(self.scheduler.running) <= cfg.max_num_seqs
+        ids = [r.request_id for r in output.new_requests] + [r.request_id for r in output.running_requests]
+        assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
+        assert all(r.num_scheduled_tokens > 0 for r in output.new_requests + output.running_requests)
+        self.check_pool()
+
+    def check_pool(self) -> None:
+        pool = self.scheduler.pool
+        holders: Counter[int] = Counter()
+        for request in self.scheduler.requests.values():
+            if request.status is RequestStatus.RUNNING:
+                assert len(set(request.block_ids)) == len(request.block_ids)
+                holders.update(request.block_ids)
+            else:
+                assert request.block_ids == [], "a waiting request holds blocks"
+        for block in pool.blocks:
+            assert block.ref_count == holders[block.block_id], f"block {block.block_id} ref count is off"
+            if holders[block.block_id] > 1:
+                assert block.block_hash is not None, "a block shared by live requests is not a cached prefix"
+        used = sum(1 for block in pool.blocks if block.ref_count > 0)
+        assert pool.num_free_blocks + used == pool.num_blocks
+        assert 0 <= pool.num_cached_free <= pool.num_free_blocks

@@ -1,0 +1,172 @@
+import pytest
+
+from service import wire
+from service.scheduler.policies import lifo, min_recompute
+from service.scheduler.request import RequestStatus
+from service.scheduler.scheduler import RequestRejected, SchedulerConfig
+
+from .scheduler_harness import Harness, reference_output
+
+
+def greedy(max_tokens, **kwargs):
+    return wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def config(**overrides):
+    values = dict(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    values.update(overrides)
+    return SchedulerConfig(**values)
+
+
+@pytest.mark.parametrize("policy", ["lifo", "min_recompute"])
+def test_preempted_request_resumes_with_identical_output(policy):
+    cfg = config(num_blocks=12, preemption_policy=policy, enable_prefix_caching=False)
+    harness = Harness(cfg)
+    prompts = {f"r{i}": [10 + i] * 6 for i in range(4)}
+    for request_id, prompt in prompts.items():
+        harness.add(request_id, prompt, greedy(30))
+    harness.run_until_idle()
+    stats = harness.scheduler.stats
+    assert stats.num_preemptions > 0
+    assert stats.num_recomputed_tokens > 0
+    for request_id, prompt in prompts.items():
+        assert harness.outputs[request_id] == reference_output(prompt, greedy(30), cfg)
+    assert harness.scheduler.pool.num_free_blocks == cfg.num_blocks
+
+
+def test_resumed_request_recomputes_only_evicted_blocks():
+    cfg = config(num_blocks=12, preemption_policy="lifo")
+    harness = Harness(cfg)
+    for i in range(4):
+        harness.add(f"r{i}", [10 + i] * 6, greedy(30))
+    harness.run_until_idle()
+    stats = harness.scheduler.stats
+    assert stats.num_preemptions > 0
+    without_cache = Harness(config(num_blocks=12, preemption_policy="lifo", enable_prefix_caching=False))
+    for i in range(4):
+        without_cache.add(f"r{i}", [10 + i] * 6, greedy(30))
+    without_cache.run_until_idle()
+    assert stats.num_recomputed_tokens < without_cache.scheduler.stats.num_recomputed_tokens
+
+
+def test_shared_prefix_requests_share_blocks_and_count_hits():
+    harness = Harness(config())
+    prefix = list(range(1, 17))  # four full blocks
+    harness.add("first", prefix + [40, 41], greedy(4))
+    harness.step()
+    harness.add("second", prefix + [50], greedy(4))
+    output = harness.step()
+    [second] = [r for r in output.new_requests if r.request_id == "second"]
+    first = harness.scheduler.requests["first"]
+    assert second.num_computed_tokens == 16
+    assert second.block_ids[:4] == first.block_ids[:4]
+    assert all(harness.scheduler.pool.blocks[b].ref_count == 2 for b in first.block_ids[:4])
+    assert harness.scheduler.stats.prefix_cache_hits == 16
+    harness.run_until_idle()
+    assert harness.outputs["second"] == reference_output(prefix + [50], greedy(4), harness.config)
+
+
+def test_last_prompt_token_is_always_recomputed():
+    harness = Harness(config())
+    prompt = list(range(1, 17))  # exactly four blocks
+    harness.add("a", prompt, greedy(2))
+    harness.run_until_idle()
+    harness.add("b", prompt, greedy(2))
+    output = harness.step()
+    assert output.new_requests[0].num_computed_tokens == 12
+    assert output.new_requests[0].num_scheduled_tokens == 4
+    harness.run_until_idle()
+    assert harness.outputs["b"] == harness.outputs["a"]
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    harness = Harness(config(max_num_batched_tokens=8, max_model_len=64, num_blocks=16))
+    harness.add("long", list(range(1, 31)), greedy(3))
+    scheduled = [harness.step().num_scheduled_tokens for _ in range(4)]
+    assert scheduled == [8, 8, 8, 6]
+    assert harness.outputs["long"] != []  # the first token came with the last chunk only
+    assert len(harness.outputs["long"]) == 1
+
+
+def test_running_requests_are_sent_as_deltas_only():
+    harness = Harness(config())
+    harness.add("a", [1, 2, 3], greedy(8))
+    first = harness.step()
+    assert [r.request_id for r in first.new_requests] == ["a"]
+    second = harness.step()
+    assert second.new_requests == []
+    assert second.running_requests == [wire.RunningRequest("a", [], 1)]  # position 3 still fits block 0
+    third = harness.step()
+    assert third.running_requests == [wire.RunningRequest("a", [harness.scheduler.requests["a"].block_ids[1]], 1)]
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "max_tokens", "message"),
+    [(64, 1, "max_model_len"), (70, 1, "max_model_len"), (10, 60, "whole cache holds 8")],
+)
+def test_request_that_can_never_fit_is_rejected(prompt_len, max_tokens, message):
+    harness = Harness(config(num_blocks=8))
+    with pytest.raises(RequestRejected, match=message):
+        harness.add("big", [1] * prompt_len, greedy(max_tokens))
+    assert harness.scheduler.requests == {}
+
+
+def test_head_that_cannot_fit_lets_smaller_requests_pass_then_ages():
+    cfg = config(num_blocks=16, max_head_skips=3, max_model_len=128)
+    harness = Harness(cfg)
+    harness.add("running", [1] * 20, greedy(40))  # holds 5 blocks and grows
+    harness.step()
+    harness.add("head", [2] * 44, greedy(1))  # needs 11 blocks: cannot fit beside "running"
+    harness.add("small", [3] * 3, greedy(1))
+    harness.step()
+    assert harness.scheduler.requests["head"].status is RequestStatus.WAITING
+    assert "small" not in harness.scheduler.requests  # passed the head and finished
+    for _ in range(4):
+        harness.step()
+    harness.add("late", [4] * 3, greedy(1))
+    harness.step()
+    assert harness.scheduler.requests["late"].status is RequestStatus.WAITING  # the aged head blocks it
+    harness.run_until_idle()
+    assert len(harness.outputs["head"]) == 1
+
+
+def test_abort_frees_blocks_and_tells_the_worker():
+    harness = Harness(config())
+    harness.add("a", [1, 2, 3, 4, 5], greedy(20))
+    harness.step()
+    harness.abort("a")
+    assert harness.scheduler.pool.num_free_blocks == 16
+    assert harness.finish_reasons["a"] == "abort"
+    assert harness.step().finished_request_ids == ["a"]
+    assert "a" not in harness.worker.requests
+
+
+def test_stop_token_and_max_model_len_end_requests():
+    cfg = config(max_model_len=12)
+    harness = Harness(cfg)
+    plain = reference_output([7, 8], greedy(30), cfg)
+    harness.add("stopped", [7, 8], greedy(30, stop_token_ids=[plain[2]]))
+    harness.add("capped", [9] * 8, greedy(30))
+    harness.run_until_idle()
+    assert harness.outputs["stopped"] == plain[:3]
+    assert harness.finish_reasons["stopped"] == "stop"
+    assert len(harness.outputs["capped"]) == 4
+    assert harness.finish_reasons["capped"] == "length"
+
+
+def _running(harness, request_id):
+    return harness.scheduler.requests[request_id]
+
+
+def test_victim_policies_choose_newest_or_cheapest():
+    harness = Harness(config(num_blocks=32, max_model_len=64))
+    harness.add("old_long", [1] * 20, greedy(20))
+    harness.step()
+    harness.add("new_short", [2] * 3, greedy(20))
+    harness.step()
+    harness.add("newest_long", [3] * 24, greedy(20))
+    harness.step()
+    candidates = [_running(harness, "new_short"), _running(harness, "newest_long")]
+    pool = harness.scheduler.pool
+    assert lifo(candidates, pool).request_id == "newest_long"
+    assert min_recompute(candidates, pool).request_id == "new_short"

@@ -1,0 +1,83 @@
+"""Invariants of the unified scheduler over random traces (hypothesis)."""
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from service import wire
+from service.scheduler.scheduler import SchedulerConfig
+
+from .scheduler_harness import EOS_TOKEN_ID, Harness, reference_output
+
+configs = st.builds(
+    SchedulerConfig,
+    num_blocks=st.integers(8, 32),
+    block_size=st.sampled_from([2, 4, 8]),
+    max_num_seqs=st.integers(1, 8),
+    max_num_batched_tokens=st.integers(8, 64),
+    max_model_len=st.integers(24, 96),
+    enable_prefix_caching=st.booleans(),
+    preemption_policy=st.sampled_from(["lifo", "min_recompute"]),
+    eos_token_ids=st.just((EOS_TOKEN_ID,)),
+)
+
+request_specs = st.fixed_dictionaries(
+    {
+        "shared_prefix": st.sampled_from([0, 1, 1, 2, 2]),  # a few common prefixes: prefix-cache hits
+        "prompt": st.lists(st.integers(1, 63), min_size=1, max_size=24),
+        "max_tokens": st.integers(1, 48),
+        "ignore_eos": st.booleans(),
+        "arrival_step": st.integers(0, 30),
+        "abort_after": st.one_of(st.none(), st.integers(0, 40)),
+    }
+)
+
+PREFIXES = [[], list(range(5, 21)), list(range(21, 45))]
+
+
+def fits_alone(prompt, sampling, config):
+    if len(prompt) >= config.max_model_len:
+        return False
+    max_len = min(len(prompt) + sampling.max_tokens, config.max_model_len)
+    return -(-(max_len - 1) // config.block_size) <= config.num_blocks
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=configs, specs=st.lists(request_specs, min_size=1, max_size=14))
+def test_random_traces_keep_every_invariant_and_finish_every_request(config, specs):
+    harness = Harness(config)
+    expected, rejected, aborted = {}, set(), set()
+    arrivals = sorted(enumerate(specs), key=lambda item: item[1]["arrival_step"])
+    step = 0
+    while arrivals or harness.scheduler.requests:
+        while arrivals and arrivals[0][1]["arrival_step"] <= step:
+            index, spec = arrivals.pop(0)
+            request_id = f"r{index}"
+            prompt = PREFIXES[spec["shared_prefix"]] + spec["prompt"]
+            sampling = wire.SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=spec["ignore_eos"])
+            if not fits_alone(prompt, sampling, config):
+                try:
+                    harness.add(request_id, prompt, sampling)
+                except ValueError:
+                    rejected.add(request_id)
+                    continue
+                raise AssertionError("a request that can never fit was queued")
+            harness.add(request_id, prompt, sampling)
+            expected[request_id] = (reference_output(prompt, sampling, config), spec["abort_after"], step)
+        for request_id, (_, abort_after, arrived) in expected.items():
+            if abort_after is not None and step == arrived + abort_after and request_id in harness.scheduler.requests:
+                harness.abort(request_id)
+                aborted.add(request_id)
+        harness.step()
+        step += 1
+        assert step < 5_000, "no progress: livelock or starvation"
+
+    for request_id, (reference, _, _) in expected.items():
+        if request_id in aborted:
+            assert harness.finish_reasons[request_id] == "abort"
+            assert harness.outputs[request_id] == reference[: len(harness.outputs[request_id])]
+        else:
+            assert harness.outputs[request_id] == reference, f"{request_id} differs from an undisturbed run"
+            assert harness.finish_reasons[request_id] in ("stop", "length")
+    pool = harness.scheduler.pool
+    assert pool.num_free_blocks == pool.num_blocks, "blocks leaked"
+    assert all(block.ref_count == 0 for block in pool.blocks)

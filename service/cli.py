@@ -4,10 +4,92 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
+import os
+import signal
+import subprocess
 import sys
+import time
 
-from service.config import SettingsError, load_settings
+from service.config import Settings, SettingsError, load_settings
+
+log = logging.getLogger("blockserve")
+ROLES_IN_START_ORDER = ("scheduler", "worker", "api")
+
+
+def _configure_logging(role: str) -> None:
+    logging.basicConfig(
+        level=os.environ.get("BLOCKSERVE_LOG_LEVEL", "INFO").upper(),
+        format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s",
+    )
+
+
+def _start_role(role: str, settings: Settings) -> None:
+    _configure_logging(role)
+    log.info("effective settings: %s", settings.redacted())
+    if role == "scheduler":
+        from service.scheduler.server import run_scheduler
+
+        run_scheduler(settings)
+    elif role == "worker":
+        os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+        from gpu_worker.worker_process import run_worker
+
+        run_worker(settings)
+    else:
+        from service.api.app import run_api
+
+        run_api(settings)
+
+
+def _role(args: argparse.Namespace) -> int:
+    _start_role(args.command, load_settings())
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Run scheduler, worker and api as child processes; stop them in order on SIGINT/SIGTERM."""
+    settings = load_settings()
+    _configure_logging("serve")
+    children = {
+        role: subprocess.Popen([sys.executable, "-m", "service.cli", role], env=os.environ.copy())
+        for role in ROLES_IN_START_ORDER
+    }
+    stop_requested = False
+
+    def request_stop(*_: object) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    log.info("serving on http://%s:%d (metrics on :%d)", settings.host, settings.port, settings.metrics_port)
+    exit_code = 0
+    worker_exit_logged = False
+    while not stop_requested:
+        time.sleep(0.2)
+        for role in ("api", "scheduler"):
+            if children[role].poll() is not None:
+                log.error("the %s process exited with code %s; stopping", role, children[role].returncode)
+                stop_requested, exit_code = True, 1
+        if children["worker"].poll() is not None and not worker_exit_logged:
+            log.error("the worker exited with code %s; the api reports not ready", children["worker"].returncode)
+            worker_exit_logged = True  # the scheduler has already failed its requests
+    for role in ("api", "scheduler", "worker"):  # the api drains first, the worker goes last
+        _stop_child(role, children[role], settings.drain_timeout_s + 5)
+    return exit_code
+
+
+def _stop_child(role: str, child: subprocess.Popen, timeout_s: float) -> None:
+    if child.poll() is None:
+        child.send_signal(signal.SIGTERM)
+    try:
+        child.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        log.warning("the %s process did not stop within %.0f s; killing it", role, timeout_s)
+        child.kill()
+        child.wait()
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -52,6 +134,14 @@ def _simulate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+
+    commands.add_parser("serve", help="run scheduler, worker and api on this machine").set_defaults(handler=_serve)
+    for role, description in (
+        ("api", "the OpenAI-compatible HTTP service (stateless; run as many as you like)"),
+        ("scheduler", "the sidecar that owns the KV-cache block table"),
+        ("worker", "the model and its paged KV cache"),
+    ):
+        commands.add_parser(role, help=description).set_defaults(handler=_role)
 
     sim = commands.add_parser("simulate", help="run a synthetic trace through the scheduler, no model")
     sim.add_argument("--workload", choices=["long-output", "long-input", "chat", "fixed"], default="chat")

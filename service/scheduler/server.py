@@ -1,0 +1,257 @@
+"""The scheduler process: sockets around the pure Scheduler.
+
+Two ROUTER sockets: api replicas connect to `scheduler_addr` (requests, aborts, status; token
+deltas go back to the replica that sent each request), workers to `worker_addr` (hello, step
+results). One step is in flight at a time. A worker that disconnects, or leaves a step
+unanswered for `worker_timeout_s`, is dead: readiness turns false and every request in flight
+ends with an error. A worker that says hello again is taken as a fresh one.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import msgspec
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from service import wire
+from service.config import Settings
+from service.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 20
+PING_INTERVAL_S = 1.0
+
+
+class SchedulerServer:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.context = zmq.Context()
+        self.api_socket = self._router(settings.scheduler_addr)
+        self.worker_socket = self._router(settings.worker_addr)
+        self.worker_monitor = self.worker_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.scheduler: Scheduler | None = None
+        self.model: wire.ModelInfo | None = None
+        self.worker_id: bytes | None = None
+        self.owners: dict[str, bytes] = {}  # request id -> api replica identity
+        self.step_in_flight: wire.SchedulerOutput | None = None
+        self.step_sent_at = 0.0
+        self.last_ping_at = 0.0
+        self.last_heard_at = 0.0
+        self.num_malformed_frames = 0
+        self.draining = False
+        self.stopping = False
+
+    def _router(self, addr: str) -> zmq.Socket:
+        socket = self.context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a vanished replica is dropped
+        socket.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+        socket.bind(addr)
+        return socket
+
+    @property
+    def ready(self) -> bool:
+        return self.worker_id is not None and not self.draining
+
+    # ------------------------------------------------------------------ main loop
+
+    def serve_forever(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.begin_drain())
+        signal.signal(signal.SIGINT, lambda *_: self.begin_drain())
+        poller = zmq.Poller()
+        for socket in (self.api_socket, self.worker_socket, self.worker_monitor):
+            poller.register(socket, zmq.POLLIN)
+        drain_deadline = None
+        while not self.stopping:
+            events = dict(poller.poll(IDLE_POLL_MS))
+            if self.worker_monitor in events:
+                self._on_worker_event(parse_monitor_message(self.worker_monitor.recv_multipart()))
+            while self._poll_once(self.worker_socket, self._on_worker_frame):
+                pass
+            while self._poll_once(self.api_socket, self._on_api_frame):
+                pass
+            now = time.monotonic()
+            self._check_worker(now)
+            self._maybe_step(now)
+            if self.draining:
+                drain_deadline = drain_deadline or now + self.settings.drain_timeout_s
+                if not self.owners or now >= drain_deadline:
+                    self.stopping = True
+        self.close()
+
+    def begin_drain(self) -> None:
+        log.info("draining: no new requests; %d in flight", len(self.owners))
+        self.draining = True
+
+    def close(self) -> None:
+        for request_id in list(self.owners):
+            self._send_delta(self._error_delta(request_id, "the scheduler is shutting down", 503))
+        self.worker_socket.disable_monitor()
+        self.context.destroy(linger=0)
+
+    def _poll_once(self, socket: zmq.Socket, handler) -> bool:
+        try:
+            frames = socket.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        identity, payload = frames[0], frames[1:]
+        try:
+            if len(payload) != 1:
+                raise wire.WireError(f"{len(payload)} payload frames")
+            handler(identity, wire.decode(payload[0]))
+        except wire.WireError as exc:
+            self.num_malformed_frames += 1
+            log.warning("dropped a malformed frame: %s", exc)
+        return True
+
+    # ------------------------------------------------------------------ api side
+
+    def _on_api_frame(self, identity: bytes, message: wire.AnyMessage) -> None:
+        if isinstance(message, wire.GenerateRequest):
+            self._on_generate(identity, message)
+        elif isinstance(message, wire.AbortRequest):
+            if self.scheduler is not None and self.owners.get(message.request_id) == identity:
+                delta = self.scheduler.abort_request(message.request_id)
+                if delta is not None:
+                    self._send_delta(delta)
+        elif isinstance(message, wire.ApiHello):
+            if self.model is not None:
+                self._send(self.api_socket, identity, wire.ApiWelcome(model=self.model, ready=self.ready))
+        elif isinstance(message, wire.StatusQuery):
+            self._send(self.api_socket, identity, self._status())
+        else:
+            raise wire.WireError(f"unexpected {type(message).__name__} on the api socket")
+
+    def _on_generate(self, identity: bytes, message: wire.GenerateRequest) -> None:
+        request_id = message.request_id
+        if request_id in self.owners:
+            self._send(self.api_socket, identity, self._error_delta(request_id, "duplicate request id", 409))
+            return
+        if self.scheduler is None or not self.ready:
+            reason = "the service is shutting down" if self.draining else "no worker is available"
+            self._send(self.api_socket, identity, self._error_delta(request_id, reason, 503))
+            return
+        try:
+            self.scheduler.add_request(request_id, message.prompt_token_ids, message.sampling, time.monotonic())
+        except RequestRejected as exc:
+            self._send(self.api_socket, identity, self._error_delta(request_id, str(exc), exc.status))
+            return
+        self.owners[request_id] = identity
+
+    def _status(self) -> wire.SchedulerStatus:
+        scheduler = self.scheduler
+        return wire.SchedulerStatus(
+            ready=self.ready,
+            num_workers=int(self.worker_id is not None),
+            num_running=len(scheduler.running) if scheduler else 0,
+            num_waiting=len(scheduler.waiting) if scheduler else 0,
+            num_free_blocks=scheduler.pool.num_free_blocks if scheduler else 0,
+            num_total_blocks=scheduler.pool.num_blocks if scheduler else 0,
+        )
+
+    def _send_delta(self, delta: wire.RequestDelta) -> None:
+        owner = self.owners.get(delta.request_id)
+        if owner is None:
+            return
+        if delta.finish_reason is not None:
+            del self.owners[delta.request_id]
+        self._send(self.api_socket, owner, delta)
+
+    @staticmethod
+    def _error_delta(request_id: str, reason: str, status: int) -> wire.RequestDelta:
+        return wire.RequestDelta(request_id=request_id, token_ids=[], finish_reason="error", error=reason, error_status=status)
+
+    @staticmethod
+    def _send(socket: zmq.Socket, identity: bytes, message: wire.Message) -> None:
+        socket.send_multipart([identity, wire.encode(message)])
+
+    # ------------------------------------------------------------------ worker side
+
+    def _on_worker_frame(self, identity: bytes, message: wire.AnyMessage) -> None:
+        if isinstance(message, wire.WorkerHello):
+            self._register_worker(identity, message)
+        elif identity != self.worker_id:
+            log.warning("ignored %s from an unregistered worker", type(message).__name__)
+            return
+        self.last_heard_at = time.monotonic()
+        if isinstance(message, wire.StepResult):
+            self._on_step_result(message)
+        elif not isinstance(message, (wire.Pong, wire.WorkerHello)):
+            raise wire.WireError(f"unexpected {type(message).__name__} on the worker socket")
+
+    def _register_worker(self, identity: bytes, hello: wire.WorkerHello) -> None:
+        if self.worker_id is not None:
+            self._worker_lost("the worker restarted")
+        num_blocks = min(hello.num_kv_blocks, self.settings.num_kv_blocks or hello.num_kv_blocks)
+        max_model_len = min(hello.model.max_model_len, self.settings.max_model_len or hello.model.max_model_len)
+        self.model = msgspec.structs.replace(hello.model, max_model_len=max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=num_blocks,
+                block_size=hello.block_size,
+                max_num_seqs=self.settings.max_num_seqs,
+                max_num_batched_tokens=self.settings.max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_prefix_caching=self.settings.enable_prefix_caching,
+                preemption_policy=self.settings.preemption_policy,
+                eos_token_ids=tuple(hello.model.eos_token_ids),
+            )
+        )
+        self.worker_id = identity
+        self.last_ping_at = self.last_heard_at = time.monotonic()
+        log.info("worker %s registered: %d KV blocks of %d tokens, model %s", hello.worker_id, num_blocks, hello.block_size, hello.model.name)
+
+    def _on_step_result(self, result: wire.StepResult) -> None:
+        if self.step_in_flight is None or result.step_id != self.step_in_flight.step_id:
+            log.warning("ignored a result for step %d", result.step_id)
+            return
+        self.step_in_flight = None
+        for delta in self.scheduler.update(result, time.monotonic()):
+            self._send_delta(delta)
+
+    def _maybe_step(self, now: float) -> None:
+        if self.step_in_flight is not None or self.worker_id is None or self.scheduler is None:
+            return
+        step = self.scheduler.schedule(now)
+        if step.is_empty and not (step.finished_request_ids or step.preempted_request_ids):
+            return
+        self._send(self.worker_socket, self.worker_id, step)
+        if step.is_empty:
+            return  # only state to drop: no answer expected
+        self.step_in_flight = step
+        self.step_sent_at = now
+
+    def _check_worker(self, now: float) -> None:
+        if self.worker_id is None:
+            return
+        if self.step_in_flight is not None and now - self.step_sent_at > self.settings.worker_timeout_s:
+            self._worker_lost(f"the worker did not answer a step within {self.settings.worker_timeout_s:.0f} s")
+        elif self.step_in_flight is None and self.last_ping_at - self.last_heard_at > self.settings.worker_timeout_s:
+            self._worker_lost(f"the worker did not answer pings for {self.settings.worker_timeout_s:.0f} s")
+        elif self.step_in_flight is None and now - self.last_ping_at > PING_INTERVAL_S:
+            self._send(self.worker_socket, self.worker_id, wire.Ping())
+            self.last_ping_at = now
+
+    def _on_worker_event(self, event: dict) -> None:
+        if event["event"] == zmq.EVENT_DISCONNECTED and self.worker_id is not None:
+            self._worker_lost("the worker disconnected")
+
+    def _worker_lost(self, reason: str) -> None:
+        log.error("%s: failing %d requests", reason, len(self.owners))
+        self.worker_id = None
+        self.step_in_flight = None
+        if self.scheduler is not None:
+            for delta in self.scheduler.fail_all(reason):
+                delta.error_status = 503
+                self._send_delta(delta)
+
+
+def run_scheduler(settings: Settings) -> None:
+    log.info("scheduler listening: api %s, workers %s", settings.scheduler_addr, settings.worker_addr)
+    SchedulerServer(settings).serve_forever()

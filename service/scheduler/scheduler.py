@@ -47,19 +47,31 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class Scheduler:
     """Owns the block table, the queues and every request's progress."""
 
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, stats: SchedulerStats | None = None):
         self.config = config
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.choose_victim = POLICIES[config.preemption_policy]
         self.reserve = AdmissionReserve()
-        self.stats = SchedulerStats()
+        self.stats = stats or SchedulerStats()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preempted_waiting = 0
+        self.finished: list[Request] = []  # since the last schedule(); see pop_finished()
         self._step_id = 0
         self._admissions = 0
         self._finished_for_worker: list[str] = []
         self._last_scheduled: list[Request] = []
+
+    @property
+    def has_work(self) -> bool:
+        """Requests to serve, or finished ones the worker has not been told about."""
+        return bool(self.requests or self._finished_for_worker)
+
+    def pop_finished(self) -> list[Request]:
+        """Requests finished since the last call (kept until the next schedule() at most)."""
+        finished, self.finished = self.finished, []
+        return finished
 
     # ------------------------------------------------------------------ requests in
 
@@ -97,6 +109,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+            self.num_preempted_waiting -= request.status is RequestStatus.PREEMPTED
         return self._end(request, FinishReason.ABORT)
 
     def fail_all(self, message: str) -> list[wire.RequestDelta]:
@@ -104,6 +117,7 @@ class Scheduler:
         deltas = [self._end(r, FinishReason.ERROR, message) for r in list(self.requests.values())]
         self.running.clear()
         self.waiting.clear()
+        self.num_preempted_waiting = 0
         self._last_scheduled = []
         return deltas
 
@@ -111,6 +125,7 @@ class Scheduler:
 
     def schedule(self, now: float) -> wire.SchedulerOutput:
         """Decide what the worker computes in the next step."""
+        self.finished = []
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
         new_block_ids: dict[Request, list[int]] = {}
@@ -139,7 +154,8 @@ class Scheduler:
             self.reserve.on_preemption()
         else:
             budget = self._admit_waiting(budget, scheduled, new_block_ids, now)
-        self.reserve.on_step()
+        if scheduled:
+            self.reserve.on_step()
         return self._build_output(scheduled, new_block_ids, preempted, now)
 
     def update(self, result: wire.StepResult, now: float) -> list[wire.RequestDelta]:
@@ -186,6 +202,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_cached_blocks = 0
         request.status = RequestStatus.PREEMPTED
+        self.num_preempted_waiting += 1
         request.num_preemptions += 1
         request.sent_to_worker = False
         self.stats.num_preemptions += 1
@@ -230,8 +247,11 @@ class Scheduler:
         self._grow(request, num_new)
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached_tokens
+            self.stats.num_prompt_tokens += request.num_tokens
             self.stats.prefix_cache_queries += request.num_tokens
             self.stats.prefix_cache_hits += num_cached_tokens
+        else:
+            self.num_preempted_waiting -= 1
         request.status = RequestStatus.RUNNING
         request.num_skipped = 0
         request.admitted_seq = self._admissions
@@ -279,6 +299,7 @@ class Scheduler:
 
     def _accept_token(self, request: Request, token: wire.SampledToken, now: float) -> wire.RequestDelta:
         request.append_token(token.token_id)
+        self.stats.num_generation_tokens += 1
         if request.first_token_time is None:
             request.first_token_time = now
         reason = self._stop_reason(request, token.token_id)
@@ -326,3 +347,4 @@ class Scheduler:
         request.finish_reason = reason
         del self.requests[request.request_id]
         self.stats.record_finish(request)
+        self.finished.append(request)

@@ -19,7 +19,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from service import wire
 from service.config import Settings
+from service.scheduler.metrics import SchedulerMetrics
 from service.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from service.scheduler.stats import SchedulerStats
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +39,12 @@ class SchedulerServer:
         self.scheduler: Scheduler | None = None
         self.model: wire.ModelInfo | None = None
         self.worker_id: bytes | None = None
-        self.owners: dict[str, bytes] = {}  # request id -> api replica identity
+        self.owners: dict[str, tuple[bytes, float]] = {}  # request id -> (api replica identity, arrival)
+        self.stats = SchedulerStats()  # outlives any one Scheduler, so counters never go back
+        self.metrics = SchedulerMetrics(lambda: self.scheduler, self.stats, lambda: self.model.name if self.model else "", settings.redacted())
         self.step_in_flight: wire.SchedulerOutput | None = None
         self.step_sent_at = 0.0
+        self.step_schedule_s = 0.0
         self.last_ping_at = 0.0
         self.last_heard_at = 0.0
         self.num_malformed_frames = 0
@@ -116,10 +121,11 @@ class SchedulerServer:
         if isinstance(message, wire.GenerateRequest):
             self._on_generate(identity, message)
         elif isinstance(message, wire.AbortRequest):
-            if self.scheduler is not None and self.owners.get(message.request_id) == identity:
+            if self.scheduler is not None and self.owners.get(message.request_id, (None,))[0] == identity:
                 delta = self.scheduler.abort_request(message.request_id)
                 if delta is not None:
                     self._send_delta(delta)
+                self._observe_finished()
         elif isinstance(message, wire.ApiHello):
             if self.model is not None:
                 self._send(self.api_socket, identity, wire.ApiWelcome(model=self.model, ready=self.ready))
@@ -137,12 +143,13 @@ class SchedulerServer:
             reason = "the service is shutting down" if self.draining else "no worker is available"
             self._send(self.api_socket, identity, self._error_delta(request_id, reason, 503))
             return
+        now = time.monotonic()
         try:
-            self.scheduler.add_request(request_id, message.prompt_token_ids, message.sampling, time.monotonic())
+            self.scheduler.add_request(request_id, message.prompt_token_ids, message.sampling, now)
         except RequestRejected as exc:
             self._send(self.api_socket, identity, self._error_delta(request_id, str(exc), exc.status))
             return
-        self.owners[request_id] = identity
+        self.owners[request_id] = (identity, now)
 
     def _status(self) -> wire.SchedulerStatus:
         scheduler = self.scheduler
@@ -155,13 +162,21 @@ class SchedulerServer:
             num_total_blocks=scheduler.pool.num_blocks if scheduler else 0,
         )
 
-    def _send_delta(self, delta: wire.RequestDelta) -> None:
+    def _send_delta(self, delta: wire.RequestDelta, now: float | None = None) -> None:
         owner = self.owners.get(delta.request_id)
         if owner is None:
             return
+        identity, arrival = owner
+        if delta.token_ids:
+            self.metrics.on_tokens(delta.request_id, arrival, now or time.monotonic())
         if delta.finish_reason is not None:
             del self.owners[delta.request_id]
-        self._send(self.api_socket, owner, delta)
+        self._send(self.api_socket, identity, delta)
+
+    def _observe_finished(self) -> None:
+        now = time.monotonic()
+        for request in self.scheduler.pop_finished():
+            self.metrics.on_finished(request, now)
 
     @staticmethod
     def _error_delta(request_id: str, reason: str, status: int) -> wire.RequestDelta:
@@ -192,7 +207,8 @@ class SchedulerServer:
         max_model_len = min(hello.model.max_model_len, self.settings.max_model_len or hello.model.max_model_len)
         self.model = msgspec.structs.replace(hello.model, max_model_len=max_model_len)
         self.scheduler = Scheduler(
-            SchedulerConfig(
+            stats=self.stats,
+            config=SchedulerConfig(
                 num_blocks=num_blocks,
                 block_size=hello.block_size,
                 max_num_seqs=self.settings.max_num_seqs,
@@ -211,14 +227,18 @@ class SchedulerServer:
         if self.step_in_flight is None or result.step_id != self.step_in_flight.step_id:
             log.warning("ignored a result for step %d", result.step_id)
             return
-        self.step_in_flight = None
-        for delta in self.scheduler.update(result, time.monotonic()):
-            self._send_delta(delta)
+        step, self.step_in_flight = self.step_in_flight, None
+        now = time.monotonic()
+        self.metrics.on_step(step.num_scheduled_tokens, self.step_schedule_s, now - self.step_sent_at)
+        for delta in self.scheduler.update(result, now):
+            self._send_delta(delta, now)
+        self._observe_finished()
 
     def _maybe_step(self, now: float) -> None:
-        if self.step_in_flight is not None or self.worker_id is None or self.scheduler is None:
+        if self.step_in_flight is not None or self.worker_id is None or self.scheduler is None or not self.scheduler.has_work:
             return
         step = self.scheduler.schedule(now)
+        self.step_schedule_s = time.monotonic() - now
         if step.is_empty and not (step.finished_request_ids or step.preempted_request_ids):
             return
         self._send(self.worker_socket, self.worker_id, step)
@@ -250,8 +270,14 @@ class SchedulerServer:
             for delta in self.scheduler.fail_all(reason):
                 delta.error_status = 503
                 self._send_delta(delta)
+            self._observe_finished()
 
 
 def run_scheduler(settings: Settings) -> None:
-    log.info("scheduler listening: api %s, workers %s", settings.scheduler_addr, settings.worker_addr)
-    SchedulerServer(settings).serve_forever()
+    server = SchedulerServer(settings)
+    server.metrics.serve(settings.metrics_port)
+    log.info(
+        "scheduler listening: api %s, workers %s, metrics on :%d/metrics",
+        settings.scheduler_addr, settings.worker_addr, settings.metrics_port,
+    )
+    server.serve_forever()

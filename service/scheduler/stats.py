@@ -12,6 +12,8 @@ from service.scheduler.request import Request
 class SchedulerStats:
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
+    num_prompt_tokens: int = 0  # counted at first admission
+    num_generation_tokens: int = 0  # counted as each token is accepted
     prefix_cache_queries: int = 0  # prompt tokens looked up at first admission
     prefix_cache_hits: int = 0  # of those, tokens served from the cache
     finished_by_reason: Counter = field(default_factory=Counter)

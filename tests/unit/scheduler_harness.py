@@ -88,6 +88,8 @@ class Harness:
             assert block.ref_count == holders[block.block_id], f"block {block.block_id} ref count is off"
             if holders[block.block_id] > 1:
                 assert block.block_hash is not None, "a block shared by live requests is not a cached prefix"
+        preempted = sum(1 for r in self.scheduler.waiting if r.status is RequestStatus.PREEMPTED)
+        assert self.scheduler.num_preempted_waiting == preempted
         used = sum(1 for block in pool.blocks if block.ref_count > 0)
         assert pool.num_free_blocks + used == pool.num_blocks
         assert 0 <= pool.num_cached_free <= pool.num_free_blocks

@@ -1,0 +1,122 @@
+"""The scheduler's Prometheus metrics. Names are chosen once; keep them.
+
+Gauges and counters are read from the live scheduler at scrape time (no bookkeeping on the
+step loop); latency histograms are observed by the loop as tokens go out.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from service.scheduler.request import Request
+from service.scheduler.scheduler import Scheduler
+from service.scheduler.stats import SchedulerStats
+
+prometheus_client.disable_created_metrics()
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+STEP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PREEMPTION_BUCKETS = (0, 1, 2, 3, 5, 8, 13, 21)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class _LiveCollector(Collector):
+    """Reads block-table and queue state, and the scheduler's counters, at scrape time."""
+
+    def __init__(self, get_scheduler: Callable[[], Scheduler | None], stats: SchedulerStats, get_model_name: Callable[[], str], settings_info: dict[str, str]):
+        self.get_scheduler = get_scheduler
+        self.stats = stats
+        self.get_model_name = get_model_name
+        self.settings_info = settings_info
+
+    def collect(self):
+        model = self.get_model_name()
+        scheduler = self.get_scheduler()
+        pool = scheduler.pool if scheduler else None
+
+        def gauge(name: str, doc: str, value: float):
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model], value)
+            return family
+
+        def counter(name: str, doc: str, value: float):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model], value)
+            return family
+
+        yield gauge("blockserve_kv_cache_usage_ratio", "Share of KV blocks held by live requests (0-1).", pool.usage if pool else 0.0)
+        yield gauge("blockserve_kv_blocks_total", "KV-cache blocks in the one block table.", pool.num_blocks if pool else 0)
+        yield gauge("blockserve_kv_blocks_free", "KV-cache blocks not held by any request (cached ones included).", pool.num_free_blocks if pool else 0)
+        yield gauge("blockserve_kv_blocks_cached", "Free KV-cache blocks that still hold a reusable cached prefix.", pool.num_cached_free if pool else 0)
+        yield gauge("blockserve_num_requests_running", "Requests holding blocks and being computed.", len(scheduler.running) if scheduler else 0)
+        yield gauge("blockserve_num_requests_waiting", "Requests queued, preempted ones included.", len(scheduler.waiting) if scheduler else 0)
+        yield gauge("blockserve_num_requests_preempted", "Queued requests that were preempted and wait to be recomputed.", scheduler.num_preempted_waiting if scheduler else 0)
+        stats = self.stats
+        yield counter("blockserve_num_preemptions", "Preemptions: a running request gave its blocks back.", stats.num_preemptions)
+        yield counter("blockserve_recomputed_tokens", "Tokens computed again because their request had been preempted.", stats.num_recomputed_tokens)
+        yield counter("blockserve_prompt_tokens", "Prompt tokens of admitted requests.", stats.num_prompt_tokens)
+        yield counter("blockserve_generation_tokens", "Tokens generated and sent to clients.", stats.num_generation_tokens)
+        yield counter("blockserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries)
+        yield counter("blockserve_prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.prefix_cache_hits)
+        finished = CounterMetricFamily("blockserve_requests_finished", "Finished requests by reason.", labels=["model_name", "reason"])
+        for reason in FINISH_REASONS:
+            finished.add_metric([model, reason], stats.finished_by_reason[reason])
+        yield finished
+        info = InfoMetricFamily("blockserve_settings", "Effective settings of this scheduler (secrets redacted).")
+        info.add_metric([], self.settings_info)
+        yield info
+
+
+class SchedulerMetrics:
+    """Everything `/metrics` on the scheduler's metrics port shows."""
+
+    def __init__(self, get_scheduler: Callable[[], Scheduler | None], stats: SchedulerStats, get_model_name: Callable[[], str], settings_info: dict[str, object]):
+        self.registry = CollectorRegistry()
+        self.get_model_name = get_model_name
+        labels = {key.lower(): str(value) for key, value in settings_info.items()}
+        self.registry.register(_LiveCollector(get_scheduler, stats, get_model_name, labels))
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+
+        self.ttft = histogram("blockserve_time_to_first_token_seconds", "Time from arrival at the scheduler to the first token.", LATENCY_BUCKETS_S)
+        self.itl = histogram("blockserve_inter_token_latency_seconds", "Time between consecutive tokens of a request.", LATENCY_BUCKETS_S)
+        self.e2e = histogram("blockserve_e2e_request_latency_seconds", "Time from arrival to the last token.", LATENCY_BUCKETS_S)
+        self.queue = histogram("blockserve_request_queue_time_seconds", "Time from arrival to first being scheduled.", LATENCY_BUCKETS_S)
+        self.preemptions = histogram("blockserve_request_preemptions", "Preemptions each finished request went through.", PREEMPTION_BUCKETS)
+        self.step = histogram("blockserve_step_duration_seconds", "Time from sending a step to the worker to its result.", STEP_BUCKETS_S)
+        self.schedule = histogram("blockserve_schedule_duration_seconds", "Time the scheduler takes to decide one step.", STEP_BUCKETS_S)
+        self.batch_tokens = histogram("blockserve_batch_tokens", "Tokens computed in one step.", BATCH_TOKEN_BUCKETS)
+        self._last_token_at: dict[str, float] = {}
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, registry=self.registry)
+
+    def on_tokens(self, request_id: str, arrival_s: float, now: float) -> None:
+        model = self.get_model_name()
+        last = self._last_token_at.get(request_id)
+        if last is None:
+            self.ttft.labels(model).observe(now - arrival_s)
+        else:
+            self.itl.labels(model).observe(now - last)
+        self._last_token_at[request_id] = now
+
+    def on_finished(self, request: Request, now: float) -> None:
+        model = self.get_model_name()
+        self._last_token_at.pop(request.request_id, None)
+        self.e2e.labels(model).observe(now - request.arrival_time)
+        if request.first_scheduled_time is not None:
+            self.queue.labels(model).observe(request.first_scheduled_time - request.arrival_time)
+        self.preemptions.labels(model).observe(request.num_preemptions)
+
+    def on_step(self, num_tokens: int, schedule_s: float, step_s: float) -> None:
+        model = self.get_model_name()
+        self.batch_tokens.labels(model).observe(num_tokens)
+        self.schedule.labels(model).observe(schedule_s)
+        self.step.labels(model).observe(step_s)

@@ -45,3 +45,33 @@ def stop(process: subprocess.Popen, timeout_s: float = 10) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def wait_ready(base_url: str, timeout_s: float = 120) -> None:
+    """Wait until an api answers /ready with 200."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base_url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{base_url} did not become ready within {timeout_s} s")
+
+
+def scrape(port: str | int) -> dict[str, float]:
+    """Metric samples by name, summed over label sets."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+    return samples

@@ -51,7 +51,7 @@ class _LiveCollector(Collector):
             return family
 
         yield gauge("blockserve_kv_cache_usage_ratio", "Share of KV blocks held by live requests (0-1).", pool.usage if pool else 0.0)
-        yield gauge("blockserve_kv_blocks_total", "KV-cache blocks in the one block table.", pool.num_blocks if pool else 0)
+        yield gauge("blockserve_kv_blocks_capacity", "KV-cache blocks in the one block table.", pool.num_blocks if pool else 0)
         yield gauge("blockserve_kv_blocks_free", "KV-cache blocks not held by any request (cached ones included).", pool.num_free_blocks if pool else 0)
         yield gauge("blockserve_kv_blocks_cached", "Free KV-cache blocks that still hold a reusable cached prefix.", pool.num_cached_free if pool else 0)
         yield gauge("blockserve_num_requests_running", "Requests holding blocks and being computed.", len(scheduler.running) if scheduler else 0)

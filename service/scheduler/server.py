@@ -18,7 +18,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from service import wire
-from service.config import Settings
+from service.config import Settings, SettingsError
 from service.scheduler.metrics import SchedulerMetrics
 from service.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from service.scheduler.stats import SchedulerStats
@@ -55,6 +55,8 @@ class SchedulerServer:
         socket = self.context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a vanished replica is dropped
+        socket.setsockopt(zmq.SNDHWM, 0)  # a ROUTER at its high-water mark drops silently: no limit
+        socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.HEARTBEAT_IVL, 2000)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
         socket.bind(addr)
@@ -274,6 +276,8 @@ class SchedulerServer:
 
 
 def run_scheduler(settings: Settings) -> None:
+    if not settings.enable_v1_kvcache_scheduler:
+        raise SettingsError("ENABLE_V1_KVCACHE_SCHEDULER=0: the legacy split-table mode is not available yet; unset it")
     server = SchedulerServer(settings)
     server.metrics.serve(settings.metrics_port)
     log.info(

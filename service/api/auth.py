@@ -1,0 +1,38 @@
+"""Optional API key: `Authorization: Bearer <key>` on every /v1 route.
+
+Checked before anything else (even before the body is read), so a caller without the key
+learns nothing but 401. /health, /ready and /metrics stay open for probes and scrapers.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from service.api.errors import ApiError
+
+PROTECTED_PREFIX = "/v1"
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX) and not self._authorized(scope):
+            error = ApiError(
+                401,
+                "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+                error_type="invalid_request_error",
+            )
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = Headers(scope=scope).get("authorization", "").encode()
+        return secrets.compare_digest(given, self._expected)

@@ -1,0 +1,90 @@
+"""POST /v1/chat/completions: messages through the chat template, an assistant reply out."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import APIRouter, Depends, Request
+
+from service.api.context import ApiContext, get_context
+from service.api.errors import ApiError
+from service.api.generation import Generation, choice_specs, unless_disconnected
+from service.api.logprobs import chat_logprobs
+from service.api.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    Usage,
+)
+from service.api.served_model import ServedModel
+from service.api.sse import sse_event, sse_response
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, context: ApiContext = Depends(get_context)
+):
+    model = context.served_model()
+    model.check_name(body.model)
+    model.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs to be true.", param="top_logprobs")
+    prompt = model.encode_chat([message.template_dict() for message in body.messages])
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = model.check_fits(len(prompt), requested)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    generation = Generation(
+        context.client, model, choice_specs(response_id, body, [(prompt, max_tokens)], logprobs), body.stop_strings()
+    )
+    if body.stream:
+        return sse_response(_chunks(body, model, response_id, generation, len(prompt)))
+    results = await unless_disconnected(request, generation.collect())
+    return ChatCompletionResponse(
+        id=response_id,
+        model=model.name,
+        choices=[
+            ChatChoice(
+                index=result.index,
+                message=AssistantMessage(content=result.text),
+                logprobs=chat_logprobs(model, result.logprobs) if body.logprobs else None,
+                finish_reason=result.finish_reason,
+            )
+            for result in results
+        ],
+        usage=Usage.of(len(prompt), sum(result.num_output_tokens for result in results)),
+    )
+
+
+async def _chunks(
+    body: ChatCompletionRequest, model: ServedModel, response_id: str, generation: Generation, num_prompt_tokens: int
+) -> AsyncIterator[str]:
+    include_usage = body.include_usage()
+
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        response = ChatCompletionChunk(id=response_id, model=model.name, choices=choices, usage=usage)
+        return sse_event(response.model_dump_json(exclude=None if include_usage else {"usage"}))
+
+    for index in range(body.n):
+        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+    num_output_tokens = [0] * body.n
+    async with aclosing(generation.stream()) as pieces:
+        async for piece in pieces:
+            num_output_tokens[piece.index] = piece.num_output_tokens
+            choice = ChatChunkChoice(
+                index=piece.index,
+                delta=ChatDelta(content=piece.text or None),
+                logprobs=chat_logprobs(model, piece.logprobs) if body.logprobs else None,
+                finish_reason=piece.finish_reason,
+            )
+            yield chunk([choice])
+    if include_usage:
+        yield chunk([], Usage.of(num_prompt_tokens, sum(num_output_tokens)))

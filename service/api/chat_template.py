@@ -1,0 +1,65 @@
+"""Render chat messages through a model's Jinja chat template, the way Hugging Face does.
+
+The template comes from the scheduler, so it runs in Jinja's immutable sandbox with the
+globals HF templates expect (`raise_exception`, `strftime_now`, a `tojson` that keeps
+non-ASCII text).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+
+from jinja2 import Template, TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The template rejected the messages, or is itself broken."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _strftime_now(format_string: str) -> str:
+    return datetime.now().strftime(format_string)
+
+
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None, **kwargs: object) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
+
+
+@functools.lru_cache(maxsize=4)
+def compile_template(source: str) -> Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from None
+
+
+def render_chat(
+    source: str,
+    messages: list[dict[str, object]],
+    *,
+    bos_token: str = "",
+    eos_token: str = "",
+    add_generation_prompt: bool = True,
+) -> str:
+    """The prompt text for `messages`, ending with the assistant's turn opener."""
+    template = compile_template(source)
+    try:
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
+    except Exception as exc:  # the template is data: any failure of it is a bad request, not a crash
+        raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None

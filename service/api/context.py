@@ -1,0 +1,40 @@
+"""What the routes of one app share: the scheduler client and the model it serves."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import Request
+
+from service.api.errors import ApiError
+from service.api.scheduler_client import SchedulerClient
+from service.api.served_model import ServedModel
+from service.wire import ModelInfo
+
+log = logging.getLogger(__name__)
+
+
+class ApiContext:
+    def __init__(self, client: SchedulerClient) -> None:
+        self.client = client
+        self._built_from: ModelInfo | None = None
+        self._model: ServedModel | None = None
+
+    def served_model(self) -> ServedModel:
+        """The model of the current scheduler; 503 until the scheduler has welcomed this replica."""
+        info = self.client.model
+        if info is None or not self.client.connected:
+            raise ApiError(503, "The model is not available: the scheduler has not welcomed this api replica yet.")
+        if info is not self._built_from:
+            self._built_from, self._model = info, None
+            try:
+                self._model = ServedModel(info)
+            except Exception:
+                log.exception("the tokenizer of model %s does not load", info.name)
+        if self._model is None:
+            raise ApiError(503, f"The tokenizer of model {info.name} could not be loaded.")
+        return self._model
+
+
+def get_context(request: Request) -> ApiContext:
+    return request.app.state.context

@@ -1,0 +1,78 @@
+"""The api's own Prometheus metrics: HTTP traffic and the frames it had to drop.
+
+Each app gets its own registry, so several apps (tests, or a process embedding one) never
+collide. Route labels are route templates ("/v1/completions"), never raw paths, to keep the
+label set small.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+UNMATCHED_ROUTE = "unmatched"
+DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ApiMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "blockserve_api_http_requests",
+            "HTTP requests answered, by route, method and status code",
+            ["route", "method", "status_code"],
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "blockserve_api_http_request_duration_seconds",
+            "Time from request to the last byte of the response, by route",
+            ["route"],
+            buckets=DURATION_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "blockserve_api_http_requests_in_flight",
+            "HTTP requests being answered now",
+            registry=self.registry,
+        )
+        self.malformed_frames = Counter(
+            "blockserve_api_malformed_frames",
+            "Frames from the scheduler dropped as malformed, unknown or of another protocol version",
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Counts and times every HTTP request, streamed responses to their end."""
+
+    def __init__(self, app: ASGIApp, metrics: ApiMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status_code = 500  # if the app fails before it starts a response
+        started_s = time.perf_counter()
+
+        async def send_and_note_status(message: Message) -> None:
+            nonlocal status_code
+            if message["type"] == "http.response.start":
+                status_code = message["status"]
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_and_note_status)
+        finally:
+            self.metrics.in_flight.dec()
+            route = scope.get("route")
+            route_path = getattr(route, "path", UNMATCHED_ROUTE)
+            self.metrics.requests.labels(route_path, scope["method"], str(status_code)).inc()
+            self.metrics.duration.labels(route_path).observe(time.perf_counter() - started_s)

@@ -1,0 +1,232 @@
+"""OpenAI request and response bodies; these models are the API's documentation.
+
+Requests are validated strictly (no "5" for 5, no true for 1). A parameter sent as JSON null
+means its default, as OpenAI's clients expect. Unknown parameters are ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from service.wire import SamplingParams
+
+MAX_CHOICES = 128
+MAX_TOP_LOGPROBS = 20
+MAX_SEED = 2**63 - 1 - MAX_CHOICES  # choice i samples with seed + i
+
+StopString = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class StrictRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(StrictRequest):
+    include_usage: bool = False
+
+
+class GenerationRequest(StrictRequest):
+    """The parameters /v1/completions and /v1/chat/completions share."""
+
+    model: str | None = Field(None, description="Served model name; empty = the one model served")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Independent choices to generate")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1, description="0 or -1 = off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    stop: StopString | list[StopString] | None = Field(None, description="Text that ends a choice; never returned")
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, *, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0),
+            min_p=self.min_p or 0.0,
+            seed=None if self.seed is None else self.seed + choice,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+
+
+class CompletionRequest(GenerationRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
+        description="Text, token ids, or a batch of either"
+    )
+    max_tokens: int | None = Field(None, ge=1, description="Default 16")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Top alternatives per token")
+    echo: bool = Field(False, description="Prepend the prompt to the text")
+
+
+class TextPart(StrictRequest):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; fields other than these reach the chat template untouched."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, object]:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(part.text for part in self.content)
+        return message
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Default: what is left of the context")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+# ---------------------------------------------------------------- responses
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+        total_tokens = prompt_tokens + completion_tokens
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=total_tokens)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, and also the shape of each streamed chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now_s)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now_s)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_empty(self, handler):  # a delta carries only what changed
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now_s)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now_s)
+    owned_by: str = "blockserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,193 @@
+"""The api replica's one connection to the scheduler: a ZMQ DEALER shared by all requests.
+
+A reader task routes each RequestDelta to the queue of its request. Requests never hang on a
+lost scheduler: when the connection drops, every open request ends with an error delta; when a
+request hears nothing for `idle_check_s` and the scheduler does not answer a status query, or
+answers that it holds no requests at all, that request ends with an error delta too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from service import wire
+
+log = logging.getLogger(__name__)
+
+HELLO_RETRY_S = 1.0
+STATUS_TIMEOUT_S = 2.0
+HEARTBEAT_IVL_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 6000
+
+
+def lost_delta(request_id: str, reason: str) -> wire.RequestDelta:
+    """The last delta of a request whose scheduler is gone."""
+    return wire.RequestDelta(
+        request_id=request_id, token_ids=[], finish_reason="error", error=reason, error_status=503
+    )
+
+
+class SchedulerClient:
+    """Submits requests, streams their deltas, aborts, asks for status."""
+
+    def __init__(
+        self,
+        addr: str,
+        replica_id: str,
+        *,
+        idle_check_s: float,
+        on_malformed_frame: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.addr = addr
+        self.replica_id = replica_id
+        self.model: wire.ModelInfo | None = None  # the last welcome's; kept across reconnects
+        self._idle_check_s = idle_check_s
+        self._on_malformed_frame = on_malformed_frame
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._welcomed = asyncio.Event()  # welcomed on the current connection
+        self._streams: dict[str, asyncio.Queue[wire.RequestDelta]] = {}
+        self._status_waiters: list[asyncio.Future[wire.SchedulerStatus]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def connected(self) -> bool:
+        return self._welcomed.is_set()
+
+    async def start(self) -> None:
+        socket = self._socket
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queues for a scheduler that is not there
+        socket.setsockopt(zmq.SNDHWM, 0)  # no silent drops: in-flight HTTP requests bound the queues
+        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        socket.connect(self.addr)
+        self._tasks = [
+            asyncio.create_task(self._read_loop()),
+            asyncio.create_task(self._watch_connection(monitor)),
+            asyncio.create_task(self._greet_loop()),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._fail_open_requests("the api is shutting down")
+        self._socket.disable_monitor()
+        self._context.destroy(linger=0)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: wire.SamplingParams
+    ) -> AsyncIterator[wire.RequestDelta]:
+        """The deltas of one request; leaving early (or being cancelled) aborts it."""
+        queue: asyncio.Queue[wire.RequestDelta] = asyncio.Queue()
+        self._streams[request_id] = queue
+        finished = False
+        try:
+            request = wire.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling)
+            if not self._send(request):
+                finished = True
+                yield lost_delta(request_id, "the scheduler is not reachable")
+                return
+            while not finished:
+                delta = await self._next_delta(request_id, queue)
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            del self._streams[request_id]
+            if not finished:
+                self._send(wire.AbortRequest(request_id=request_id))
+
+    async def status(self, timeout_s: float = STATUS_TIMEOUT_S) -> wire.SchedulerStatus | None:
+        """The scheduler's status, or None if it does not answer in time."""
+        waiter: asyncio.Future[wire.SchedulerStatus] = asyncio.get_running_loop().create_future()
+        self._status_waiters.append(waiter)
+        try:
+            if not self._send(wire.StatusQuery()):
+                return None
+            return await asyncio.wait_for(waiter, timeout_s)
+        except TimeoutError:
+            return None
+        finally:
+            if waiter in self._status_waiters:
+                self._status_waiters.remove(waiter)
+
+    async def _next_delta(self, request_id: str, queue: asyncio.Queue[wire.RequestDelta]) -> wire.RequestDelta:
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), self._idle_check_s)
+            except TimeoutError:
+                # Silence is fine while the request waits its turn, as long as the scheduler has it.
+                if not queue.empty():
+                    continue
+                status = await self.status()
+                if status is None:
+                    return lost_delta(request_id, "the scheduler stopped answering")
+                if status.num_running + status.num_waiting == 0:
+                    return lost_delta(request_id, "the scheduler no longer has this request")
+
+    def _send(self, message: wire.Message) -> bool:
+        """Send without waiting; False when no scheduler is connected to take it."""
+        sent = self._socket.send(wire.encode(message), zmq.NOBLOCK)
+        error = sent.exception()  # NOBLOCK sends complete at once
+        if error is not None:
+            log.debug("could not send %s: %s", type(message).__name__, error)
+        return error is None
+
+    async def _read_loop(self) -> None:
+        while True:
+            frames = await self._socket.recv_multipart()
+            try:
+                if len(frames) != 1:
+                    raise wire.WireError(f"{len(frames)} frames in one message")
+                self._dispatch(wire.decode(frames[0]))
+            except wire.WireError as exc:
+                self._on_malformed_frame()
+                log.warning("dropped a frame from the scheduler: %s", exc)
+
+    def _dispatch(self, message: wire.AnyMessage) -> None:
+        if isinstance(message, wire.RequestDelta):
+            queue = self._streams.get(message.request_id)
+            if queue is not None:
+                queue.put_nowait(message)
+        elif isinstance(message, wire.SchedulerStatus):
+            waiters, self._status_waiters = self._status_waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(message)
+        elif isinstance(message, wire.ApiWelcome):
+            if self.model != message.model:
+                log.info("serving model %s (max_model_len %d)", message.model.name, message.model.max_model_len)
+            self.model = message.model
+            self._welcomed.set()
+        else:
+            raise wire.WireError(f"unexpected {type(message).__name__} on the api socket")
+
+    async def _greet_loop(self) -> None:
+        """Say hello until welcomed; a new connection also says hello at once (see below)."""
+        while True:
+            if not self._welcomed.is_set():
+                self._send(wire.ApiHello(replica_id=self.replica_id))
+            await asyncio.sleep(HELLO_RETRY_S)
+
+    async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._send(wire.ApiHello(replica_id=self.replica_id))
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                log.warning("lost the connection to the scheduler at %s", self.addr)
+                self._welcomed.clear()
+                self._fail_open_requests("the connection to the scheduler was lost")
+
+    def _fail_open_requests(self, reason: str) -> None:
+        for request_id, queue in self._streams.items():
+            queue.put_nowait(lost_delta(request_id, reason))

@@ -1,0 +1,33 @@
+"""A model-free worker process: the verifying FakeWorker behind the real worker loop.
+
+Run as `python -m tests.fake_worker_process`; settings come from the environment as for
+`blockserve worker`, plus FAKE_STEP_DELAY_S to slow steps down.
+"""
+
+import os
+import time
+
+from service import wire
+from service.config import load_settings
+from service.scheduler.fake_worker import FakeWorker
+from gpu_worker.worker_process import serve_worker
+from tests.unit.fake_scheduler import tiny_model_info
+
+
+class FakeRunner:
+    def __init__(self, num_kv_blocks: int, block_size: int, step_delay_s: float):
+        self.model_info = tiny_model_info()
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.step_delay_s = step_delay_s
+        self.worker = FakeWorker(num_kv_blocks, block_size, self.model_info.vocab_size, verify_kv=True)
+
+    def execute(self, step: wire.SchedulerOutput) -> wire.StepResult:
+        time.sleep(self.step_delay_s)
+        return self.worker.execute(step)
+
+
+if __name__ == "__main__":
+    settings = load_settings()
+    runner = FakeRunner(settings.num_kv_blocks or 64, settings.block_size, float(os.environ.get("FAKE_STEP_DELAY_S", "0")))
+    serve_worker(runner, settings)

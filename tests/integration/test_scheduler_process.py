@@ -1,0 +1,153 @@
+"""The scheduler process over real ZMQ sockets, with a scripted model-free worker process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import pytest
+import zmq
+
+from service import wire
+from tests.processes import loopback_env, scrape, start, stop
+
+
+class ApiPeer:
+    """Plays an api replica: a DEALER that submits requests and collects deltas."""
+
+    def __init__(self, addr: str):
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(addr)
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: dict[str, wire.RequestDelta] = {}
+        self.statuses: list[wire.SchedulerStatus] = []
+
+    def send(self, message: wire.Message) -> None:
+        self.socket.send(wire.encode(message))
+
+    def submit(self, prompt: list[int], max_tokens: int) -> str:
+        request_id = uuid.uuid4().hex
+        self.outputs[request_id] = []
+        sampling = wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.send(wire.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling))
+        return request_id
+
+    def pump(self, timeout_s: float) -> None:
+        if not self.socket.poll(int(timeout_s * 1000)):
+            return
+        while self.socket.poll(0):
+            message = wire.decode(self.socket.recv())
+            if isinstance(message, wire.RequestDelta):
+                self.outputs[message.request_id].extend(message.token_ids)
+                if message.finish_reason is not None:
+                    self.finished[message.request_id] = message
+            elif isinstance(message, wire.SchedulerStatus):
+                self.statuses.append(message)
+
+    def wait_until(self, condition, timeout_s: float) -> float:
+        start_time = time.monotonic()
+        while not condition():
+            assert time.monotonic() - start_time < timeout_s, "timed out"
+            self.pump(0.05)
+        return time.monotonic() - start_time
+
+    def status(self, timeout_s: float = 5) -> wire.SchedulerStatus:
+        seen = len(self.statuses)
+        self.send(wire.StatusQuery())
+        self.wait_until(lambda: len(self.statuses) > seen, timeout_s)
+        return self.statuses[-1]
+
+    def close(self) -> None:
+        self.context.destroy(linger=0)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Scheduler + fake worker; yields (env, peer, processes)."""
+    env = loopback_env(
+        BLOCKSERVE_NUM_KV_BLOCKS="24", BLOCKSERVE_BLOCK_SIZE="4", BLOCKSERVE_WORKER_TIMEOUT_S="2", FAKE_STEP_DELAY_S="0.03"
+    )
+    processes = {
+        "scheduler": start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
+        "worker": start(["-m", "tests.fake_worker_process"], env, tmp_path / "worker.log"),
+    }
+    peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
+    peer.wait_until(lambda: peer.status().ready, 30)
+    yield env, peer, processes
+    peer.close()
+    for process in processes.values():
+        stop(process)
+
+
+def test_many_requests_on_a_tight_cache_all_finish_and_free_every_block(cluster):
+    env, peer, _ = cluster
+    ids = [peer.submit([5 + i, 6, 7, 8, 9], max_tokens=20) for i in range(16)]
+    peer.wait_until(lambda: len(peer.finished) == len(ids), 60)
+    assert all(len(peer.outputs[i]) == 20 and peer.finished[i].finish_reason == "length" for i in ids)
+    status = peer.status()
+    assert status.num_free_blocks == status.num_total_blocks == 24
+    assert status.num_running == status.num_waiting == 0
+    samples = scrape(env["BLOCKSERVE_METRICS_PORT"])
+    assert samples["blockserve_generation_tokens_total"] == 16 * 20
+    assert samples["blockserve_prompt_tokens_total"] == 16 * 5
+    assert samples["blockserve_num_preemptions_total"] > 0  # 16 x 7 blocks wanted, 24 held
+    assert samples["blockserve_request_preemptions_sum"] == samples["blockserve_num_preemptions_total"]
+    assert samples["blockserve_requests_finished_total"] == 16
+    assert samples["blockserve_kv_cache_usage_ratio"] == 0.0
+    assert samples["blockserve_kv_blocks_free"] == samples["blockserve_kv_blocks_capacity"] == 24
+    assert samples["blockserve_time_to_first_token_seconds_count"] == 16
+    assert samples["blockserve_inter_token_latency_seconds_count"] == 16 * 19
+
+
+def test_malformed_frames_are_dropped_and_service_continues(cluster):
+    _, peer, processes = cluster
+    peer.socket.send(b"\x00garbage")
+    peer.socket.send_multipart([b"two", b"frames"])
+    peer.send(wire.Ping(version=99))
+    request_id = peer.submit([1, 2, 3], max_tokens=5)
+    peer.wait_until(lambda: request_id in peer.finished, 20)
+    assert len(peer.outputs[request_id]) == 5
+    assert processes["scheduler"].poll() is None
+
+
+def test_request_that_can_never_fit_gets_an_error_with_status_400(cluster):
+    _, peer, _ = cluster
+    request_id = peer.submit([1] * 200, max_tokens=5)
+    peer.wait_until(lambda: request_id in peer.finished, 10)
+    delta = peer.finished[request_id]
+    assert delta.finish_reason == "error" and delta.error_status == 400
+    assert "max_model_len" in delta.error
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_lost_worker_fails_in_flight_requests_and_turns_not_ready(cluster, how):
+    env, peer, processes = cluster
+    ids = [peer.submit([3, 4, 5], max_tokens=60) for _ in range(3)]  # 3 x 16 blocks: preemptions too
+    peer.wait_until(lambda: all(peer.outputs[i] for i in ids), 20)
+    worker = processes["worker"]
+    worker.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    elapsed = peer.wait_until(lambda: len(peer.finished) == 3, 10)
+    assert elapsed < float(env["BLOCKSERVE_WORKER_TIMEOUT_S"]) + 3
+    assert all(peer.finished[i].finish_reason == "error" and peer.finished[i].error_status == 503 for i in ids)
+    assert not peer.status().ready
+    rejected = peer.submit([1, 2], max_tokens=2)
+    peer.wait_until(lambda: rejected in peer.finished, 5)
+    assert peer.finished[rejected].error_status == 503
+    if how == "hung":
+        worker.send_signal(signal.SIGCONT)
+
+
+def test_a_restarted_worker_is_taken_and_serves(cluster, tmp_path):
+    env, peer, processes = cluster
+    os.kill(processes["worker"].pid, signal.SIGKILL)
+    processes["worker"].wait()
+    peer.wait_until(lambda: not peer.status().ready, 10)
+    processes["worker"] = start(["-m", "tests.fake_worker_process"], env, tmp_path / "worker2.log")
+    peer.wait_until(lambda: peer.status().ready, 30)
+    request_id = peer.submit([1, 2, 3], max_tokens=4)
+    peer.wait_until(lambda: request_id in peer.finished, 20)
+    assert len(peer.outputs[request_id]) == 4

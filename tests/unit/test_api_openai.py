@@ -1,0 +1,183 @@
+"""The api as OpenAI's own client sees it, in front of a scripted scheduler."""
+
+import openai
+import pytest
+
+from service.api.detokenizer import REPLACEMENT_CHAR
+
+from .fake_scheduler import MAX_MODEL_LEN, MODEL_NAME, ApiServer, FakeScheduler, tiny_tokenizer, wait_until
+
+CHAT = [{"role": "user", "content": "Say hello"}]
+
+
+@pytest.fixture(scope="module")
+def stack():
+    with FakeScheduler() as fake, ApiServer(fake.addr) as api:
+        api.wait_ready()
+        yield fake, api
+
+
+@pytest.fixture
+def fake(stack):
+    fake, _ = stack
+    fake.reply_text = "Hello world"
+    return fake
+
+
+@pytest.fixture
+def client(stack):
+    _, api = stack
+    return openai.OpenAI(base_url=f"{api.base_url}/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+def test_completion_returns_the_scheduler_tokens_as_text_with_usage(fake, client):
+    completion = client.completions.create(model=MODEL_NAME, prompt="Once upon", max_tokens=10)
+
+    assert completion.choices[0].text == "Hello world"
+    assert completion.choices[0].finish_reason == "stop"
+    prompt_ids = tiny_tokenizer().encode("Once upon", add_special_tokens=False).ids
+    assert fake.generated[-1].prompt_token_ids == prompt_ids
+    assert completion.usage.prompt_tokens == len(prompt_ids)
+    assert completion.usage.completion_tokens == len(fake.reply_tokens()) + 1  # and the EOS token
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
+
+
+def test_completion_defaults_to_16_tokens_and_finishes_with_length(fake, client):
+    fake.reply_text = "Once upon a time a small model served tokens to many clients, one block at a time."
+    completion = client.completions.create(model=MODEL_NAME, prompt="Go")
+    assert fake.generated[-1].sampling.max_tokens == 16
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == 16
+
+
+def test_completion_accepts_token_ids_and_batches_of_prompts(fake, client):
+    completion = client.completions.create(model=MODEL_NAME, prompt=[[5, 6, 7], [8, 9]], n=2, max_tokens=3)
+    assert [choice.index for choice in completion.choices] == [0, 1, 2, 3]
+    assert [request.prompt_token_ids for request in fake.generated[-4:]] == [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]]
+    assert completion.usage.prompt_tokens == 5
+
+
+def test_echo_puts_the_prompt_before_the_completion(client):
+    completion = client.completions.create(model=MODEL_NAME, prompt="Say: ", max_tokens=5, echo=True)
+    assert completion.choices[0].text == "Say: Hello world"
+
+
+def test_sampling_parameters_reach_the_scheduler(fake, client):
+    client.completions.create(
+        model=MODEL_NAME,
+        prompt="Hi",
+        max_tokens=4,
+        n=2,
+        temperature=0.5,
+        top_p=0.9,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "stop_token_ids": [42], "ignore_eos": True},
+    )
+    first, second = (request.sampling for request in fake.generated[-2:])
+    assert (first.temperature, first.top_p, first.top_k, first.min_p) == (0.5, 0.9, 20, 0.05)
+    assert (first.presence_penalty, first.frequency_penalty, first.repetition_penalty) == (0.5, -0.5, 1.1)
+    assert (first.stop_token_ids, first.ignore_eos, first.max_tokens) == ([42], True, 4)
+    assert (first.seed, second.seed) == (7, 8)  # n choices are independent samples, each reproducible
+
+
+def test_chat_renders_the_template_and_defaults_max_tokens_to_the_rest_of_the_context(fake, client):
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT)
+
+    prompt = "<|im_start|>user\nSay hello<|im_end|>\n<|im_start|>assistant\n"
+    expected_ids = tiny_tokenizer().encode(prompt, add_special_tokens=False).ids
+    assert fake.generated[-1].prompt_token_ids == expected_ids
+    assert fake.generated[-1].sampling.max_tokens == MAX_MODEL_LEN - len(expected_ids)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == "Hello world"
+    assert chat.choices[0].finish_reason == "stop"
+    assert chat.usage.prompt_tokens == len(expected_ids)
+
+
+def test_chat_max_completion_tokens_limits_the_reply(fake, client):
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=2)
+    assert fake.generated[-1].sampling.max_tokens == 2
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage.completion_tokens == 2
+
+
+def test_n_choices_are_separate_scheduler_requests_with_their_own_index(fake, client):
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, n=2)
+    assert sorted(choice.index for choice in chat.choices) == [0, 1]
+    assert all(choice.message.content == "Hello world" for choice in chat.choices)
+    request_ids = [request.request_id for request in fake.generated[-2:]]
+    assert len(set(request_ids)) == 2
+
+
+def test_streamed_chat_sends_role_then_text_then_finish_then_usage(fake, client):
+    fake.reply_text = "naïve 日本語 🙂"
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=CHAT, stream=True, stream_options={"include_usage": True}
+        )
+    )
+
+    assert chunks[0].choices[0].delta.role == "assistant"
+    texts = [chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices]
+    assert "".join(texts) == "naïve 日本語 🙂"
+    assert not any(REPLACEMENT_CHAR in text for text in texts)
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "stop"
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == len(fake.reply_tokens()) + 1
+
+
+def test_streamed_completion_with_two_choices_interleaves_them_by_index(fake, client):
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=8, n=2, stream=True))
+    for index in (0, 1):
+        mine = [chunk.choices[0] for chunk in chunks if chunk.choices[0].index == index]
+        assert "".join(choice.text for choice in mine) == "Hello world"
+        assert mine[-1].finish_reason == "stop"
+    assert all(chunk.usage is None for chunk in chunks)
+
+
+def test_a_stop_string_split_across_tokens_ends_the_stream_without_leaking_any_of_it(fake, client):
+    fake.reply_text = "Hello there, world"
+    pieces = [tiny_tokenizer().decode([token]) for token in fake.reply_tokens()]
+    stop = "lo th"
+    assert not any(stop in piece for piece in pieces), "the stop string must span tokens"
+
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=CHAT, stop=[stop, "never"], stream=True))
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+
+    assert text == "Hel"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    request_id = fake.generated[-1].request_id
+    wait_until(lambda: request_id in fake.aborted)  # the scheduler was told to stop generating
+
+
+def test_a_stop_string_cuts_a_whole_completion(fake, client):
+    completion = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=10, stop=" wor")
+    assert completion.choices[0].text == "Hello"
+    assert completion.choices[0].finish_reason == "stop"
+
+
+def test_chat_logprobs_have_openai_shape(fake, client):
+    fake.reply_text = "café"
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, logprobs=True, top_logprobs=2)
+
+    assert fake.generated[-1].sampling.logprobs == 2
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 2 for entry in content)
+    assert content[0].logprob == pytest.approx(-0.25)
+    # A token holding half of "é" reports its exact bytes; all bytes together spell the text.
+    assert bytes(b for entry in content for b in entry.bytes).decode("utf-8").startswith("café")
+
+
+def test_completion_logprobs_have_openai_shape(fake, client):
+    completion = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=3, logprobs=1)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 3
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+    assert logprobs.text_offset == [0, len(logprobs.tokens[0]), len(logprobs.tokens[0]) + len(logprobs.tokens[1])]
+    assert all(token in top for token, top in zip(logprobs.tokens, logprobs.top_logprobs))
+
+
+def test_models_lists_the_served_model(client):
+    assert [model.id for model in client.models.list()] == [MODEL_NAME]

@@ -93,6 +93,7 @@ def _stop_child(role: str, child: subprocess.Popen, timeout_s: float) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from service.scheduler.legacy import LegacyConfig
     from service.scheduler.scheduler import SchedulerConfig
     from service.scheduler.simulator import CostModel, simulate
     from service.workload import NAMED_WORKLOADS, Workload, make_trace
@@ -102,9 +103,13 @@ def _simulate(args: argparse.Namespace) -> int:
     trace = make_trace(
         Workload(args.num_requests, input_lengths, output_lengths, args.request_rate, args.burstiness, seed=args.seed)
     )
-    policies = ["lifo", "min_recompute"] if args.policy == "all" else [args.policy]
+    runs = [(policy, policy, None) for policy in (["lifo", "min_recompute"] if args.policy == "all" else [args.policy])]
+    runs += [
+        (f"legacy@{ratio}", settings.preemption_policy, LegacyConfig(ratio, settings.legacy_dec_blocks, settings.legacy_disable_recover))
+        for ratio in args.legacy_ratios
+    ]
     rows = []
-    for policy in policies:
+    for label, policy, legacy in runs:
         config = SchedulerConfig(
             num_blocks=args.num_blocks,
             block_size=settings.block_size,
@@ -114,19 +119,19 @@ def _simulate(args: argparse.Namespace) -> int:
             enable_prefix_caching=settings.enable_prefix_caching,
             preemption_policy=policy,
         )
-        report = simulate(trace, config, CostModel())
-        rows.append({"policy": policy, **report.as_dict()})
+        report = simulate(trace, config, CostModel(), legacy)
+        rows.append({"scheduler": label, **report.as_dict()})
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
         print()
     else:
         for row in rows:
             print(
-                f"{row['policy']:>14}: {row['output_tokens_per_s']:9.1f} output tok/s  "
+                f"{row['scheduler']:>14}: {row['output_tokens_per_s']:9.1f} output tok/s  "
                 f"{row['num_preemptions']:6d} preemptions  {row['num_recomputed_tokens']:9d} recomputed tokens  "
                 f"KV usage {row['mean_kv_usage']:.2f}  TTFT p50/p99 {row['ttft_p50_s']:.3f}/{row['ttft_p99_s']:.3f} s  "
                 f"TPOT p50/p99 {1000 * row['tpot_p50_s']:.1f}/{1000 * row['tpot_p99_s']:.1f} ms  "
-                f"finished {row['num_finished']}/{row['num_requests']}"
+                f"finished {row['num_finished']}/{row['num_requests']} (failed {row['num_failed']}, rejected {row['num_rejected']})"
             )
     return 0
 
@@ -150,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--burstiness", type=float, default=1.0)
     sim.add_argument("--num-blocks", type=int, default=2048, help="KV-cache blocks of the simulated accelerator")
     sim.add_argument("--policy", choices=["lifo", "min_recompute", "all"], default="all")
+    sim.add_argument(
+        "--legacy-ratios", type=lambda text: [float(r) for r in text.split(",") if r], default=[],
+        help="also run the legacy split-table scheduler at these KV_CACHE_RATIO values, e.g. 0.5,0.75",
+    )
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--json", action="store_true", help="print the reports as JSON")
     sim.set_defaults(handler=_simulate)

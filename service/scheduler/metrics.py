@@ -50,9 +50,7 @@ class _LiveCollector(Collector):
             family.add_metric([model], value)
             return family
 
-        yield gauge("blockserve_kv_cache_usage_ratio", "Share of KV blocks held by live requests (0-1).", pool.usage if pool else 0.0)
-        yield gauge("blockserve_kv_blocks_capacity", "KV-cache blocks in the one block table.", pool.num_blocks if pool else 0)
-        yield gauge("blockserve_kv_blocks_free", "KV-cache blocks not held by any request (cached ones included).", pool.num_free_blocks if pool else 0)
+        yield from self._pool_gauges(model, scheduler)
         yield gauge("blockserve_kv_blocks_cached", "Free KV-cache blocks that still hold a reusable cached prefix.", pool.num_cached_free if pool else 0)
         yield gauge("blockserve_num_requests_running", "Requests holding blocks and being computed.", len(scheduler.running) if scheduler else 0)
         yield gauge("blockserve_num_requests_waiting", "Requests queued, preempted ones included.", len(scheduler.waiting) if scheduler else 0)
@@ -71,6 +69,22 @@ class _LiveCollector(Collector):
         info = InfoMetricFamily("blockserve_settings", "Effective settings of this scheduler (secrets redacted).")
         info.add_metric([], self.settings_info)
         yield info
+
+
+    @staticmethod
+    def _pool_gauges(model: str, scheduler: Scheduler | None):
+        """Usage, capacity and free blocks per table: `unified`, or `prefill` and `decode` in legacy mode."""
+        pools = scheduler.pool_usage() if scheduler else [("unified", 0, 0)]
+        families = [
+            GaugeMetricFamily("blockserve_kv_cache_usage_ratio", "Share of KV blocks held by live requests (0-1).", labels=["model_name", "pool"]),
+            GaugeMetricFamily("blockserve_kv_blocks_capacity", "KV-cache blocks in the table.", labels=["model_name", "pool"]),
+            GaugeMetricFamily("blockserve_kv_blocks_free", "KV-cache blocks not held by any request (cached ones included).", labels=["model_name", "pool"]),
+        ]
+        for name, capacity, used in pools:
+            families[0].add_metric([model, name], used / capacity if capacity else 0.0)
+            families[1].add_metric([model, name], capacity)
+            families[2].add_metric([model, name], capacity - used)
+        yield from families
 
 
 class SchedulerMetrics:

@@ -13,6 +13,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, at the front, to be recomputed
+    SUSPENDED = "suspended"  # legacy mode: lost its decode blocks, keeps its prompt blocks and slot
     FINISHED = "finished"
 
 

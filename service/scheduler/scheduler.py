@@ -62,6 +62,11 @@ class Scheduler:
         self._admissions = 0
         self._finished_for_worker: list[str] = []
         self._last_scheduled: list[Request] = []
+        self._pending_deltas: list[wire.RequestDelta] = []  # requests ended inside schedule()
+
+    def pool_usage(self) -> list[tuple[str, int, int]]:
+        """(pool, capacity, used blocks) of each table: one here; the legacy mode has two."""
+        return [("unified", self.pool.num_blocks, self.pool.num_blocks - self.pool.num_free_blocks)]
 
     @property
     def has_work(self) -> bool:
@@ -105,16 +110,17 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        if request.status is RequestStatus.RUNNING:
+        if request.status in (RequestStatus.RUNNING, RequestStatus.SUSPENDED):
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-            self.num_preempted_waiting -= request.status is RequestStatus.PREEMPTED
+        self.num_preempted_waiting -= request.status in (RequestStatus.PREEMPTED, RequestStatus.SUSPENDED)
         return self._end(request, FinishReason.ABORT)
 
     def fail_all(self, message: str) -> list[wire.RequestDelta]:
         """End every request with an error (the worker died)."""
-        deltas = [self._end(r, FinishReason.ERROR, message) for r in list(self.requests.values())]
+        deltas, self._pending_deltas = self._pending_deltas, []
+        deltas += [self._end(r, FinishReason.ERROR, message) for r in list(self.requests.values())]
         self.running.clear()
         self.waiting.clear()
         self.num_preempted_waiting = 0
@@ -134,15 +140,16 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this step
+            if not self._can_run(request):
+                continue  # preempted earlier in this step, or suspended
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while (blocks := self._grow(request, num_new)) is None:
-                victim = self.choose_victim(self._victim_candidates(request), self.pool)
+                victim = self._choose_victim(request)
                 budget += scheduled.pop(victim, 0)
                 new_block_ids.pop(victim, None)
                 self._preempt(victim)
-                preempted.append(victim)
+                if not victim.is_finished:
+                    preempted.append(victim)
                 if victim is request:
                     break
             if request.status is RequestStatus.RUNNING:
@@ -161,10 +168,12 @@ class Scheduler:
     def update(self, result: wire.StepResult, now: float) -> list[wire.RequestDelta]:
         """Apply the worker's sampled tokens; return each request's new tokens."""
         last_scheduled, self._last_scheduled = self._last_scheduled, []
+        deltas, self._pending_deltas = self._pending_deltas, []
         if result.error is not None:
-            return [self._end(r, FinishReason.ERROR, f"worker error: {result.error}") for r in last_scheduled if not r.is_finished]
+            return deltas + [
+                self._end(r, FinishReason.ERROR, f"worker error: {result.error}") for r in last_scheduled if not r.is_finished
+            ]
         sampled = {s.request_id: s for s in result.sampled}
-        deltas = []
         for request in last_scheduled:
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
@@ -176,7 +185,7 @@ class Scheduler:
                 deltas.append(self._end(request, FinishReason.ERROR, "the worker returned no token"))
                 continue
             deltas.append(self._accept_token(request, token, now))
-        self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        self.running = [r for r in self.running if not r.is_finished]
         return deltas
 
     # ------------------------------------------------------------------ internals
@@ -191,9 +200,12 @@ class Scheduler:
             request.block_ids.extend(blocks)
         return blocks
 
-    def _victim_candidates(self, requester: Request) -> list[Request]:
+    def _can_run(self, request: Request) -> bool:
+        return request.status is RequestStatus.RUNNING
+
+    def _choose_victim(self, requester: Request) -> Request:
         # The longest-running request is never offered, so one request always progresses.
-        return self.running[1:] or [requester]
+        return self.choose_victim(self.running[1:] or [requester], self.pool)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

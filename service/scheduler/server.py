@@ -18,7 +18,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from service import wire
-from service.config import Settings, SettingsError
+from service.config import Settings
+from service.scheduler.legacy import build_scheduler, legacy_config_from
 from service.scheduler.metrics import SchedulerMetrics
 from service.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from service.scheduler.stats import SchedulerStats
@@ -208,8 +209,9 @@ class SchedulerServer:
         num_blocks = min(hello.num_kv_blocks, self.settings.num_kv_blocks or hello.num_kv_blocks)
         max_model_len = min(hello.model.max_model_len, self.settings.max_model_len or hello.model.max_model_len)
         self.model = msgspec.structs.replace(hello.model, max_model_len=max_model_len)
-        self.scheduler = Scheduler(
+        self.scheduler = build_scheduler(
             stats=self.stats,
+            legacy=legacy_config_from(self.settings),
             config=SchedulerConfig(
                 num_blocks=num_blocks,
                 block_size=hello.block_size,
@@ -276,8 +278,6 @@ class SchedulerServer:
 
 
 def run_scheduler(settings: Settings) -> None:
-    if not settings.enable_v1_kvcache_scheduler:
-        raise SettingsError("ENABLE_V1_KVCACHE_SCHEDULER=0: the legacy split-table mode is not available yet; unset it")
     server = SchedulerServer(settings)
     server.metrics.serve(settings.metrics_port)
     log.info(

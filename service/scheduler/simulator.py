@@ -13,7 +13,8 @@ import numpy as np
 
 from service import wire
 from service.scheduler.fake_worker import FakeWorker
-from service.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from service.scheduler.legacy import LegacyConfig, build_scheduler
+from service.scheduler.scheduler import RequestRejected, SchedulerConfig
 from service.workload import TraceRequest
 
 
@@ -34,6 +35,7 @@ class SimulationReport:
     num_requests: int
     num_finished: int
     num_rejected: int
+    num_failed: int  # ended with an error (legacy: incomplete)
     duration_s: float
     output_tokens_per_s: float
     requests_per_s: float
@@ -51,14 +53,17 @@ class SimulationReport:
 
 
 class _Timing:
-    __slots__ = ("arrival", "first_token", "finish", "num_tokens")
+    __slots__ = ("arrival", "first_token", "finish", "num_tokens", "failed")
 
     def __init__(self, arrival: float):
-        self.arrival, self.first_token, self.finish, self.num_tokens = arrival, None, None, 0
+        self.arrival, self.first_token, self.finish, self.num_tokens, self.failed = arrival, None, None, 0, False
 
 
-def simulate(trace: list[TraceRequest], config: SchedulerConfig, cost: CostModel = CostModel()) -> SimulationReport:
-    scheduler = Scheduler(config)
+def simulate(
+    trace: list[TraceRequest], config: SchedulerConfig, cost: CostModel = CostModel(), legacy: LegacyConfig | None = None
+) -> SimulationReport:
+    """Replay `trace` through the unified scheduler (or the legacy one, given `legacy`)."""
+    scheduler = build_scheduler(config, legacy)
     worker = FakeWorker(config.num_blocks, config.block_size)
     pending = sorted(trace, key=lambda r: r.arrival_time_s)
     timings: dict[str, _Timing] = {}
@@ -94,11 +99,12 @@ def simulate(trace: list[TraceRequest], config: SchedulerConfig, cost: CostModel
             timing.num_tokens += len(delta.token_ids)
             if delta.finish_reason is not None:
                 timing.finish = now
+                timing.failed = delta.error is not None
     return _report(trace, timings, rejected, now, steps, usage_time, scheduler)
 
 
 def _report(trace, timings, rejected, now, steps, usage_time, scheduler) -> SimulationReport:
-    done = [t for t in timings.values() if t.finish is not None]
+    done = [t for t in timings.values() if t.finish is not None and not t.failed]
     start = min((r.arrival_time_s for r in trace), default=0.0)
     duration = max(now - start, 1e-9)
     ttft = np.array([t.first_token - t.arrival for t in done]) if done else np.zeros(1)
@@ -107,6 +113,7 @@ def _report(trace, timings, rejected, now, steps, usage_time, scheduler) -> Simu
         num_requests=len(trace),
         num_finished=len(done),
         num_rejected=rejected,
+        num_failed=sum(1 for t in timings.values() if t.failed),
         duration_s=duration,
         output_tokens_per_s=sum(t.num_tokens for t in done) / duration,
         requests_per_s=len(done) / duration,

@@ -6,6 +6,7 @@ from collections import Counter
 
 from service import wire
 from service.scheduler.fake_worker import FakeWorker, extend_prefix_hash, next_token
+from service.scheduler.legacy import LegacyConfig, LegacyScheduler
 from service.scheduler.request import RequestStatus
 from service.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -30,12 +31,13 @@ def reference_output(prompt: list[int], sampling: wire.SamplingParams, config: S
 
 
 class Harness:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, legacy: LegacyConfig | None = None):
         self.config = config
-        self.scheduler = Scheduler(config)
+        self.scheduler = Scheduler(config) if legacy is None else LegacyScheduler(config, legacy)
         self.worker = FakeWorker(config.num_blocks, config.block_size, VOCAB_SIZE, verify_kv=True)
         self.outputs: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, str] = {}
+        self.errors: dict[str, str] = {}
         self.now = 0.0
         self.steps = 0
 
@@ -57,6 +59,8 @@ class Harness:
             self.outputs[delta.request_id].extend(delta.token_ids)
             if delta.finish_reason is not None:
                 self.finish_reasons[delta.request_id] = delta.finish_reason
+            if delta.error is not None:
+                self.errors[delta.request_id] = delta.error
         self.check_pool()
         self.steps += 1
         return output
@@ -79,7 +83,7 @@ class Harness:
         pool = self.scheduler.pool
         holders: Counter[int] = Counter()
         for request in self.scheduler.requests.values():
-            if request.status is RequestStatus.RUNNING:
+            if request.status in (RequestStatus.RUNNING, RequestStatus.SUSPENDED):
                 assert len(set(request.block_ids)) == len(request.block_ids)
                 holders.update(request.block_ids)
             else:
@@ -89,7 +93,20 @@ class Harness:
             if holders[block.block_id] > 1:
                 assert block.block_hash is not None, "a block shared by live requests is not a cached prefix"
         preempted = sum(1 for r in self.scheduler.waiting if r.status is RequestStatus.PREEMPTED)
+        preempted += sum(1 for r in self.scheduler.running if r.status is RequestStatus.SUSPENDED)
         assert self.scheduler.num_preempted_waiting == preempted
+        if isinstance(self.scheduler, LegacyScheduler):
+            self.check_legacy_pools()
         used = sum(1 for block in pool.blocks if block.ref_count > 0)
         assert pool.num_free_blocks + used == pool.num_blocks
         assert 0 <= pool.num_cached_free <= pool.num_free_blocks
+
+    def check_legacy_pools(self) -> None:
+        scheduler = self.scheduler
+        live = [r for r in scheduler.requests.values() if r.status in (RequestStatus.RUNNING, RequestStatus.SUSPENDED)]
+        decode = sum(scheduler.decode_blocks(r) for r in live)
+        prefill = sum(len(r.block_ids) for r in live) - decode
+        assert (scheduler.prefill_used, scheduler.decode_used) == (prefill, decode)
+        assert scheduler.prefill_used <= scheduler.prefill_capacity, "the prefill table exceeded its share"
+        assert scheduler.decode_used <= scheduler.decode_capacity, "the decode table exceeded its share"
+        assert all(scheduler.decode_blocks(r) == 0 for r in live if r.status is RequestStatus.SUSPENDED)

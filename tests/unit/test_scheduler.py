@@ -1,6 +1,7 @@
 import pytest
 
 from service import wire
+from service.scheduler.legacy import LegacyConfig
 from service.scheduler.policies import lifo, min_recompute
 from service.scheduler.request import RequestStatus
 from service.scheduler.scheduler import RequestRejected, SchedulerConfig
@@ -170,3 +171,47 @@ def test_victim_policies_choose_newest_or_cheapest():
     pool = harness.scheduler.pool
     assert lifo(candidates, pool).request_id == "newest_long"
     assert min_recompute(candidates, pool).request_id == "new_short"
+
+
+def legacy_harness(ratio=0.5, disable_recover=False, **overrides):
+    return Harness(config(**overrides), LegacyConfig(kv_cache_ratio=ratio, dec_blocks=1, disable_recover=disable_recover))
+
+
+def test_legacy_suspends_the_request_with_most_decode_blocks_and_recovers_it():
+    harness = legacy_harness(num_blocks=16)  # 8 prefill + 8 decode blocks of 4 tokens
+    prompts = {f"r{i}": [20 + i] * 3 for i in range(4)}  # each takes 2 prefill blocks, then grows
+    for request_id, prompt in prompts.items():
+        harness.add(request_id, prompt, greedy(16))
+    harness.run_until_idle()
+    assert harness.scheduler.stats.num_preemptions > 0
+    assert harness.scheduler.stats.num_recomputed_tokens > 0
+    for request_id, prompt in prompts.items():
+        assert harness.outputs[request_id] == reference_output(prompt, greedy(16), harness.config)
+    assert harness.errors == {}
+
+
+def test_legacy_without_recovery_ends_suspended_requests_incomplete():
+    harness = legacy_harness(num_blocks=16, disable_recover=True)
+    for i in range(4):
+        harness.add(f"r{i}", [20 + i] * 3, greedy(16))
+    harness.run_until_idle()
+    assert harness.errors and all(e.startswith("incomplete") for e in harness.errors.values())
+    assert len(harness.errors) < 4  # the others finished
+    assert harness.scheduler.pool.num_free_blocks == 16
+
+
+def test_legacy_rejects_a_prompt_larger_than_the_prefill_share():
+    harness = legacy_harness(ratio=0.3, num_blocks=16)  # 4 prefill blocks of 4 tokens
+    with pytest.raises(RequestRejected, match="KV_CACHE_RATIO=0.3"):
+        harness.add("long", [1] * 14, greedy(2))
+
+
+def test_legacy_head_of_line_waits_for_prefill_blocks():
+    harness = legacy_harness(ratio=0.5, num_blocks=16)
+    harness.add("a", [1] * 10, greedy(30))  # 4 prefill blocks incl. one decode block
+    harness.add("b", [2] * 10, greedy(30))  # 4 more: the prefill share is full
+    harness.add("c", [3], greedy(1))  # would fit the unified table, not the prefill share
+    harness.step()
+    assert harness.scheduler.requests["c"].status is RequestStatus.WAITING
+    harness.run_until_idle()
+    assert len(harness.outputs["c"]) == 1

@@ -4,6 +4,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service import wire
+from service.scheduler.legacy import LegacyConfig
 from service.scheduler.scheduler import SchedulerConfig
 
 from .scheduler_harness import EOS_TOKEN_ID, Harness, reference_output
@@ -81,3 +82,38 @@ def test_random_traces_keep_every_invariant_and_finish_every_request(config, spe
     pool = harness.scheduler.pool
     assert pool.num_free_blocks == pool.num_blocks, "blocks leaked"
     assert all(block.ref_count == 0 for block in pool.blocks)
+
+
+legacy_configs = st.builds(
+    LegacyConfig,
+    kv_cache_ratio=st.sampled_from([0.3, 0.5, 0.75, 0.9]),
+    dec_blocks=st.integers(0, 3),
+    disable_recover=st.booleans(),
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=configs, legacy=legacy_configs, specs=st.lists(request_specs, min_size=1, max_size=12))
+def test_legacy_pools_keep_their_share_and_recovery_yields_the_same_tokens(config, legacy, specs):
+    harness = Harness(config, legacy)
+    expected = {}
+    for index, spec in enumerate(specs):
+        prompt = PREFIXES[spec["shared_prefix"]] + spec["prompt"]
+        sampling = wire.SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=spec["ignore_eos"])
+        try:
+            harness.add(f"r{index}", prompt, sampling)
+        except ValueError:
+            continue
+        expected[f"r{index}"] = reference_output(prompt, sampling, config)
+    harness.run_until_idle(max_steps=5_000)
+    for request_id, reference in expected.items():
+        error = harness.errors.get(request_id)
+        if error is None:
+            assert harness.outputs[request_id] == reference, f"{request_id} differs from an undisturbed run"
+        else:
+            assert error.startswith("incomplete"), error
+            assert harness.outputs[request_id] == reference[: len(harness.outputs[request_id])]
+            if not legacy.disable_recover:
+                assert "more blocks than the decode table holds" in error
+    assert harness.scheduler.pool.num_free_blocks == config.num_blocks, "blocks leaked"
+    assert harness.scheduler.prefill_used == harness.scheduler.decode_used == 0

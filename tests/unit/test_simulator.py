@@ -48,5 +48,5 @@ def test_simulate_subcommand_prints_a_report_per_policy():
         check=True,
     )
     rows = json.loads(completed.stdout)
-    assert [row["policy"] for row in rows] == ["lifo", "min_recompute"]
+    assert [row["scheduler"] for row in rows] == ["lifo", "min_recompute"]
     assert all(row["num_finished"] == 40 for row in rows)

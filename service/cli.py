@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--json", action="store_true", help="print the reports as JSON")
     sim.set_defaults(handler=_simulate)
+
+    from service.bench import command as bench_command
+
+    bench = commands.add_parser("bench", help="benchmark an OpenAI-compatible server (or the simulator) on a seeded trace")
+    bench_command.add_arguments(bench)
+    bench.set_defaults(handler=bench_command.run)
     return parser
 
 

@@ -1,0 +1,110 @@
+"""`blockserve bench`: one trace, against a server or through the simulator."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+from pathlib import Path
+
+from service.workload import NAMED_WORKLOADS, LengthDistribution, Workload, make_trace
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of an OpenAI-compatible server")
+    parser.add_argument("--model", default=None, help="model name; default: the first of /v1/models")
+    parser.add_argument("--workload", choices=sorted(NAMED_WORKLOADS) + ["custom"], default="chat")
+    parser.add_argument("--input-len", type=int, default=128, help="custom workload: mean prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="custom workload: mean output tokens")
+    parser.add_argument("--length-kind", choices=["fixed", "uniform", "chat"], default="fixed")
+    parser.add_argument("--num-requests", type=int, default=100)
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf = all at once")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 = Poisson")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=32_000, help="prompt token ids are drawn below this")
+    parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let requests stop at EOS")
+    parser.add_argument("--slo-ttft-ms", type=float, default=None)
+    parser.add_argument("--slo-tpot-ms", type=float, default=None)
+    parser.add_argument("--metrics-url", default=None, help="scheduler /metrics to sample (KV usage, preemptions)")
+    parser.add_argument("--result-dir", type=Path, default=None, help="write result.json and PNG plots here")
+    parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--simulate", action="store_true", help="run the trace through the simulator instead")
+    parser.add_argument("--num-blocks", type=int, default=2048, help="--simulate: KV blocks of the simulated accelerator")
+
+
+def build_trace(args: argparse.Namespace):
+    if args.workload == "custom":
+        lengths = (LengthDistribution(args.length_kind, args.input_len), LengthDistribution(args.length_kind, args.output_len))
+    else:
+        lengths = NAMED_WORKLOADS[args.workload]
+    return make_trace(
+        Workload(args.num_requests, *lengths, args.request_rate, args.burstiness, vocab_size=args.vocab_size, seed=args.seed)
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    trace = build_trace(args)
+    result = _simulate(args, trace) if args.simulate else asyncio.run(_serve(args, trace))
+    if args.result_dir is not None:
+        args.result_dir.mkdir(parents=True, exist_ok=True)
+        (args.result_dir / "result.json").write_text(json.dumps(result, indent=2))
+        print(f"results in {args.result_dir}")
+    return 0
+
+
+def _simulate(args: argparse.Namespace, trace) -> dict:
+    from service.config import load_settings
+    from service.scheduler.legacy import legacy_config_from
+    from service.scheduler.scheduler import SchedulerConfig
+    from service.scheduler.simulator import simulate
+
+    settings = load_settings()
+    config = SchedulerConfig(
+        num_blocks=args.num_blocks,
+        block_size=settings.block_size,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len or 8192,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        preemption_policy=settings.preemption_policy,
+    )
+    report = simulate(trace, config, legacy=legacy_config_from(settings)).as_dict()
+    print(json.dumps(report, indent=2))
+    return {"mode": "simulate", "workload": args.workload, "report": report}
+
+
+async def _serve(args: argparse.Namespace, trace) -> dict:
+    import time
+
+    from service.bench.client import first_model, run_trace
+    from service.bench.metrics_sampler import MetricsTimeline, sample_until
+    from service.bench.report import format_report, summarize
+
+    model = args.model or await first_model(args.url)
+    timeline, stop, first_sample = MetricsTimeline(), asyncio.Event(), asyncio.Event()
+    sampler = None
+    if args.metrics_url:
+        sampler = asyncio.create_task(sample_until(args.metrics_url, stop, first_sample, timeline, 0.5, time.perf_counter()))
+        await first_sample.wait()  # the baseline, so counter deltas cover exactly this run
+    timings, started, finished = await run_trace(args.url, model, trace, args.ignore_eos, args.max_concurrency, args.timeout_s)
+    if sampler is not None:
+        stop.set()
+        await sampler
+    slo = {name: limit / 1000 for name, limit in (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms)) if limit}
+    report = summarize(timings, finished - started, slo)
+    print(format_report(report))
+    result = {"mode": "serve", "url": args.url, "model": model, "workload": args.workload, "report": report.as_dict()}
+    if args.metrics_url:
+        result["server"] = {name: timeline.delta(name) for name in ("preemptions", "recomputed_tokens", "generation_tokens")}
+        result["server"]["max_kv_usage"] = max(timeline.series["kv_usage"], default=0.0)
+        print(f"server: {result['server']}")
+    if args.result_dir is not None:
+        from service.bench.plots import kv_timeline, latency_cdfs
+
+        args.result_dir.mkdir(parents=True, exist_ok=True)
+        latency_cdfs(timings, args.result_dir / "latency_cdf.png")
+        if timeline.times_s:
+            kv_timeline(timeline, args.result_dir / "kv_usage.png")
+    return result

@@ -1,0 +1,52 @@
+"""`blockserve bench` against a running server (scheduler + api, model-free worker)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.processes import ROOT, loopback_env, scrape, start, stop, wait_ready
+
+
+@pytest.fixture
+def server(tmp_path):
+    env = loopback_env(BLOCKSERVE_NUM_KV_BLOCKS="24", BLOCKSERVE_BLOCK_SIZE="4", FAKE_STEP_DELAY_S="0.005")
+    processes = [
+        start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
+        start(["-m", "tests.fake_worker_process"], env, tmp_path / "worker.log"),
+        start(["-m", "service.cli", "api"], env, tmp_path / "api.log"),
+    ]
+    url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
+    wait_ready(url, timeout_s=60)
+    yield env, url
+    for process in reversed(processes):
+        stop(process)
+
+
+def test_bench_report_is_well_formed_and_agrees_with_the_server_metrics(server, tmp_path):
+    env, url = server
+    metrics_url = f"http://127.0.0.1:{env['BLOCKSERVE_METRICS_PORT']}/metrics"
+    before = scrape(env["BLOCKSERVE_METRICS_PORT"])
+    result_dir = tmp_path / "result"
+    subprocess.run(
+        [
+            sys.executable, "-m", "service.cli", "bench", "--url", url, "--metrics-url", metrics_url,
+            "--workload", "custom", "--length-kind", "uniform", "--input-len", "8", "--output-len", "10",
+            "--num-requests", "16", "--request-rate", "40", "--vocab-size", "300", "--slo-ttft-ms", "60000",
+            "--result-dir", str(result_dir),
+        ],
+        check=True, cwd=ROOT, timeout=120, capture_output=True,
+    )
+    result = json.loads((result_dir / "result.json").read_text())
+    report = result["report"]
+    after = scrape(env["BLOCKSERVE_METRICS_PORT"])
+    generated = after["blockserve_generation_tokens_total"] - before["blockserve_generation_tokens_total"]
+    assert report["num_requests"] == report["num_completed"] == 16 and report["num_failed"] == 0
+    assert report["total_output_tokens"] == generated == result["server"]["generation_tokens"]
+    assert result["server"]["preemptions"] == after["blockserve_num_preemptions_total"] - before["blockserve_num_preemptions_total"]
+    assert report["goodput_requests_per_s"] == pytest.approx(report["requests_per_s"])
+    for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert 0 < report[name]["p50"] <= report[name]["p99"]
+    assert (result_dir / "latency_cdf.png").stat().st_size > 0
+    assert (result_dir / "kv_usage.png").stat().st_size > 0

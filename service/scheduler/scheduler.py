@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from service import wire
 from service.scheduler.admission import AdmissionReserve
 from service.scheduler.block_pool import BlockPool
+from service.scheduler.outputs import closing_delta, stop_reason, token_delta
 from service.scheduler.policies import POLICIES
 from service.scheduler.request import FinishReason, Request, RequestStatus
 from service.scheduler.stats import SchedulerStats
@@ -314,40 +315,15 @@ class Scheduler:
         self.stats.num_generation_tokens += 1
         if request.first_token_time is None:
             request.first_token_time = now
-        reason = self._stop_reason(request, token.token_id)
-        delta = wire.RequestDelta(
-            request_id=request.request_id,
-            token_ids=[token.token_id],
-            logprobs=None if token.logprob is None else [token.logprob],
-            top_logprobs=None if token.top_logprobs is None else [token.top_logprobs],
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-        )
+        reason = stop_reason(request, token.token_id, self.config.eos_token_ids, self.config.max_model_len)
         if reason is not None:
             self._finish(request, reason)
-            delta.finish_reason = reason.value
-        return delta
-
-    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        cfg, sampling = self.config, request.sampling
-        if (not sampling.ignore_eos and token_id in cfg.eos_token_ids) or token_id in sampling.stop_token_ids:
-            return FinishReason.STOP
-        if request.num_output_tokens >= sampling.max_tokens or request.num_tokens >= cfg.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return token_delta(request, token, reason)
 
     def _end(self, request: Request, reason: FinishReason, error: str | None = None) -> wire.RequestDelta:
         """Finish a request and return its closing delta."""
         self._finish(request, reason)
-        return wire.RequestDelta(
-            request_id=request.request_id,
-            token_ids=[],
-            finish_reason=reason.value,
-            error=error,
-            error_status=500 if error else None,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-        )
+        return closing_delta(request, reason, error)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.block_ids:

@@ -1,0 +1,41 @@
+"""What a request produces each step: its stop condition and the deltas sent to its api replica."""
+
+from __future__ import annotations
+
+from service import wire
+from service.scheduler.request import FinishReason, Request
+
+
+def stop_reason(request: Request, token_id: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> FinishReason | None:
+    """Why the request ends with `token_id` (already appended), or None if it goes on."""
+    sampling = request.sampling
+    if (not sampling.ignore_eos and token_id in eos_token_ids) or token_id in sampling.stop_token_ids:
+        return FinishReason.STOP
+    if request.num_output_tokens >= sampling.max_tokens or request.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+def token_delta(request: Request, token: wire.SampledToken, reason: FinishReason | None) -> wire.RequestDelta:
+    return wire.RequestDelta(
+        request_id=request.request_id,
+        token_ids=[token.token_id],
+        logprobs=None if token.logprob is None else [token.logprob],
+        top_logprobs=None if token.top_logprobs is None else [token.top_logprobs],
+        finish_reason=None if reason is None else reason.value,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+    )
+
+
+def closing_delta(request: Request, reason: FinishReason, error: str | None) -> wire.RequestDelta:
+    """The last delta of a request that ends without a new token."""
+    return wire.RequestDelta(
+        request_id=request.request_id,
+        token_ids=[],
+        finish_reason=reason.value,
+        error=error,
+        error_status=500 if error else None,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+    )

@@ -2,7 +2,9 @@
 
 It says hello (block count, block size, model info), then answers every step with a
 StepResult and every ping with a pong. If it hears nothing for a while it says hello again,
-so a restarted scheduler finds it. A malformed frame is counted and dropped.
+so a restarted scheduler finds it. A malformed frame is counted and dropped. On SIGTERM it
+keeps serving until the scheduler has gone (it drains its requests first), bounded by
+`drain_timeout_s`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import uuid
 from typing import Protocol
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from service import wire
 from service.config import Settings
@@ -34,11 +37,11 @@ class Runner(Protocol):
 
 def serve_worker(runner: Runner, settings: Settings) -> None:
     """Serve steps from the scheduler at `settings.worker_addr` until SIGTERM/SIGINT."""
-    stopping = False
+    stop_deadline: float | None = None
 
     def stop(*_: object) -> None:
-        nonlocal stopping
-        stopping = True
+        nonlocal stop_deadline
+        stop_deadline = time.monotonic() + settings.drain_timeout_s
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -49,7 +52,9 @@ def serve_worker(runner: Runner, settings: Settings) -> None:
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.HEARTBEAT_IVL, 2000)
     socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+    monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
     socket.connect(settings.worker_addr)
+    scheduler_connected = False
     hello = wire.encode(
         wire.WorkerHello(worker_id=worker_id, num_kv_blocks=runner.num_kv_blocks, block_size=runner.block_size, model=runner.model_info)
     )
@@ -58,7 +63,9 @@ def serve_worker(runner: Runner, settings: Settings) -> None:
     last_heard = time.monotonic()
     num_malformed = 0
     try:
-        while not stopping:
+        while stop_deadline is None or (scheduler_connected and time.monotonic() < stop_deadline):
+            while monitor.poll(0):
+                scheduler_connected = parse_monitor_message(monitor.recv_multipart())["event"] == zmq.EVENT_CONNECTED
             if not socket.poll(POLL_MS):
                 if time.monotonic() - last_heard > REHELLO_AFTER_S:
                     socket.send(hello)
@@ -81,6 +88,7 @@ def serve_worker(runner: Runner, settings: Settings) -> None:
                 num_malformed += 1
                 log.warning("dropped unexpected %s", type(message).__name__)
     finally:
+        socket.disable_monitor()
         context.destroy(linger=0)
 
 

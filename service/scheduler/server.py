@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 20
 PING_INTERVAL_S = 1.0
+CLOSE_LINGER_MS = 2000
 
 
 class SchedulerServer:
@@ -101,7 +102,7 @@ class SchedulerServer:
         for request_id in list(self.owners):
             self._send_delta(self._error_delta(request_id, "the scheduler is shutting down", 503))
         self.worker_socket.disable_monitor()
-        self.context.destroy(linger=0)
+        self.context.destroy(linger=CLOSE_LINGER_MS)  # let the last deltas of drained requests leave
 
     def _poll_once(self, socket: zmq.Socket, handler) -> bool:
         try:

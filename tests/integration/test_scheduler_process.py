@@ -151,3 +151,15 @@ def test_a_restarted_worker_is_taken_and_serves(cluster, tmp_path):
     request_id = peer.submit([1, 2, 3], max_tokens=4)
     peer.wait_until(lambda: request_id in peer.finished, 20)
     assert len(peer.outputs[request_id]) == 4
+
+
+def test_worker_drains_on_sigterm_until_the_scheduler_goes(cluster):
+    _, peer, processes = cluster
+    request_id = peer.submit([1, 2, 3], max_tokens=40)
+    peer.wait_until(lambda: peer.outputs[request_id], 20)
+    processes["worker"].send_signal(signal.SIGTERM)
+    peer.wait_until(lambda: request_id in peer.finished, 20)
+    assert peer.finished[request_id].finish_reason == "length" and len(peer.outputs[request_id]) == 40
+    assert processes["worker"].poll() is None  # still serving while the scheduler is there
+    stop(processes["scheduler"])
+    assert processes["worker"].wait(10) == 0

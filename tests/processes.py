@@ -47,6 +47,17 @@ def stop(process: subprocess.Popen, timeout_s: float = 10) -> None:
             process.wait()
 
 
+def stop_all(processes) -> None:
+    """Stop in drain order, as `blockserve serve` does: api replicas, then scheduler, then workers."""
+
+    def rank(process: subprocess.Popen) -> int:
+        args = " ".join(map(str, process.args))
+        return 0 if args.endswith(" api") else 1 if args.endswith(" scheduler") else 2
+
+    for process in sorted(processes, key=rank):
+        stop(process)
+
+
 def wait_ready(base_url: str, timeout_s: float = 120) -> None:
     """Wait until an api answers /ready with 200."""
     import time
@@ -75,3 +86,25 @@ def scrape(port: str | int) -> dict[str, float]:
         for sample in family.samples:
             samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
     return samples
+
+
+class FakeStack:
+    """scheduler + model-free worker + api as processes on loopback ports (a context manager)."""
+
+    def __init__(self, log_dir: Path, **env_overrides: str):
+        self.env = loopback_env(
+            BLOCKSERVE_NUM_KV_BLOCKS="24", BLOCKSERVE_BLOCK_SIZE="4", FAKE_STEP_DELAY_S="0.005", **env_overrides
+        )
+        self.url = f"http://127.0.0.1:{self.env['BLOCKSERVE_PORT']}"
+        self.metrics_port = self.env["BLOCKSERVE_METRICS_PORT"]
+        self.log_dir = log_dir
+        self.processes: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "FakeStack":
+        for args, name in ((["-m", "service.cli", "scheduler"], "scheduler"), (["-m", "tests.fake_worker_process"], "worker"), (["-m", "service.cli", "api"], "api")):
+            self.processes.append(start(args, self.env, self.log_dir / f"{name}.log"))
+        wait_ready(self.url, timeout_s=60)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        stop_all(self.processes)

@@ -6,22 +6,13 @@ import sys
 
 import pytest
 
-from tests.processes import ROOT, loopback_env, scrape, start, stop, wait_ready
+from tests.processes import ROOT, FakeStack, scrape
 
 
 @pytest.fixture
 def server(tmp_path):
-    env = loopback_env(BLOCKSERVE_NUM_KV_BLOCKS="24", BLOCKSERVE_BLOCK_SIZE="4", FAKE_STEP_DELAY_S="0.005")
-    processes = [
-        start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
-        start(["-m", "tests.fake_worker_process"], env, tmp_path / "worker.log"),
-        start(["-m", "service.cli", "api"], env, tmp_path / "api.log"),
-    ]
-    url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
-    wait_ready(url, timeout_s=60)
-    yield env, url
-    for process in reversed(processes):
-        stop(process)
+    with FakeStack(tmp_path) as stack:
+        yield stack.env, stack.url
 
 
 def test_bench_report_is_well_formed_and_agrees_with_the_server_metrics(server, tmp_path):

@@ -13,36 +13,26 @@ import httpx
 import openai
 import pytest
 
-from tests.processes import free_port, loopback_env, scrape, start, stop, wait_ready
+from tests.processes import FakeStack, free_port, scrape
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "blockserve" / "dashboards" / "blockserve.json"
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("metrics-stack")
-    env = loopback_env(BLOCKSERVE_NUM_KV_BLOCKS="24", BLOCKSERVE_BLOCK_SIZE="4", FAKE_STEP_DELAY_S="0.005")
-    processes = [
-        start(["-m", "service.cli", "scheduler"], env, logs / "scheduler.log"),
-        start(["-m", "tests.fake_worker_process"], env, logs / "worker.log"),
-        start(["-m", "service.cli", "api"], env, logs / "api.log"),
-    ]
-    url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
-    wait_ready(url, timeout_s=60)
-    yield env, url
-    for process in reversed(processes):
-        stop(process)
+    with FakeStack(tmp_path_factory.mktemp("metrics-stack")) as fake:
+        yield fake.env, fake.url
 
 
 @pytest.fixture(scope="module")
 def known_workload(stack):
-    """20 completions on a cache too small for them at once; returns the usage the api reported."""
+    """20 completions of ~40 tokens (10 blocks each) on a cache of 24 blocks; returns the usage the api reported."""
     _, url = stack
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     model = client.models.list().data[0].id
     def one(index: int) -> int:
         completion = client.completions.create(
-            model=model, prompt=f"request number {index} says hello", max_tokens=12 + index % 5, extra_body={"ignore_eos": True}
+            model=model, prompt=f"request number {index} says hello", max_tokens=32 + index % 5, extra_body={"ignore_eos": True}
         )
         return completion.usage.completion_tokens
 

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from service import wire
-from tests.processes import loopback_env, scrape, start, stop
+from tests.processes import loopback_env, scrape, start, stop, stop_all
 
 
 class ApiPeer:
@@ -79,8 +79,7 @@ def cluster(tmp_path):
     peer.wait_until(lambda: peer.status().ready, 30)
     yield env, peer, processes
     peer.close()
-    for process in processes.values():
-        stop(process)
+    stop_all(list(processes.values()))
 
 
 def test_many_requests_on_a_tight_cache_all_finish_and_free_every_block(cluster):

@@ -1,0 +1,42 @@
+"""A Hugging Face model folder as a checkpoint: config.json, tokenizer files, *.safetensors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+from gpu_worker.model_config import ModelConfig, config_from_hf
+from gpu_worker.tokenizer import TokenizerInfo, tokenizer_from_folder
+
+
+class FolderCheckpoint:
+    """Reads a folder written by `save_pretrained`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        self.config: ModelConfig = config_from_hf(hf_config)
+        self.tokenizer: TokenizerInfo = tokenizer_from_folder(path, hf_config)
+        self._files = sorted(path.glob("*.safetensors"))
+        if not self._files:
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        self.num_tensors = 0
+        for file in self._files:
+            with safe_open(file, framework="paddle") as tensors:
+                self.num_tensors += len(tensors.keys())
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(Hugging Face name, fp32 array) for every tensor of every shard."""
+        # Read through Paddle: numpy has no bfloat16, the usual dtype of these files.
+        for file in self._files:
+            with safe_open(file, framework="paddle") as tensors:
+                for name in tensors.keys():
+                    yield name, tensors.get_tensor(name).astype("float32").numpy()

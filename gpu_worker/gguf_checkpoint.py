@@ -1,0 +1,77 @@
+"""A GGUF file as a checkpoint: config, tokenizer and fp32 tensors under Hugging Face names."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from gpu_worker.model_config import ModelConfig, config_from_gguf
+from gpu_worker.tokenizer import TokenizerInfo, tokenizer_from_gguf
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise KeyError(f"unexpected GGUF tensor {gguf_name!r}")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave of Q/K (its rotary pairs are (i, i+1), HF's (i, i+d/2))."""
+    half_head_dim = weight.shape[0] // num_heads // 2
+    rows = weight.reshape(num_heads, half_head_dim, 2, *weight.shape[1:])
+    return rows.swapaxes(2, 1).reshape(weight.shape)
+
+
+class GGUFCheckpoint:
+    """Reads one .gguf file; tensors are dequantized to fp32 one at a time."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._reader = GGUFReader(path)
+        self.metadata = {key: field.contents() for key, field in self._reader.fields.items()}
+        self.config: ModelConfig = config_from_gguf(self.metadata, {t.name for t in self._reader.tensors})
+        self.tokenizer: TokenizerInfo = tokenizer_from_gguf(self.metadata)
+        self.num_tensors = len(self._reader.tensors)
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(Hugging Face name, fp32 array in HF layout) for every tensor of the file."""
+        for tensor in self._reader.tensors:
+            array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            array = array.reshape([int(dim) for dim in reversed(tensor.shape)])
+            if self.config.architecture == "llama" and ".attn_q." in tensor.name:
+                array = unpermute_rows(array, self.config.num_heads)
+            elif self.config.architecture == "llama" and ".attn_k." in tensor.name:
+                array = unpermute_rows(array, self.config.num_kv_heads)
+            yield hf_name(tensor.name), array

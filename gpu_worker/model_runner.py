@@ -1,0 +1,99 @@
+"""Execute scheduler steps: keep per-request state, run one forward over the mixed batch, sample."""
+
+from __future__ import annotations
+
+import logging
+
+import paddle
+
+from gpu_worker.attention import PagedAttentionBackend
+from gpu_worker.cpu_memory import keep_freed_memory
+from gpu_worker.kv_cache import KVCache, num_blocks_for
+from gpu_worker.model_loader import load_model
+from gpu_worker.sampler import Sampler
+from gpu_worker.step_inputs import RequestState, StepError, StepInputs, build_step_inputs
+from gpu_worker.tensor_ops import take_rows
+from service import wire
+from service.config import Settings
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """The model, its paged KV cache and the state of the requests the scheduler has sent."""
+
+    def __init__(self, settings: Settings):
+        if paddle.get_device() == "cpu":
+            keep_freed_memory()
+        loaded = load_model(settings)
+        config = loaded.config
+        self.model = loaded.model
+        self.model_info = loaded.info
+        self.block_size = settings.block_size
+        self.num_kv_blocks = num_blocks_for(
+            config, self.block_size, int(settings.kv_cache_memory), settings.num_kv_blocks
+        )
+        self.kv_cache = KVCache(config, self.num_kv_blocks, self.block_size)
+        self.attention = PagedAttentionBackend(
+            config.num_heads, config.num_kv_heads, config.head_dim, self.block_size
+        )
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+        log.info(
+            "KV cache on %s: %d blocks of %d tokens, %.1f MiB",
+            paddle.get_device(), self.num_kv_blocks, self.block_size, self.kv_cache.num_bytes / 2**20,
+        )
+
+    def execute(self, step: wire.SchedulerOutput) -> wire.StepResult:
+        """Run one step; a failure becomes StepResult(error=...) rather than an exception."""
+        try:
+            return wire.StepResult(step_id=step.step_id, sampled=self._execute(step))
+        except Exception as exc:
+            log.exception("step %d failed", step.step_id)
+            return wire.StepResult(step_id=step.step_id, error=f"{type(exc).__name__}: {exc}")
+
+    def _execute(self, step: wire.SchedulerOutput) -> list[wire.SampledToken]:
+        scheduled = self._update_states(step)
+        if not scheduled:
+            return []
+        inputs = build_step_inputs(scheduled, self.block_size, self.num_kv_blocks)
+        hidden = self.forward(inputs)
+        for state, num_scheduled in scheduled:
+            state.num_computed_tokens += num_scheduled
+        if not inputs.sampling_requests:
+            return []
+        logits = self.model.compute_logits(take_rows(hidden, paddle.to_tensor(inputs.logits_indices)))
+        sampled = self.sampler.sample(logits, inputs.sampling_requests)
+        for state, token in zip(inputs.sampling_requests, sampled):
+            state.token_ids.append(token.token_id)
+        return sampled
+
+    def forward(self, inputs: StepInputs) -> paddle.Tensor:
+        """Write the step's KV into the cache; hidden states [tokens, hidden] before the final norm."""
+        metadata = self.attention.prepare(inputs)
+        input_ids, positions = paddle.to_tensor(inputs.input_ids), paddle.to_tensor(inputs.positions)
+        return self.model.forward(input_ids, positions, self.kv_cache, self.attention, metadata)
+
+    def _update_states(self, step: wire.SchedulerOutput) -> list[tuple[RequestState, int]]:
+        """Apply the step's deltas; return (state, tokens to compute) of every scheduled request."""
+        for request_id in (*step.finished_request_ids, *step.preempted_request_ids):
+            self.requests.pop(request_id, None)
+        scheduled = []
+        for new in step.new_requests:
+            state = RequestState(
+                request_id=new.request_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling=new.sampling,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+            self.requests[new.request_id] = state
+            scheduled.append((state, new.num_scheduled_tokens))
+        for running in step.running_requests:
+            state = self.requests.get(running.request_id)
+            if state is None:
+                raise StepError(f"request {running.request_id} is unknown to this worker")
+            state.block_ids.extend(running.new_block_ids)
+            scheduled.append((state, running.num_scheduled_tokens))
+        return [(state, count) for state, count in scheduled if count > 0]

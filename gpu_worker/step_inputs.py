@@ -1,0 +1,91 @@
+"""Per-request worker state and the flat numpy inputs of one step built from it."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from service import wire
+
+
+class StepError(ValueError):
+    """A step that contradicts the worker's state (unknown request, too few blocks, ...)."""
+
+
+@dataclass
+class RequestState:
+    """What the worker keeps for a request between steps."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: wire.SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Flat inputs of one forward; request i's tokens are query_start[i]:query_start[i + 1]."""
+
+    input_ids: np.ndarray  # [tokens]
+    positions: np.ndarray  # [tokens]
+    slot_mapping: np.ndarray  # [tokens] KV slot = block_id * block_size + position % block_size
+    query_start: np.ndarray  # [requests + 1]
+    context_lens: np.ndarray  # [requests] tokens in the cache after this step (kernel backends need it)
+    block_table: np.ndarray  # [requests, max blocks], padded with block 0
+    logits_indices: np.ndarray  # [samples] flat index of the last token of each sampling request
+    sampling_requests: list[RequestState]
+
+
+def build_step_inputs(scheduled: list[tuple[RequestState, int]], block_size: int, num_blocks: int) -> StepInputs:
+    """Inputs for computing `num_scheduled` tokens of each request after its computed ones."""
+    states = [state for state, _ in scheduled]
+    query_lens = np.array([count for _, count in scheduled], dtype=np.int64)
+    num_computed = np.array([state.num_computed_tokens for state in states], dtype=np.int64)
+    num_tokens = np.array([len(state.token_ids) for state in states], dtype=np.int64)
+    context_lens = num_computed + query_lens
+    query_start = np.concatenate([[0], np.cumsum(query_lens)])
+    total = int(query_start[-1])
+
+    width = max(len(state.block_ids) for state in states)
+    block_table = np.zeros((len(states), width), dtype=np.int64)
+    for row, state in enumerate(states):
+        block_table[row, : len(state.block_ids)] = state.block_ids
+    _check(states, context_lens, num_tokens, block_table, block_size, num_blocks)
+
+    request_of_token = np.repeat(np.arange(len(states)), query_lens)
+    positions = num_computed[request_of_token] + np.arange(total) - query_start[request_of_token]
+    slots = block_table[request_of_token, positions // block_size] * block_size + positions % block_size
+    input_ids = np.fromiter(
+        itertools.chain.from_iterable(
+            state.token_ids[start:end] for state, start, end in zip(states, num_computed, context_lens)
+        ),
+        dtype=np.int64,
+        count=total,
+    )
+    samples = np.flatnonzero(context_lens == num_tokens)
+    return StepInputs(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slots,
+        query_start=query_start,
+        context_lens=context_lens,
+        block_table=block_table,
+        logits_indices=query_start[samples + 1] - 1,
+        sampling_requests=[states[i] for i in samples],
+    )
+
+
+def _check(states, context_lens, num_tokens, block_table, block_size, num_blocks) -> None:
+    num_assigned = np.array([len(state.block_ids) for state in states])
+    problems = {
+        "schedules more tokens than it has": context_lens > num_tokens,
+        "has too few blocks for its tokens": context_lens > num_assigned * block_size,
+        "has a block id outside the cache": (block_table >= num_blocks).any(axis=1) | (block_table < 0).any(axis=1),
+    }
+    for problem, bad in problems.items():
+        if bad.any():
+            raise StepError(f"request {states[int(np.argmax(bad))].request_id} {problem}")

@@ -1,0 +1,144 @@
+"""The sampler on hand-made logits: seeds, greedy, the distribution it draws from, penalties, logprobs."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from gpu_worker.penalties import apply_penalties
+from gpu_worker.sampler import Sampler
+from gpu_worker.step_inputs import RequestState
+from service import wire
+
+VOCAB_SIZE = 64
+# Upper 0.1% points of the chi-square distribution, by degrees of freedom.
+CHI_SQUARE_CRITICAL_0_001 = {1: 10.828, 2: 13.816, 3: 16.266, 5: 20.515}
+
+
+def request(request_id="r", token_ids=(1, 2, 3), num_prompt_tokens=None, **sampling) -> RequestState:
+    token_ids = list(token_ids)
+    prompt = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
+    return RequestState(request_id, token_ids, prompt, wire.SamplingParams(**sampling), [], len(token_ids))
+
+
+def random_logits(rows: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(0, 2, size=(rows, VOCAB_SIZE)).astype(np.float32)
+
+
+def sample(logits: np.ndarray, requests: list[RequestState], sampler: Sampler | None = None) -> list[wire.SampledToken]:
+    return (sampler or Sampler()).sample(paddle.to_tensor(logits), requests)
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = counts.sum() * probs
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def draw_counts(logits_row: np.ndarray, num_draws: int, **sampling) -> np.ndarray:
+    logits = np.repeat(logits_row[None], num_draws, axis=0)
+    requests = [request(str(i), **sampling) for i in range(num_draws)]
+    tokens = [t.token_id for t in sample(logits, requests, Sampler(seed=7))]
+    return np.bincount(tokens, minlength=len(logits_row))
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(top_p=0.5), dict(top_k=5, min_p=0.05)])
+def test_a_seeded_request_draws_the_same_token_whatever_its_batch_mates(params):
+    logits = random_logits(4)
+    seeded = request("seeded", token_ids=range(17), seed=99, **params)
+    mates = [request("a", top_k=3), request("b", temperature=0.0, repetition_penalty=1.3), request("c", top_p=0.2)]
+
+    alone = sample(logits[:1], [seeded])[0].token_id
+    crowded = sample(logits, [seeded, *mates], Sampler(seed=1))[0].token_id
+    last = sample(logits[[3, 2, 1, 0]], [*mates[::-1], seeded], Sampler(seed=2))[3].token_id
+
+    assert alone == crowded == last
+
+
+def test_a_recomputed_request_redraws_the_same_tokens_from_its_seed_and_length():
+    logits = random_logits(1)
+
+    def tokens_by_length(sampler: Sampler) -> dict[int, int]:
+        return {n: sample(logits, [request(token_ids=range(n), seed=5)], sampler)[0].token_id for n in range(10, 40)}
+
+    first, recomputed = tokens_by_length(Sampler(seed=1)), tokens_by_length(Sampler(seed=2))
+
+    assert first == recomputed
+    assert len(set(first.values())) > 1, "the draw must change as the sequence grows"
+
+
+def test_top_k_of_one_is_greedy():
+    logits = random_logits(16)
+    requests = [request(str(i), top_k=1, temperature=1.5) for i in range(16)]
+
+    assert [t.token_id for t in sample(logits, requests)] == list(logits.argmax(axis=-1))
+
+
+def test_temperature_zero_is_argmax_of_the_penalised_logits():
+    logits = np.zeros((1, VOCAB_SIZE), dtype=np.float32)
+    logits[0, 3], logits[0, 4] = 2.0, 1.5
+
+    (token,) = sample(logits, [request(token_ids=[3], temperature=0.0, repetition_penalty=2.0)])
+
+    assert token.token_id == 4
+
+
+def test_temperature_sampling_follows_the_softmax():
+    logits_row = np.array([1.0, 0.5, 0.0, -0.5, -1.0, 2.0], dtype=np.float32)
+    counts = draw_counts(logits_row, 20000, temperature=0.7)
+
+    probs = np.exp(logits_row / 0.7) / np.exp(logits_row / 0.7).sum()
+    assert chi_square(counts, probs) < CHI_SQUARE_CRITICAL_0_001[5]
+
+
+def test_top_p_draws_from_the_smallest_set_holding_that_mass_renormalised():
+    logits_row = np.log(np.array([0.4, 0.3, 0.15, 0.1, 0.05], dtype=np.float32))
+    counts = draw_counts(logits_row, 20000, top_p=0.8)
+
+    assert counts[3:].sum() == 0  # 0.4 + 0.3 + 0.15 >= 0.8
+    assert chi_square(counts[:3], np.array([0.4, 0.3, 0.15]) / 0.85) < CHI_SQUARE_CRITICAL_0_001[2]
+
+
+def test_top_k_and_min_p_cut_the_tail():
+    logits_row = np.log(np.array([0.4, 0.3, 0.15, 0.1, 0.05], dtype=np.float32))
+
+    assert draw_counts(logits_row, 2000, top_k=2)[2:].sum() == 0
+    assert draw_counts(logits_row, 2000, min_p=0.3)[3:].sum() == 0  # 0.1 < 0.3 * 0.4
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    logits = np.array([[2.0, -2.0, 2.0, -2.0]], dtype=np.float32)
+    seen_in_prompt_and_output = request(token_ids=[0, 1], num_prompt_tokens=1, repetition_penalty=2.0)
+
+    penalised = apply_penalties(paddle.to_tensor(logits), [seen_in_prompt_and_output]).numpy()
+
+    np.testing.assert_allclose(penalised, [[1.0, -4.0, 2.0, -2.0]])
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = np.zeros((2, 4), dtype=np.float32)
+    penalised_request = request(
+        token_ids=[3, 0, 1, 1, 1], num_prompt_tokens=2, presence_penalty=0.5, frequency_penalty=0.25
+    )
+    neutral_request = request(token_ids=[0, 1, 2], num_prompt_tokens=1)
+
+    penalised = apply_penalties(paddle.to_tensor(logits), [penalised_request, neutral_request]).numpy()
+
+    np.testing.assert_allclose(penalised, [[0.0, -(0.5 + 3 * 0.25), 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+
+
+def test_logprobs_come_from_the_raw_logits_with_the_top_k_sorted():
+    logits = random_logits(2)
+    requests = [
+        request("k3", logprobs=3, temperature=0.5, repetition_penalty=1.5),
+        request("none", temperature=0.0),
+    ]
+
+    with_logprobs, without = sample(logits, requests)
+
+    raw_logprobs = logits[0] - np.log(np.exp(logits[0]).sum())
+    assert with_logprobs.logprob == pytest.approx(raw_logprobs[with_logprobs.token_id], abs=1e-5)
+    best = np.argsort(-raw_logprobs)[:3]
+    assert [t.token_id for t in with_logprobs.top_logprobs] == list(best)
+    assert [t.logprob for t in with_logprobs.top_logprobs] == pytest.approx(raw_logprobs[best], abs=1e-5)
+    assert without.logprob is None and without.top_logprobs is None

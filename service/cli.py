@@ -110,15 +110,7 @@ def _simulate(args: argparse.Namespace) -> int:
     ]
     rows = []
     for label, policy, legacy in runs:
-        config = SchedulerConfig(
-            num_blocks=args.num_blocks,
-            block_size=settings.block_size,
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_model_len=settings.max_model_len or 8192,
-            enable_prefix_caching=settings.enable_prefix_caching,
-            preemption_policy=policy,
-        )
+        config = SchedulerConfig.from_settings(settings, args.num_blocks, preemption_policy=policy)
         report = simulate(trace, config, CostModel(), legacy)
         rows.append({"scheduler": label, **report.as_dict()})
     if args.json:

@@ -61,15 +61,7 @@ def _simulate(args: argparse.Namespace, trace) -> dict:
     from service.scheduler.simulator import simulate
 
     settings = load_settings()
-    config = SchedulerConfig(
-        num_blocks=args.num_blocks,
-        block_size=settings.block_size,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_model_len=settings.max_model_len or 8192,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        preemption_policy=settings.preemption_policy,
-    )
+    config = SchedulerConfig.from_settings(settings, args.num_blocks)
     report = simulate(trace, config, legacy=legacy_config_from(settings)).as_dict()
     print(json.dumps(report, indent=2))
     return {"mode": "simulate", "workload": args.workload, "report": report}

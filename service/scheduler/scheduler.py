@@ -27,6 +27,9 @@ class RequestRejected(ValueError):
         self.status = status
 
 
+DEFAULT_MAX_MODEL_LEN = 8192  # for the simulator, which has no model to ask
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     num_blocks: int
@@ -39,6 +42,22 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     max_skip_ahead: int = 8  # waiting requests looked at past a head that does not fit
     max_head_skips: int = 32  # admission rounds a head may be passed over before it blocks others
+
+
+    @classmethod
+    def from_settings(cls, settings, num_blocks: int, **overrides) -> "SchedulerConfig":
+        """The scheduling settings of `settings` for a table of `num_blocks` (overrides win)."""
+        values = dict(
+            num_blocks=num_blocks,
+            block_size=settings.block_size,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_model_len=settings.max_model_len or DEFAULT_MAX_MODEL_LEN,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            preemption_policy=settings.preemption_policy,
+        )
+        values.update(overrides)
+        return cls(**values)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -213,16 +213,13 @@ class SchedulerServer:
         self.scheduler = build_scheduler(
             stats=self.stats,
             legacy=legacy_config_from(self.settings),
-            config=SchedulerConfig(
-                num_blocks=num_blocks,
+            config=SchedulerConfig.from_settings(
+                self.settings,
+                num_blocks,
                 block_size=hello.block_size,
-                max_num_seqs=self.settings.max_num_seqs,
-                max_num_batched_tokens=self.settings.max_num_batched_tokens,
                 max_model_len=max_model_len,
-                enable_prefix_caching=self.settings.enable_prefix_caching,
-                preemption_policy=self.settings.preemption_policy,
                 eos_token_ids=tuple(hello.model.eos_token_ids),
-            )
+            ),
         )
         self.worker_id = identity
         self.last_ping_at = self.last_heard_at = time.monotonic()

@@ -199,8 +199,10 @@ def print_tables(runner: ModelRunner, cases: list, steps: int) -> None:
     print(f"{'case':<17}" + "".join(f"{title:>{width}}" for title, width in zip(titles, (12, 10, 10, 11, 15, 7))))
     for name, num_tokens, num_samples, step_s, _ in cases:
         matmul_s = matmul_only(runner, num_tokens, num_samples, steps)
-        print(f"{name:<17}{num_tokens:>12}{step_s * 1e3:>10.1f}{num_tokens / step_s:>10.0f}{matmul_s * 1e3:>11.1f}"
-              f"{num_tokens / matmul_s:>15.0f}{matmul_s / step_s:>7.2f}")
+        print(
+            f"{name:<17}{num_tokens:>12}{step_s * 1e3:>10.1f}{num_tokens / step_s:>10.0f}{matmul_s * 1e3:>11.1f}"
+            f"{num_tokens / matmul_s:>15.0f}{matmul_s / step_s:>7.2f}"
+        )
     parts = ["linear matmuls", "lm_head", "attention", "input building", "sampling"]
     print("\nWhere the median step's time goes (ms; rest = norms, rope, activations, residual adds, python)")
     print(f"{'case':<17}" + "".join(f"{p:>16}" for p in parts) + f"{'rest':>9}")

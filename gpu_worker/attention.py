@@ -64,8 +64,15 @@ def _cut_segments(query_start: np.ndarray, requests: np.ndarray, tile: int):
 class PagedAttentionBackend:
     """write_kv stores a step's keys and values; attend reads each token's context through the block table."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 query_tile: int = QUERY_TILE, max_score_elements: int = MAX_SCORE_ELEMENTS):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        query_tile: int = QUERY_TILE,
+        max_score_elements: int = MAX_SCORE_ELEMENTS,
+    ):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads  # head h reads kv head h // group
@@ -108,15 +115,17 @@ class PagedAttentionBackend:
             part = slice(first, first + per_batch)
             num_segments = len(query_rows[part])
             visible = key_positions[None, None, :] <= query_positions[part, :, None]
-            batches.append(SegmentBatch(
-                query_rows=paddle.to_tensor(query_rows[part].reshape(-1)),
-                block_ids=paddle.to_tensor(block_ids[part].reshape(-1)),
-                mask=paddle.to_tensor(self._full_mask(np.where(visible, np.float32(0.0), np.float32(-np.inf)))),
-                num_segments=num_segments,
-                query_len=tile,
-                num_blocks=num_blocks,
-                **(self._decode_rows(num_segments) if tile == 1 else {}),
-            ))
+            batches.append(
+                SegmentBatch(
+                    query_rows=paddle.to_tensor(query_rows[part].reshape(-1)),
+                    block_ids=paddle.to_tensor(block_ids[part].reshape(-1)),
+                    mask=paddle.to_tensor(self._full_mask(np.where(visible, np.float32(0.0), np.float32(-np.inf)))),
+                    num_segments=num_segments,
+                    query_len=tile,
+                    num_blocks=num_blocks,
+                    **(self._decode_rows(num_segments) if tile == 1 else {}),
+                )
+            )
             rows.append(np.where(padded[part], -1, query_rows[part]).reshape(-1))
 
     def _decode_rows(self, segments: int) -> dict[str, paddle.Tensor]:

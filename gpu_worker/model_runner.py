@@ -34,14 +34,15 @@ class ModelRunner:
             config, self.block_size, int(settings.kv_cache_memory), settings.num_kv_blocks
         )
         self.kv_cache = KVCache(config, self.num_kv_blocks, self.block_size)
-        self.attention = PagedAttentionBackend(
-            config.num_heads, config.num_kv_heads, config.head_dim, self.block_size
-        )
+        self.attention = PagedAttentionBackend(config.num_heads, config.num_kv_heads, config.head_dim, self.block_size)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         log.info(
             "KV cache on %s: %d blocks of %d tokens, %.1f MiB",
-            paddle.get_device(), self.num_kv_blocks, self.block_size, self.kv_cache.num_bytes / 2**20,
+            paddle.get_device(),
+            self.num_kv_blocks,
+            self.block_size,
+            self.kv_cache.num_bytes / 2**20,
         )
 
     def execute(self, step: wire.SchedulerOutput) -> wire.StepResult:

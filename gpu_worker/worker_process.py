@@ -56,7 +56,12 @@ def serve_worker(runner: Runner, settings: Settings) -> None:
     socket.connect(settings.worker_addr)
     scheduler_connected = False
     hello = wire.encode(
-        wire.WorkerHello(worker_id=worker_id, num_kv_blocks=runner.num_kv_blocks, block_size=runner.block_size, model=runner.model_info)
+        wire.WorkerHello(
+            worker_id=worker_id,
+            num_kv_blocks=runner.num_kv_blocks,
+            block_size=runner.block_size,
+            model=runner.model_info,
+        )
     )
     socket.send(hello)
     log.info("%s connected to %s with %d KV blocks", worker_id, settings.worker_addr, runner.num_kv_blocks)

@@ -63,9 +63,22 @@ def run_server(mode_ratio: float | None, workload: str, num_requests: int, logs:
         wait_ready(url, timeout_s=300)
         blockserve(
             [
-                "bench", "--url", url, "--metrics-url", f"http://127.0.0.1:{env['BLOCKSERVE_METRICS_PORT']}/metrics",
-                "--workload", "custom", "--length-kind", "uniform", *SERVER_WORKLOADS[workload],
-                "--num-requests", str(num_requests), "--vocab-size", "32000", "--result-dir", str(result_dir),
+                "bench",
+                "--url",
+                url,
+                "--metrics-url",
+                f"http://127.0.0.1:{env['BLOCKSERVE_METRICS_PORT']}/metrics",
+                "--workload",
+                "custom",
+                "--length-kind",
+                "uniform",
+                *SERVER_WORKLOADS[workload],
+                "--num-requests",
+                str(num_requests),
+                "--vocab-size",
+                "32000",
+                "--result-dir",
+                str(result_dir),
             ]
         )
     finally:
@@ -85,7 +98,9 @@ def run_server(mode_ratio: float | None, workload: str, num_requests: int, logs:
 def run_simulation(mode_ratio: float | None, workload: str, num_requests: int) -> dict:
     inputs, outputs = SIM_WORKLOADS[workload]
     trace = make_trace(Workload(num_requests, inputs, outputs, request_rate=40.0, seed=7))
-    config = SchedulerConfig(num_blocks=SIM_KV_BLOCKS, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=8192)
+    config = SchedulerConfig(
+        num_blocks=SIM_KV_BLOCKS, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=8192
+    )
     legacy = None if mode_ratio is None else LegacyConfig(kv_cache_ratio=mode_ratio)
     report = simulate(trace, config, legacy=legacy)
     return {
@@ -102,7 +117,8 @@ def table(title: str, results: dict[str, dict[str, dict]]) -> str:
     for workload, by_mode in results.items():
         base = by_mode["unified"]["output_tokens_per_s"]
         lines += [
-            f"**{workload}**", "",
+            f"**{workload}**",
+            "",
             "| scheduler | output tok/s | vs unified | failed or incomplete | preemptions | recomputed tokens | TTFT p99 (s) |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
@@ -150,7 +166,10 @@ def main() -> int:
     (docs / "benchmarks.json").write_text(json.dumps({"server": server, "simulated": simulated}, indent=2))
     body = "\n".join(
         [
-            table(f"Real server: SmolLM2 on CPU, {SERVER_KV_BLOCKS} KV blocks of 16 tokens, {server_requests} requests at once", server),
+            table(
+                f"Real server: SmolLM2 on CPU, {SERVER_KV_BLOCKS} KV blocks of 16 tokens, {server_requests} requests at once",
+                server,
+            ),
             table(f"Simulator: {sim_requests} requests, Poisson 40 req/s, {SIM_KV_BLOCKS} KV blocks", simulated),
         ]
     )

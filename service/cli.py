@@ -105,7 +105,11 @@ def _simulate(args: argparse.Namespace) -> int:
     )
     runs = [(policy, policy, None) for policy in (["lifo", "min_recompute"] if args.policy == "all" else [args.policy])]
     runs += [
-        (f"legacy@{ratio}", settings.preemption_policy, LegacyConfig(ratio, settings.legacy_dec_blocks, settings.legacy_disable_recover))
+        (
+            f"legacy@{ratio}",
+            settings.preemption_policy,
+            LegacyConfig(ratio, settings.legacy_dec_blocks, settings.legacy_disable_recover),
+        )
         for ratio in args.legacy_ratios
     ]
     rows = []
@@ -148,7 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--num-blocks", type=int, default=2048, help="KV-cache blocks of the simulated accelerator")
     sim.add_argument("--policy", choices=["lifo", "min_recompute", "all"], default="all")
     sim.add_argument(
-        "--legacy-ratios", type=lambda text: [float(r) for r in text.split(",") if r], default=[],
+        "--legacy-ratios",
+        type=lambda text: [float(r) for r in text.split(",") if r],
+        default=[],
         help="also run the legacy split-table scheduler at these KV_CACHE_RATIO values, e.g. 0.5,0.75",
     )
     sim.add_argument("--seed", type=int, default=0)
@@ -157,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from service.bench import command as bench_command
 
-    bench = commands.add_parser("bench", help="benchmark an OpenAI-compatible server (or the simulator) on a seeded trace")
+    bench = commands.add_parser(
+        "bench", help="benchmark an OpenAI-compatible server (or the simulator) on a seeded trace"
+    )
     bench_command.add_arguments(bench)
     bench.set_defaults(handler=bench_command.run)
     return parser

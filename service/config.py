@@ -53,11 +53,15 @@ class Settings(BaseSettings):
 
     # KV cache and scheduling
     block_size: int = Field(default=16, gt=0, le=1024, description="Tokens per KV-cache block")
-    num_kv_blocks: int | None = Field(default=None, gt=0, description="Fixed number of KV blocks (overrides kv_cache_memory)")
+    num_kv_blocks: int | None = Field(
+        default=None, gt=0, description="Fixed number of KV blocks (overrides kv_cache_memory)"
+    )
     kv_cache_memory: ByteSize = Field(default=ByteSize(512 * 1024**2), description="Memory for the KV cache, e.g. 2GiB")
     max_num_seqs: int = Field(default=64, gt=0, description="Max requests running at once")
     max_num_batched_tokens: int = Field(default=2048, gt=0, description="Token budget of one step")
-    preemption_policy: Literal["lifo", "min_recompute"] = Field(default="min_recompute", description="Victim choice when blocks run out")
+    preemption_policy: Literal["lifo", "min_recompute"] = Field(
+        default="min_recompute", description="Victim choice when blocks run out"
+    )
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of identical prefixes")
     enable_v1_kvcache_scheduler: bool = Field(
         default=True,

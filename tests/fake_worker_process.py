@@ -7,10 +7,10 @@ Run as `python -m tests.fake_worker_process`; settings come from the environment
 import os
 import time
 
+from gpu_worker.worker_process import serve_worker
 from service import wire
 from service.config import load_settings
 from service.scheduler.fake_worker import FakeWorker
-from gpu_worker.worker_process import serve_worker
 from tests.unit.fake_scheduler import tiny_model_info
 
 
@@ -29,5 +29,7 @@ class FakeRunner:
 
 if __name__ == "__main__":
     settings = load_settings()
-    runner = FakeRunner(settings.num_kv_blocks or 64, settings.block_size, float(os.environ.get("FAKE_STEP_DELAY_S", "0")))
+    runner = FakeRunner(
+        settings.num_kv_blocks or 64, settings.block_size, float(os.environ.get("FAKE_STEP_DELAY_S", "0"))
+    )
     serve_worker(runner, settings)

@@ -101,7 +101,11 @@ class FakeStack:
         self.processes: list[subprocess.Popen] = []
 
     def __enter__(self) -> "FakeStack":
-        for args, name in ((["-m", "service.cli", "scheduler"], "scheduler"), (["-m", "tests.fake_worker_process"], "worker"), (["-m", "service.cli", "api"], "api")):
+        for args, name in (
+            (["-m", "service.cli", "scheduler"], "scheduler"),
+            (["-m", "tests.fake_worker_process"], "worker"),
+            (["-m", "service.cli", "api"], "api"),
+        ):
             self.processes.append(start(args, self.env, self.log_dir / f"{name}.log"))
         wait_ready(self.url, timeout_s=60)
         return self

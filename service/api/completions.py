@@ -22,9 +22,7 @@ router = APIRouter()
 
 
 @router.post("/v1/completions", response_model=CompletionResponse)
-async def create_completion(
-    body: CompletionRequest, request: Request, context: ApiContext = Depends(get_context)
-):
+async def create_completion(body: CompletionRequest, request: Request, context: ApiContext = Depends(get_context)):
     model = context.served_model()
     model.check_name(body.model)
     model.check_token_ids(body.stop_token_ids or [], "stop_token_ids")

@@ -28,9 +28,7 @@ HEARTBEAT_TIMEOUT_MS = 6000
 
 def lost_delta(request_id: str, reason: str) -> wire.RequestDelta:
     """The last delta of a request whose scheduler is gone."""
-    return wire.RequestDelta(
-        request_id=request_id, token_ids=[], finish_reason="error", error=reason, error_status=503
-    )
+    return wire.RequestDelta(request_id=request_id, token_ids=[], finish_reason="error", error=reason, error_status=503)
 
 
 class SchedulerClient:

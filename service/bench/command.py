@@ -31,16 +31,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--result-dir", type=Path, default=None, help="write result.json and PNG plots here")
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--simulate", action="store_true", help="run the trace through the simulator instead")
-    parser.add_argument("--num-blocks", type=int, default=2048, help="--simulate: KV blocks of the simulated accelerator")
+    parser.add_argument(
+        "--num-blocks", type=int, default=2048, help="--simulate: KV blocks of the simulated accelerator"
+    )
 
 
 def build_trace(args: argparse.Namespace):
     if args.workload == "custom":
-        lengths = (LengthDistribution(args.length_kind, args.input_len), LengthDistribution(args.length_kind, args.output_len))
+        lengths = (
+            LengthDistribution(args.length_kind, args.input_len),
+            LengthDistribution(args.length_kind, args.output_len),
+        )
     else:
         lengths = NAMED_WORKLOADS[args.workload]
     return make_trace(
-        Workload(args.num_requests, *lengths, args.request_rate, args.burstiness, vocab_size=args.vocab_size, seed=args.seed)
+        Workload(
+            args.num_requests, *lengths, args.request_rate, args.burstiness, vocab_size=args.vocab_size, seed=args.seed
+        )
     )
 
 
@@ -78,9 +85,13 @@ async def _serve(args: argparse.Namespace, trace) -> dict:
     timeline, stop, first_sample = MetricsTimeline(), asyncio.Event(), asyncio.Event()
     sampler = None
     if args.metrics_url:
-        sampler = asyncio.create_task(sample_until(args.metrics_url, stop, first_sample, timeline, 0.5, time.perf_counter()))
+        sampler = asyncio.create_task(
+            sample_until(args.metrics_url, stop, first_sample, timeline, 0.5, time.perf_counter())
+        )
         await first_sample.wait()  # the baseline, so counter deltas cover exactly this run
-    timings, started, finished = await run_trace(args.url, model, trace, args.ignore_eos, args.max_concurrency, args.timeout_s)
+    timings, started, finished = await run_trace(
+        args.url, model, trace, args.ignore_eos, args.max_concurrency, args.timeout_s
+    )
     if sampler is not None:
         stop.set()
         await sampler
@@ -89,7 +100,9 @@ async def _serve(args: argparse.Namespace, trace) -> dict:
     print(format_report(report))
     result = {"mode": "serve", "url": args.url, "model": model, "workload": args.workload, "report": report.as_dict()}
     if args.metrics_url:
-        result["server"] = {name: timeline.delta(name) for name in ("preemptions", "recomputed_tokens", "generation_tokens")}
+        result["server"] = {
+            name: timeline.delta(name) for name in ("preemptions", "recomputed_tokens", "generation_tokens")
+        }
         result["server"]["max_kv_usage"] = max(timeline.series["kv_usage"], default=0.0)
         print(f"server: {result['server']}")
     if args.result_dir is not None:

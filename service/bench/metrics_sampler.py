@@ -41,7 +41,12 @@ def parse(text: str) -> dict[str, float]:
 
 
 async def sample_until(
-    url: str, stop: asyncio.Event, first_sample: asyncio.Event, timeline: MetricsTimeline, interval_s: float, started: float
+    url: str,
+    stop: asyncio.Event,
+    first_sample: asyncio.Event,
+    timeline: MetricsTimeline,
+    interval_s: float,
+    started: float,
 ) -> None:
     """Sample every `interval_s` until `stop`, once more after it; `first_sample` is set after the first try."""
     async with httpx.AsyncClient(timeout=5) as http:

@@ -97,6 +97,8 @@ def format_report(report: BenchReport) -> str:
         f"goodput: {report.goodput_requests_per_s:.2f} req/s within {report.slo or 'no SLO'}",
     ]
     for name, dist in (("TTFT", report.ttft_s), ("TPOT", report.tpot_s), ("ITL", report.itl_s), ("E2E", report.e2e_s)):
-        lines.append(f"{name:>5} ms: mean {1000 * dist.mean:8.1f}  p50 {1000 * dist.p50:8.1f}  p99 {1000 * dist.p99:8.1f}")
+        lines.append(
+            f"{name:>5} ms: mean {1000 * dist.mean:8.1f}  p50 {1000 * dist.p50:8.1f}  p99 {1000 * dist.p99:8.1f}"
+        )
     lines += [f"error: {error}" for error in report.errors]
     return "\n".join(lines)

@@ -97,7 +97,9 @@ class BlockPool:
         hits = []
         for index, block_hash in enumerate(block_hashes[:max_blocks]):
             block_id = self._cached.get(block_hash)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids[index * size : (index + 1) * size]):
+            if block_id is None or self.blocks[block_id].token_ids != tuple(
+                token_ids[index * size : (index + 1) * size]
+            ):
                 break
             hits.append(block_id)
         return hits
@@ -111,7 +113,9 @@ class BlockPool:
                 self.num_cached_free -= 1
             block.ref_count += 1
 
-    def cache_blocks(self, block_ids: list[int], block_hashes: list[int], token_ids: list[int], start: int, end: int) -> None:
+    def cache_blocks(
+        self, block_ids: list[int], block_hashes: list[int], token_ids: list[int], start: int, end: int
+    ) -> None:
         """Register a sequence's full blocks `start..end-1` in the prefix cache under their hashes."""
         if not self.enable_prefix_caching:
             return

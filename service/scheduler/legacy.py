@@ -43,7 +43,9 @@ class LegacyScheduler(Scheduler):
         self.decode_used = 0
         self._prefill_blocks: dict[str, int] = {}  # request id -> how many of its blocks are prefill share
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: wire.SamplingParams, now: float) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: wire.SamplingParams, now: float
+    ) -> None:
         needed = self._admission_blocks(len(prompt_token_ids))
         if needed > self.prefill_capacity:
             raise RequestRejected(
@@ -54,7 +56,10 @@ class LegacyScheduler(Scheduler):
 
     def pool_usage(self) -> list[tuple[str, int, int]]:
         """(pool, capacity, used blocks) of the prefill and decode tables."""
-        return [("prefill", self.prefill_capacity, self.prefill_used), ("decode", self.decode_capacity, self.decode_used)]
+        return [
+            ("prefill", self.prefill_capacity, self.prefill_used),
+            ("decode", self.decode_capacity, self.decode_used),
+        ]
 
     def decode_blocks(self, request: Request) -> int:
         return len(request.block_ids) - self._prefill_blocks.get(request.request_id, 0)
@@ -149,7 +154,9 @@ class LegacyScheduler(Scheduler):
         super()._finish(request, reason)
 
 
-def build_scheduler(config: SchedulerConfig, legacy: LegacyConfig | None, stats: SchedulerStats | None = None) -> Scheduler:
+def build_scheduler(
+    config: SchedulerConfig, legacy: LegacyConfig | None, stats: SchedulerStats | None = None
+) -> Scheduler:
     """The unified scheduler, or the legacy split-table one when `legacy` is given."""
     return Scheduler(config, stats) if legacy is None else LegacyScheduler(config, legacy, stats)
 

@@ -29,7 +29,13 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 class _LiveCollector(Collector):
     """Reads block-table and queue state, and the scheduler's counters, at scrape time."""
 
-    def __init__(self, get_scheduler: Callable[[], Scheduler | None], stats: SchedulerStats, get_model_name: Callable[[], str], settings_info: dict[str, str]):
+    def __init__(
+        self,
+        get_scheduler: Callable[[], Scheduler | None],
+        stats: SchedulerStats,
+        get_model_name: Callable[[], str],
+        settings_info: dict[str, str],
+    ):
         self.get_scheduler = get_scheduler
         self.stats = stats
         self.get_model_name = get_model_name
@@ -51,18 +57,50 @@ class _LiveCollector(Collector):
             return family
 
         yield from self._pool_gauges(model, scheduler)
-        yield gauge("blockserve_kv_blocks_cached", "Free KV-cache blocks that still hold a reusable cached prefix.", pool.num_cached_free if pool else 0)
-        yield gauge("blockserve_num_requests_running", "Requests holding blocks and being computed.", len(scheduler.running) if scheduler else 0)
-        yield gauge("blockserve_num_requests_waiting", "Requests queued, preempted ones included.", len(scheduler.waiting) if scheduler else 0)
-        yield gauge("blockserve_num_requests_preempted", "Queued requests that were preempted and wait to be recomputed.", scheduler.num_preempted_waiting if scheduler else 0)
+        yield gauge(
+            "blockserve_kv_blocks_cached",
+            "Free KV-cache blocks that still hold a reusable cached prefix.",
+            pool.num_cached_free if pool else 0,
+        )
+        yield gauge(
+            "blockserve_num_requests_running",
+            "Requests holding blocks and being computed.",
+            len(scheduler.running) if scheduler else 0,
+        )
+        yield gauge(
+            "blockserve_num_requests_waiting",
+            "Requests queued, preempted ones included.",
+            len(scheduler.waiting) if scheduler else 0,
+        )
+        yield gauge(
+            "blockserve_num_requests_preempted",
+            "Queued requests that were preempted and wait to be recomputed.",
+            scheduler.num_preempted_waiting if scheduler else 0,
+        )
         stats = self.stats
-        yield counter("blockserve_num_preemptions", "Preemptions: a running request gave its blocks back.", stats.num_preemptions)
-        yield counter("blockserve_recomputed_tokens", "Tokens computed again because their request had been preempted.", stats.num_recomputed_tokens)
+        yield counter(
+            "blockserve_num_preemptions", "Preemptions: a running request gave its blocks back.", stats.num_preemptions
+        )
+        yield counter(
+            "blockserve_recomputed_tokens",
+            "Tokens computed again because their request had been preempted.",
+            stats.num_recomputed_tokens,
+        )
         yield counter("blockserve_prompt_tokens", "Prompt tokens of admitted requests.", stats.num_prompt_tokens)
-        yield counter("blockserve_generation_tokens", "Tokens generated and sent to clients.", stats.num_generation_tokens)
-        yield counter("blockserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries)
-        yield counter("blockserve_prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.prefix_cache_hits)
-        finished = CounterMetricFamily("blockserve_requests_finished", "Finished requests by reason.", labels=["model_name", "reason"])
+        yield counter(
+            "blockserve_generation_tokens", "Tokens generated and sent to clients.", stats.num_generation_tokens
+        )
+        yield counter(
+            "blockserve_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries,
+        )
+        yield counter(
+            "blockserve_prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.prefix_cache_hits
+        )
+        finished = CounterMetricFamily(
+            "blockserve_requests_finished", "Finished requests by reason.", labels=["model_name", "reason"]
+        )
         for reason in FINISH_REASONS:
             finished.add_metric([model, reason], stats.finished_by_reason[reason])
         yield finished
@@ -70,15 +108,24 @@ class _LiveCollector(Collector):
         info.add_metric([], self.settings_info)
         yield info
 
-
     @staticmethod
     def _pool_gauges(model: str, scheduler: Scheduler | None):
         """Usage, capacity and free blocks per table: `unified`, or `prefill` and `decode` in legacy mode."""
         pools = scheduler.pool_usage() if scheduler else [("unified", 0, 0)]
         families = [
-            GaugeMetricFamily("blockserve_kv_cache_usage_ratio", "Share of KV blocks held by live requests (0-1).", labels=["model_name", "pool"]),
-            GaugeMetricFamily("blockserve_kv_blocks_capacity", "KV-cache blocks in the table.", labels=["model_name", "pool"]),
-            GaugeMetricFamily("blockserve_kv_blocks_free", "KV-cache blocks not held by any request (cached ones included).", labels=["model_name", "pool"]),
+            GaugeMetricFamily(
+                "blockserve_kv_cache_usage_ratio",
+                "Share of KV blocks held by live requests (0-1).",
+                labels=["model_name", "pool"],
+            ),
+            GaugeMetricFamily(
+                "blockserve_kv_blocks_capacity", "KV-cache blocks in the table.", labels=["model_name", "pool"]
+            ),
+            GaugeMetricFamily(
+                "blockserve_kv_blocks_free",
+                "KV-cache blocks not held by any request (cached ones included).",
+                labels=["model_name", "pool"],
+            ),
         ]
         for name, capacity, used in pools:
             families[0].add_metric([model, name], used / capacity if capacity else 0.0)
@@ -90,7 +137,13 @@ class _LiveCollector(Collector):
 class SchedulerMetrics:
     """Everything `/metrics` on the scheduler's metrics port shows."""
 
-    def __init__(self, get_scheduler: Callable[[], Scheduler | None], stats: SchedulerStats, get_model_name: Callable[[], str], settings_info: dict[str, object]):
+    def __init__(
+        self,
+        get_scheduler: Callable[[], Scheduler | None],
+        stats: SchedulerStats,
+        get_model_name: Callable[[], str],
+        settings_info: dict[str, object],
+    ):
         self.registry = CollectorRegistry()
         self.get_model_name = get_model_name
         labels = {key.lower(): str(value) for key, value in settings_info.items()}
@@ -99,13 +152,29 @@ class SchedulerMetrics:
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
 
-        self.ttft = histogram("blockserve_time_to_first_token_seconds", "Time from arrival at the scheduler to the first token.", LATENCY_BUCKETS_S)
-        self.itl = histogram("blockserve_inter_token_latency_seconds", "Time between consecutive tokens of a request.", LATENCY_BUCKETS_S)
-        self.e2e = histogram("blockserve_e2e_request_latency_seconds", "Time from arrival to the last token.", LATENCY_BUCKETS_S)
-        self.queue = histogram("blockserve_request_queue_time_seconds", "Time from arrival to first being scheduled.", LATENCY_BUCKETS_S)
-        self.preemptions = histogram("blockserve_request_preemptions", "Preemptions each finished request went through.", PREEMPTION_BUCKETS)
-        self.step = histogram("blockserve_step_duration_seconds", "Time from sending a step to the worker to its result.", STEP_BUCKETS_S)
-        self.schedule = histogram("blockserve_schedule_duration_seconds", "Time the scheduler takes to decide one step.", STEP_BUCKETS_S)
+        self.ttft = histogram(
+            "blockserve_time_to_first_token_seconds",
+            "Time from arrival at the scheduler to the first token.",
+            LATENCY_BUCKETS_S,
+        )
+        self.itl = histogram(
+            "blockserve_inter_token_latency_seconds", "Time between consecutive tokens of a request.", LATENCY_BUCKETS_S
+        )
+        self.e2e = histogram(
+            "blockserve_e2e_request_latency_seconds", "Time from arrival to the last token.", LATENCY_BUCKETS_S
+        )
+        self.queue = histogram(
+            "blockserve_request_queue_time_seconds", "Time from arrival to first being scheduled.", LATENCY_BUCKETS_S
+        )
+        self.preemptions = histogram(
+            "blockserve_request_preemptions", "Preemptions each finished request went through.", PREEMPTION_BUCKETS
+        )
+        self.step = histogram(
+            "blockserve_step_duration_seconds", "Time from sending a step to the worker to its result.", STEP_BUCKETS_S
+        )
+        self.schedule = histogram(
+            "blockserve_schedule_duration_seconds", "Time the scheduler takes to decide one step.", STEP_BUCKETS_S
+        )
         self.batch_tokens = histogram("blockserve_batch_tokens", "Tokens computed in one step.", BATCH_TOKEN_BUCKETS)
         self._last_token_at: dict[str, float] = {}
 

@@ -6,7 +6,9 @@ from service import wire
 from service.scheduler.request import FinishReason, Request
 
 
-def stop_reason(request: Request, token_id: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> FinishReason | None:
+def stop_reason(
+    request: Request, token_id: int, eos_token_ids: tuple[int, ...], max_model_len: int
+) -> FinishReason | None:
     """Why the request ends with `token_id` (already appended), or None if it goes on."""
     sampling = request.sampling
     if (not sampling.ignore_eos and token_id in eos_token_ids) or token_id in sampling.stop_token_ids:

@@ -43,7 +43,6 @@ class SchedulerConfig:
     max_skip_ahead: int = 8  # waiting requests looked at past a head that does not fit
     max_head_skips: int = 32  # admission rounds a head may be passed over before it blocks others
 
-
     @classmethod
     def from_settings(cls, settings, num_blocks: int, **overrides) -> "SchedulerConfig":
         """The scheduling settings of `settings` for a table of `num_blocks` (overrides win)."""
@@ -100,7 +99,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: wire.SamplingParams, now: float) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: wire.SamplingParams, now: float
+    ) -> None:
         """Queue a request, or raise RequestRejected if it could never be served."""
         cfg = self.config
         if request_id in self.requests:
@@ -191,7 +192,9 @@ class Scheduler:
         deltas, self._pending_deltas = self._pending_deltas, []
         if result.error is not None:
             return deltas + [
-                self._end(r, FinishReason.ERROR, f"worker error: {result.error}") for r in last_scheduled if not r.is_finished
+                self._end(r, FinishReason.ERROR, f"worker error: {result.error}")
+                for r in last_scheduled
+                if not r.is_finished
             ]
         sampled = {s.request_id: s for s in result.sampled}
         for request in last_scheduled:
@@ -244,7 +247,9 @@ class Scheduler:
         cfg = self.config
         reserved = self.reserve.reserved_blocks(self.running, cfg.max_model_len, cfg.block_size)
         passed: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(passed) <= cfg.max_skip_ahead:
+        while (
+            self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(passed) <= cfg.max_skip_ahead
+        ):
             request = self.waiting.popleft()
             num_new = self._try_admit(request, budget, reserved)
             if num_new is None:
@@ -326,7 +331,9 @@ class Scheduler:
 
     def _cache_computed_blocks(self, request: Request) -> None:
         num_full = min(request.num_computed_tokens // self.config.block_size, len(request.block_hashes))
-        self.pool.cache_blocks(request.block_ids, request.block_hashes, request.token_ids, request.num_cached_blocks, num_full)
+        self.pool.cache_blocks(
+            request.block_ids, request.block_hashes, request.token_ids, request.num_cached_blocks, num_full
+        )
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     def _accept_token(self, request: Request, token: wire.SampledToken, now: float) -> wire.RequestDelta:

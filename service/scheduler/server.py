@@ -43,7 +43,9 @@ class SchedulerServer:
         self.worker_id: bytes | None = None
         self.owners: dict[str, tuple[bytes, float]] = {}  # request id -> (api replica identity, arrival)
         self.stats = SchedulerStats()  # outlives any one Scheduler, so counters never go back
-        self.metrics = SchedulerMetrics(lambda: self.scheduler, self.stats, lambda: self.model.name if self.model else "", settings.redacted())
+        self.metrics = SchedulerMetrics(
+            lambda: self.scheduler, self.stats, lambda: self.model.name if self.model else "", settings.redacted()
+        )
         self.step_in_flight: wire.SchedulerOutput | None = None
         self.step_sent_at = 0.0
         self.step_schedule_s = 0.0
@@ -184,7 +186,9 @@ class SchedulerServer:
 
     @staticmethod
     def _error_delta(request_id: str, reason: str, status: int) -> wire.RequestDelta:
-        return wire.RequestDelta(request_id=request_id, token_ids=[], finish_reason="error", error=reason, error_status=status)
+        return wire.RequestDelta(
+            request_id=request_id, token_ids=[], finish_reason="error", error=reason, error_status=status
+        )
 
     @staticmethod
     def _send(socket: zmq.Socket, identity: bytes, message: wire.Message) -> None:
@@ -223,7 +227,13 @@ class SchedulerServer:
         )
         self.worker_id = identity
         self.last_ping_at = self.last_heard_at = time.monotonic()
-        log.info("worker %s registered: %d KV blocks of %d tokens, model %s", hello.worker_id, num_blocks, hello.block_size, hello.model.name)
+        log.info(
+            "worker %s registered: %d KV blocks of %d tokens, model %s",
+            hello.worker_id,
+            num_blocks,
+            hello.block_size,
+            hello.model.name,
+        )
 
     def _on_step_result(self, result: wire.StepResult) -> None:
         if self.step_in_flight is None or result.step_id != self.step_in_flight.step_id:
@@ -237,7 +247,12 @@ class SchedulerServer:
         self._observe_finished()
 
     def _maybe_step(self, now: float) -> None:
-        if self.step_in_flight is not None or self.worker_id is None or self.scheduler is None or not self.scheduler.has_work:
+        if (
+            self.step_in_flight is not None
+            or self.worker_id is None
+            or self.scheduler is None
+            or not self.scheduler.has_work
+        ):
             return
         step = self.scheduler.schedule(now)
         self.step_schedule_s = time.monotonic() - now
@@ -280,6 +295,8 @@ def run_scheduler(settings: Settings) -> None:
     server.metrics.serve(settings.metrics_port)
     log.info(
         "scheduler listening: api %s, workers %s, metrics on :%d/metrics",
-        settings.scheduler_addr, settings.worker_addr, settings.metrics_port,
+        settings.scheduler_addr,
+        settings.worker_addr,
+        settings.metrics_port,
     )
     server.serve_forever()

@@ -27,7 +27,9 @@ class CostModel:
     per_context_token_s: float = 0.0000002
 
     def step_time(self, num_scheduled_tokens: int, num_context_tokens: int) -> float:
-        return self.step_fixed_s + self.per_token_s * num_scheduled_tokens + self.per_context_token_s * num_context_tokens
+        return (
+            self.step_fixed_s + self.per_token_s * num_scheduled_tokens + self.per_context_token_s * num_context_tokens
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +62,10 @@ class _Timing:
 
 
 def simulate(
-    trace: list[TraceRequest], config: SchedulerConfig, cost: CostModel = CostModel(), legacy: LegacyConfig | None = None
+    trace: list[TraceRequest],
+    config: SchedulerConfig,
+    cost: CostModel = CostModel(),
+    legacy: LegacyConfig | None = None,
 ) -> SimulationReport:
     """Replay `trace` through the unified scheduler (or the legacy one, given `legacy`)."""
     scheduler = build_scheduler(config, legacy)

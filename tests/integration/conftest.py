@@ -62,8 +62,13 @@ class SchedulerDouble:
         self.num_mixed_steps = 0  # steps holding both a prefill chunk and a decode
         self.num_chunked_prefills = 0  # prefill chunks that did not reach the end of the prompt
 
-    def add(self, request_id: str, prompt_ids: list[int], sampling: wire.SamplingParams,
-            cached_block_ids: tuple[int, ...] = ()) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: wire.SamplingParams,
+        cached_block_ids: tuple[int, ...] = (),
+    ) -> None:
         """Queue a request; `cached_block_ids` are full blocks of its prefix already in the cache."""
         request = PlannedRequest(request_id, list(prompt_ids), sampling, block_ids=list(cached_block_ids))
         request.num_computed_tokens = len(cached_block_ids) * self.block_size
@@ -98,22 +103,27 @@ class SchedulerDouble:
                 new_block_ids = request.block_ids[request.num_sent_blocks :]
                 running.append(wire.RunningRequest(request.request_id, new_block_ids, num_tokens))
             else:
-                new.append(wire.NewRequest(
-                    request_id=request.request_id,
-                    token_ids=request.token_ids,
-                    num_prompt_tokens=len(request.prompt_ids),
-                    sampling=request.sampling,
-                    block_ids=list(request.block_ids),
-                    num_computed_tokens=request.num_computed_tokens,
-                    num_scheduled_tokens=num_tokens,
-                ))
+                new.append(
+                    wire.NewRequest(
+                        request_id=request.request_id,
+                        token_ids=request.token_ids,
+                        num_prompt_tokens=len(request.prompt_ids),
+                        sampling=request.sampling,
+                        block_ids=list(request.block_ids),
+                        num_computed_tokens=request.num_computed_tokens,
+                        num_scheduled_tokens=num_tokens,
+                    )
+                )
                 request.on_worker = True
             request.num_sent_blocks = len(request.block_ids)
             request.num_computed_tokens += num_tokens
         self.num_mixed_steps += kinds == {"decode", "prefill"}
         output = wire.SchedulerOutput(
-            step_id=self.step_id, new_requests=new, running_requests=running,
-            finished_request_ids=self.finished, preempted_request_ids=self.preempted,
+            step_id=self.step_id,
+            new_requests=new,
+            running_requests=running,
+            finished_request_ids=self.finished,
+            preempted_request_ids=self.preempted,
         )
         self.step_id += 1
         self.finished, self.preempted = [], []

@@ -22,12 +22,37 @@ def test_bench_report_is_well_formed_and_agrees_with_the_server_metrics(server, 
     result_dir = tmp_path / "result"
     subprocess.run(
         [
-            sys.executable, "-m", "service.cli", "bench", "--url", url, "--metrics-url", metrics_url,
-            "--workload", "custom", "--length-kind", "uniform", "--input-len", "8", "--output-len", "10",
-            "--num-requests", "16", "--request-rate", "40", "--vocab-size", "300", "--slo-ttft-ms", "60000",
-            "--result-dir", str(result_dir),
+            sys.executable,
+            "-m",
+            "service.cli",
+            "bench",
+            "--url",
+            url,
+            "--metrics-url",
+            metrics_url,
+            "--workload",
+            "custom",
+            "--length-kind",
+            "uniform",
+            "--input-len",
+            "8",
+            "--output-len",
+            "10",
+            "--num-requests",
+            "16",
+            "--request-rate",
+            "40",
+            "--vocab-size",
+            "300",
+            "--slo-ttft-ms",
+            "60000",
+            "--result-dir",
+            str(result_dir),
         ],
-        check=True, cwd=ROOT, timeout=120, capture_output=True,
+        check=True,
+        cwd=ROOT,
+        timeout=120,
+        capture_output=True,
     )
     result = json.loads((result_dir / "result.json").read_text())
     report = result["report"]
@@ -35,7 +60,10 @@ def test_bench_report_is_well_formed_and_agrees_with_the_server_metrics(server, 
     generated = after["blockserve_generation_tokens_total"] - before["blockserve_generation_tokens_total"]
     assert report["num_requests"] == report["num_completed"] == 16 and report["num_failed"] == 0
     assert report["total_output_tokens"] == generated == result["server"]["generation_tokens"]
-    assert result["server"]["preemptions"] == after["blockserve_num_preemptions_total"] - before["blockserve_num_preemptions_total"]
+    assert (
+        result["server"]["preemptions"]
+        == after["blockserve_num_preemptions_total"] - before["blockserve_num_preemptions_total"]
+    )
     assert report["goodput_requests_per_s"] == pytest.approx(report["requests_per_s"])
     for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         assert 0 < report[name]["p50"] <= report[name]["p99"]

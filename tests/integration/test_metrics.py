@@ -30,9 +30,13 @@ def known_workload(stack):
     _, url = stack
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     model = client.models.list().data[0].id
+
     def one(index: int) -> int:
         completion = client.completions.create(
-            model=model, prompt=f"request number {index} says hello", max_tokens=32 + index % 5, extra_body={"ignore_eos": True}
+            model=model,
+            prompt=f"request number {index} says hello",
+            max_tokens=32 + index % 5,
+            extra_body={"ignore_eos": True},
         )
         return completion.usage.completion_tokens
 
@@ -86,7 +90,12 @@ def test_real_prometheus_scrapes_both_and_every_dashboard_query_succeeds(stack, 
         f"  - job_name: api\n    static_configs: [{{targets: ['127.0.0.1:{env['BLOCKSERVE_PORT']}']}}]\n"
     )
     prometheus = subprocess.Popen(
-        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -69,7 +69,10 @@ class ApiPeer:
 def cluster(tmp_path):
     """Scheduler + fake worker; yields (env, peer, processes)."""
     env = loopback_env(
-        BLOCKSERVE_NUM_KV_BLOCKS="24", BLOCKSERVE_BLOCK_SIZE="4", BLOCKSERVE_WORKER_TIMEOUT_S="2", FAKE_STEP_DELAY_S="0.03"
+        BLOCKSERVE_NUM_KV_BLOCKS="24",
+        BLOCKSERVE_BLOCK_SIZE="4",
+        BLOCKSERVE_WORKER_TIMEOUT_S="2",
+        FAKE_STEP_DELAY_S="0.03",
     )
     processes = {
         "scheduler": start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),

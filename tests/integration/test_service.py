@@ -81,7 +81,9 @@ def test_openai_client_chat_and_completion_streamed_and_not(stack):
     _, urls = stack
     client = client_for(urls[0])
     model = model_name(urls[0])
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12)
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12
+    )
     assert chat.choices[0].message.content and chat.usage.completion_tokens <= 12
     completion = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert completion.choices[0].text and completion.usage.completion_tokens <= 8
@@ -125,7 +127,9 @@ def test_two_api_replicas_serve_at_once(stack):
 
     texts = asyncio.run(both())
     assert all(texts)
-    alone = client_for(urls[1]).completions.create(model=model_name(urls[1]), prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    alone = client_for(urls[1]).completions.create(
+        model=model_name(urls[1]), prompt=PROMPTS[0], max_tokens=8, temperature=0
+    )
     assert texts[0] == alone.choices[0].text
 
 
@@ -207,7 +211,9 @@ def test_bad_requests_get_4xx_and_the_service_keeps_serving(stack, body, status,
     response = httpx.post(f"{urls[0]}/v1/completions", json=payload, timeout=30)
     assert response.status_code == status
     assert fragment in response.json()["error"]["message"]
-    response = httpx.post(f"{urls[0]}/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}, timeout=30)
+    response = httpx.post(
+        f"{urls[0]}/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}, timeout=30
+    )
     assert response.status_code == 400 and "error" in response.json()
     ok = client_for(urls[0]).completions.create(model=model_name(urls[0]), prompt="Hi", max_tokens=2)
     assert ok.choices[0].text is not None

@@ -43,8 +43,8 @@ def test_paged_attention_equals_dense_attention_over_each_requests_context(query
             block, offset = state.block_ids[position // BLOCK_SIZE], position % BLOCK_SIZE
             key_cache[block, offset], value_cache[block, offset] = keys[position], values[position]
     inputs = build_step_inputs([(s, n) for s, (_, n) in zip(states, REQUESTS)], BLOCK_SIZE, NUM_BLOCKS)
-    new_keys = np.concatenate([k[s.num_computed_tokens:] for s, (k, _) in zip(states, contexts)])
-    new_values = np.concatenate([v[s.num_computed_tokens:] for s, (_, v) in zip(states, contexts)])
+    new_keys = np.concatenate([k[s.num_computed_tokens :] for s, (k, _) in zip(states, contexts)])
+    new_values = np.concatenate([v[s.num_computed_tokens :] for s, (_, v) in zip(states, contexts)])
     query = rng.standard_normal((len(inputs.input_ids), NUM_HEADS, HEAD_DIM), dtype=np.float32)
     backend = PagedAttentionBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, query_tile, max_score_elements)
     key_tensor, value_tensor = paddle.to_tensor(key_cache), paddle.to_tensor(value_cache)

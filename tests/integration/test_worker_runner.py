@@ -24,8 +24,13 @@ def runner(smollm_path):
 
 def new_request(request_id: str, sampling: wire.SamplingParams, block_ids: list[int]) -> wire.NewRequest:
     return wire.NewRequest(
-        request_id=request_id, token_ids=PROMPT_IDS, num_prompt_tokens=len(PROMPT_IDS), sampling=sampling,
-        block_ids=block_ids, num_computed_tokens=0, num_scheduled_tokens=len(PROMPT_IDS),
+        request_id=request_id,
+        token_ids=PROMPT_IDS,
+        num_prompt_tokens=len(PROMPT_IDS),
+        sampling=sampling,
+        block_ids=block_ids,
+        num_computed_tokens=0,
+        num_scheduled_tokens=len(PROMPT_IDS),
     )
 
 
@@ -67,10 +72,20 @@ def test_a_step_naming_an_unknown_request_returns_an_error_and_the_worker_keeps_
 
 
 def test_a_step_with_too_few_blocks_is_refused_not_computed(runner):
-    step = wire.SchedulerOutput(step_id=5, new_requests=[
-        wire.NewRequest(request_id="short", token_ids=PROMPT_IDS * 2, num_prompt_tokens=26,
-                        sampling=wire.SamplingParams(), block_ids=[2], num_computed_tokens=0, num_scheduled_tokens=26)
-    ])
+    step = wire.SchedulerOutput(
+        step_id=5,
+        new_requests=[
+            wire.NewRequest(
+                request_id="short",
+                token_ids=PROMPT_IDS * 2,
+                num_prompt_tokens=26,
+                sampling=wire.SamplingParams(),
+                block_ids=[2],
+                num_computed_tokens=0,
+                num_scheduled_tokens=26,
+            )
+        ],
+    )
 
     assert "too few blocks" in runner.execute(step).error
 

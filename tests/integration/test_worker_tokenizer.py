@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from service.api.chat_template import ChatTemplateError, render_chat
 from gpu_worker.gguf_checkpoint import GGUFCheckpoint
 from gpu_worker.model_loader import model_info
 from gpu_worker.tokenizer import tokenizer_from_folder
+from service.api.chat_template import ChatTemplateError, render_chat
 from service.config import load_settings
 
 pytestmark = pytest.mark.integration

@@ -26,7 +26,7 @@ TOKEN_BUDGET = 24
 NUM_GREEDY_TOKENS = 32
 PROMPTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Once upon a time, in a small village at the edge of a great forest, there lived an old woodcutter who",
     "Les trois couleurs primaires sont",
     "Water boils at a temperature of",
@@ -36,8 +36,13 @@ PROMPTS = [
 ]
 LONG_TEXT = PROMPTS[2] + " " + PROMPTS[6]  # over two blocks of 16 tokens
 TINY_DIMS = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    vocab_size=49152, initializer_range=0.2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=49152,
+    initializer_range=0.2,
 )
 
 
@@ -52,8 +57,14 @@ def tiny_qwen2(folder, tokenizer):
 def tiny_llama3_bf16(folder, tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                original_max_position_embeddings=64)
+    rope = dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    )
     torch.manual_seed(1)
     config = LlamaConfig(**TINY_DIMS, tie_word_embeddings=True, rope_parameters=rope, max_position_embeddings=4096)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
@@ -159,8 +170,12 @@ def test_prefix_cache_hit_reads_blocks_another_request_computed(models, schedule
     double.run()
     second_prompt = shared + encode(runner, " Meanwhile, far away,")
 
-    double.add("second", second_prompt, wire.SamplingParams(temperature=0.0, max_tokens=8),
-               cached_block_ids=tuple(double.done["first"].block_ids[:2]))
+    double.add(
+        "second",
+        second_prompt,
+        wire.SamplingParams(temperature=0.0, max_tokens=8),
+        cached_block_ids=tuple(double.done["first"].block_ids[:2]),
+    )
     outputs = double.run()
 
     assert outputs["second"] == reference_greedy(reference, second_prompt, 8)

@@ -1,8 +1,9 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from .fake_scheduler import tiny_tokenizer
 from service.api.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+
+from .fake_scheduler import tiny_tokenizer
 
 
 def stream_text(text: str, prompt: str = "") -> list[str]:

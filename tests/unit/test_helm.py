@@ -17,11 +17,11 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+import tomllib
 import yaml
 
 from service.config import Settings, env_name, load_settings
@@ -50,7 +50,9 @@ def _helm() -> str:
 
 @functools.cache
 def _helm_version() -> str:
-    return subprocess.run([_helm(), "version", "--template", "{{.Version}}"], capture_output=True, text=True, check=True).stdout
+    return subprocess.run(
+        [_helm(), "version", "--template", "{{.Version}}"], capture_output=True, text=True, check=True
+    ).stdout
 
 
 def helm_template(*args: str) -> list[dict]:
@@ -130,7 +132,10 @@ def test_every_rendered_resource_is_valid_kubernetes(values, version):
         try:
             kubernetes_validate.validate(resource, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{resource['kind']}/{resource['metadata']['name']} (Kubernetes {version}): {exc.message}", pytrace=False)
+            pytest.fail(
+                f"{resource['kind']}/{resource['metadata']['name']} (Kubernetes {version}): {exc.message}",
+                pytrace=False,
+            )
 
 
 def test_strict_validation_would_catch_a_misplaced_field():
@@ -145,8 +150,20 @@ def test_strict_validation_would_catch_a_misplaced_field():
 def test_every_option_renders_every_kind():
     kinds = sorted(r["kind"] for r in helm_template(*RENDERINGS["every option on"]))
     assert kinds == sorted(
-        ["ConfigMap", "ConfigMap", "Secret", "Service", "Service", "Deployment", "Deployment",
-         "HorizontalPodAutoscaler", "PodDisruptionBudget", "PodDisruptionBudget", "ServiceMonitor", "ServiceMonitor"]
+        [
+            "ConfigMap",
+            "ConfigMap",
+            "Secret",
+            "Service",
+            "Service",
+            "Deployment",
+            "Deployment",
+            "HorizontalPodAutoscaler",
+            "PodDisruptionBudget",
+            "PodDisruptionBudget",
+            "ServiceMonitor",
+            "ServiceMonitor",
+        ]
     )
     default_kinds = sorted(r["kind"] for r in helm_template())
     assert default_kinds == ["ConfigMap", "Deployment", "Deployment", "Service", "Service"]
@@ -268,11 +285,14 @@ def test_misspelt_or_chart_managed_settings_are_refused():
 def test_api_key_comes_from_a_secret_and_reaches_only_the_api():
     def api_key_env(resources: list[dict]) -> dict[str, list]:
         return {
-            name: [e for e in c.get("env", []) if e["name"] == "BLOCKSERVE_API_KEY"] for name, c in containers(resources).items()
+            name: [e for e in c.get("env", []) if e["name"] == "BLOCKSERVE_API_KEY"]
+            for name, c in containers(resources).items()
         }
 
     assert api_key_env(helm_template()) == {"api": [], "scheduler": [], "worker": []}
-    resources = helm_template("--set", "apiKey.existingSecret=team-keys", "--set", "apiKey.existingSecretKey=blockserve")
+    resources = helm_template(
+        "--set", "apiKey.existingSecret=team-keys", "--set", "apiKey.existingSecretKey=blockserve"
+    )
     assert not [r for r in resources if r["kind"] == "Secret"]
     assert api_key_env(resources)["api"] == [
         {"name": "BLOCKSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "team-keys", "key": "blockserve"}}}
@@ -300,7 +320,11 @@ def test_engine_pod_runs_the_scheduler_beside_the_worker_with_the_gpu():
     engine = find(helm_template(), "Deployment", "-engine")["spec"]["template"]["spec"]
     scheduler, worker = engine["containers"]
     assert (scheduler["command"], worker["command"]) == (["blockserve", "scheduler"], ["blockserve", "worker"])
-    assert scheduler["livenessProbe"]["httpGet"] == scheduler["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    assert (
+        scheduler["livenessProbe"]["httpGet"]
+        == scheduler["readinessProbe"]["httpGet"]
+        == {"path": "/metrics", "port": "metrics"}
+    )
     startup = scheduler["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 15 * 60  # room for a model load
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -486,7 +510,11 @@ def test_dockerfile_healthcheck_asks_the_api_for_health():
 def test_dockerignore_keeps_the_context_to_what_the_image_needs():
     lines = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
     assert lines[0] == "*"
-    copied = {c.value[0].rstrip("/") for c in _dockerfile() if c.cmd == "COPY" and not any(f.startswith("--from") for f in c.flags)}
+    copied = {
+        c.value[0].rstrip("/")
+        for c in _dockerfile()
+        if c.cmd == "COPY" and not any(f.startswith("--from") for f in c.flags)
+    }
     allowed = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
     assert {path.replace("[s]", "s") for path in copied} <= allowed
 
@@ -503,12 +531,18 @@ def test_rendered_containers_serve_and_drain_in_order(tmp_path):
 
     api_port, metrics_port, scheduler_port, worker_port = (free_port() for _ in range(4))
     resources = helm_template(
-        "--set", f"config.BLOCKSERVE_PORT={api_port}",
-        "--set", f"config.BLOCKSERVE_METRICS_PORT={metrics_port}",
-        "--set", f"config.BLOCKSERVE_WORKER_ADDR=tcp://127.0.0.1:{worker_port}",
-        "--set", f"engine.schedulerPort={scheduler_port}",
-        "--set", "config.BLOCKSERVE_HOST=127.0.0.1",
-        "--set", "config.BLOCKSERVE_DRAIN_TIMEOUT_S=20",
+        "--set",
+        f"config.BLOCKSERVE_PORT={api_port}",
+        "--set",
+        f"config.BLOCKSERVE_METRICS_PORT={metrics_port}",
+        "--set",
+        f"config.BLOCKSERVE_WORKER_ADDR=tcp://127.0.0.1:{worker_port}",
+        "--set",
+        f"engine.schedulerPort={scheduler_port}",
+        "--set",
+        "config.BLOCKSERVE_HOST=127.0.0.1",
+        "--set",
+        "config.BLOCKSERVE_DRAIN_TIMEOUT_S=20",
     )
     config_map = find(resources, "ConfigMap", "-config")
     by_name = containers(resources)
@@ -524,7 +558,9 @@ def test_rendered_containers_serve_and_drain_in_order(tmp_path):
     processes = [start(["-m", "service.cli", "scheduler"], env("scheduler"), tmp_path / "scheduler.log")]
     try:
         deadline = time.monotonic() + 30
-        while _exec(["python", "-c", f"import socket; socket.create_connection(('127.0.0.1', {metrics_port}), 1)"], 5).returncode:
+        while _exec(
+            ["python", "-c", f"import socket; socket.create_connection(('127.0.0.1', {metrics_port}), 1)"], 5
+        ).returncode:
             assert time.monotonic() < deadline, (tmp_path / "scheduler.log").read_text()
             time.sleep(0.2)
         assert _exec(startup_probe, 10).returncode == 1  # no worker yet

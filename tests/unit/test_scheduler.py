@@ -174,7 +174,9 @@ def test_victim_policies_choose_newest_or_cheapest():
 
 
 def legacy_harness(ratio=0.5, disable_recover=False, **overrides):
-    return Harness(config(**overrides), LegacyConfig(kv_cache_ratio=ratio, dec_blocks=1, disable_recover=disable_recover))
+    return Harness(
+        config(**overrides), LegacyConfig(kv_cache_ratio=ratio, dec_blocks=1, disable_recover=disable_recover)
+    )
 
 
 def test_legacy_suspends_the_request_with_most_decode_blocks_and_recovers_it():

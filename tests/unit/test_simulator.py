@@ -14,7 +14,14 @@ def small_trace(seed=3, rate=50.0):
 
 
 def tight_config(policy="min_recompute"):
-    return SchedulerConfig(num_blocks=48, block_size=8, max_num_seqs=16, max_num_batched_tokens=128, max_model_len=256, preemption_policy=policy)
+    return SchedulerConfig(
+        num_blocks=48,
+        block_size=8,
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+        max_model_len=256,
+        preemption_policy=policy,
+    )
 
 
 def test_trace_is_seeded_and_poisson_arrivals_are_ordered():

@@ -18,7 +18,9 @@ ROUNDS = 300  # steps measured: far fewer than the 4096 tokens each request may 
 def decoding_scheduler(legacy: LegacyConfig | None):
     """64 requests past their prefill, decoding one token a step, never finishing."""
     # Room for all 64 beside the admission reserve (output counted up to 4096 tokens each).
-    config = SchedulerConfig(num_blocks=32_768, block_size=16, max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=65_536, max_model_len=8192)
+    config = SchedulerConfig(
+        num_blocks=32_768, block_size=16, max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=65_536, max_model_len=8192
+    )
     scheduler = build_scheduler(config, legacy)
     for index in range(NUM_REQUESTS):
         sampling = wire.SamplingParams(max_tokens=4096, ignore_eos=True)

@@ -40,6 +40,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     preemption_policy: str = "min_recompute"
     eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int | None = None  # prompt token ids must lie below it (None: not checked)
     max_skip_ahead: int = 8  # waiting requests looked at past a head that does not fit
     max_head_skips: int = 32  # admission rounds a head may be passed over before it blocks others
 
@@ -108,6 +109,8 @@ class Scheduler:
             raise RequestRejected(f"request id {request_id!r} is already in use", status=409)
         if not prompt_token_ids:
             raise RequestRejected("the prompt is empty")
+        if cfg.vocab_size is not None and not all(0 <= token_id < cfg.vocab_size for token_id in prompt_token_ids):
+            raise RequestRejected(f"prompt token ids must lie in [0, {cfg.vocab_size})")
         if sampling.max_tokens < 1:
             raise RequestRejected("max_tokens must be at least 1")
         if len(prompt_token_ids) >= cfg.max_model_len:

@@ -223,6 +223,7 @@ class SchedulerServer:
                 block_size=hello.block_size,
                 max_model_len=max_model_len,
                 eos_token_ids=tuple(hello.model.eos_token_ids),
+                vocab_size=hello.model.vocab_size,
             ),
         )
         self.worker_id = identity

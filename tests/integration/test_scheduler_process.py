@@ -165,3 +165,12 @@ def test_worker_drains_on_sigterm_until_the_scheduler_goes(cluster):
     assert processes["worker"].poll() is None  # still serving while the scheduler is there
     stop(processes["scheduler"])
     assert processes["worker"].wait(10) == 0
+
+
+def test_out_of_vocabulary_token_ids_are_rejected_without_harming_other_requests(cluster):
+    _, peer, _ = cluster
+    healthy = peer.submit([1, 2, 3], max_tokens=10)
+    bad = peer.submit([1, 10**6], max_tokens=10)
+    peer.wait_until(lambda: healthy in peer.finished and bad in peer.finished, 20)
+    assert peer.finished[bad].error_status == 400 and "token ids" in peer.finished[bad].error
+    assert peer.finished[healthy].finish_reason == "length" and len(peer.outputs[healthy]) == 10

@@ -112,6 +112,16 @@ def test_request_that_can_never_fit_is_rejected(prompt_len, max_tokens, message)
     assert harness.scheduler.requests == {}
 
 
+def test_token_ids_outside_the_vocabulary_are_rejected():
+    harness = Harness(config(vocab_size=100))
+    for prompt in ([1, 100], [-1, 5]):
+        with pytest.raises(RequestRejected, match=r"\[0, 100\)"):
+            harness.add("bad", prompt, greedy(2))
+    harness.add("good", [1, 99], greedy(2))
+    harness.run_until_idle()
+    assert len(harness.outputs["good"]) == 2
+
+
 def test_head_that_cannot_fit_lets_smaller_requests_pass_then_ages():
     cfg = config(num_blocks=16, max_head_skips=3, max_model_len=128)
     harness = Harness(cfg)

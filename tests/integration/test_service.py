@@ -264,13 +264,22 @@ def test_serve_runs_every_role_and_sigterm_drains_in_flight_requests(tmp_path):
     try:
         wait_ready(url, timeout_s=180)
         client = client_for(url)
-        chunks = client.completions.create(
-            model=model_name(url), prompt=PROMPTS[0], max_tokens=40, stream=True, extra_body={"ignore_eos": True}
+        chunks = iter(
+            client.completions.create(
+                model=model_name(url),
+                prompt=PROMPTS[0],
+                max_tokens=40,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
         )
-        texts = [next(iter(chunks)).choices[0].text]
+        assert next(chunks).choices[0].text is not None
         serve.send_signal(signal.SIGTERM)
-        texts += [chunk.choices[0].text for chunk in chunks]
-        assert len(texts) == 40  # the stream in flight was drained, not cut
+        rest = list(chunks)
+        # The stream in flight was drained, not cut: all its tokens came, and it ended normally.
+        assert [c.usage.completion_tokens for c in rest if c.usage] == [40]
+        assert [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason] == ["length"]
         assert serve.wait(60) == 0
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{url}/health", timeout=2)

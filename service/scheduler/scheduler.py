@@ -93,6 +93,11 @@ class Scheduler:
         """Requests to serve, or finished ones the worker has not been told about."""
         return bool(self.requests or self._finished_for_worker)
 
+    def take_ended_deltas(self) -> list[wire.RequestDelta]:
+        """Closing deltas of requests that schedule() itself ended (legacy: incomplete); send them now."""
+        deltas, self._pending_deltas = self._pending_deltas, []
+        return deltas
+
     def pop_finished(self) -> list[Request]:
         """Requests finished since the last call (kept until the next schedule() at most)."""
         finished, self.finished = self.finished, []
@@ -143,7 +148,7 @@ class Scheduler:
 
     def fail_all(self, message: str) -> list[wire.RequestDelta]:
         """End every request with an error (the worker died)."""
-        deltas, self._pending_deltas = self._pending_deltas, []
+        deltas = self.take_ended_deltas()
         deltas += [self._end(r, FinishReason.ERROR, message) for r in list(self.requests.values())]
         self.running.clear()
         self.waiting.clear()
@@ -192,7 +197,7 @@ class Scheduler:
     def update(self, result: wire.StepResult, now: float) -> list[wire.RequestDelta]:
         """Apply the worker's sampled tokens; return each request's new tokens."""
         last_scheduled, self._last_scheduled = self._last_scheduled, []
-        deltas, self._pending_deltas = self._pending_deltas, []
+        deltas = self.take_ended_deltas()
         if result.error is not None:
             return deltas + [
                 self._end(r, FinishReason.ERROR, f"worker error: {result.error}")

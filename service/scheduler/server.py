@@ -257,6 +257,8 @@ class SchedulerServer:
             return
         step = self.scheduler.schedule(now)
         self.step_schedule_s = time.monotonic() - now
+        for delta in self.scheduler.take_ended_deltas():
+            self._send_delta(delta, now)
         if step.is_empty and not (step.finished_request_ids or step.preempted_request_ids):
             return
         self._send(self.worker_socket, self.worker_id, step)

@@ -85,6 +85,8 @@ def simulate(
                 continue
             timings[request.request_id] = _Timing(request.arrival_time_s)
         step = scheduler.schedule(now)
+        for delta in scheduler.take_ended_deltas():
+            timings[delta.request_id].finish, timings[delta.request_id].failed = now, True
         if step.is_empty:
             if next_arrival < len(pending):
                 now = max(now, pending[next_arrival].arrival_time_s)

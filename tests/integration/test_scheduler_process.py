@@ -7,8 +7,10 @@ import signal
 import time
 import uuid
 
+import httpx
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from service import wire
 from tests.processes import loopback_env, scrape, start, stop, stop_all
@@ -174,3 +176,36 @@ def test_out_of_vocabulary_token_ids_are_rejected_without_harming_other_requests
     peer.wait_until(lambda: healthy in peer.finished and bad in peer.finished, 20)
     assert peer.finished[bad].error_status == 400 and "token ids" in peer.finished[bad].error
     assert peer.finished[healthy].finish_reason == "length" and len(peer.outputs[healthy]) == 10
+
+
+def test_legacy_mode_ends_a_request_the_decode_table_cannot_hold_at_once(tmp_path):
+    env = loopback_env(
+        BLOCKSERVE_NUM_KV_BLOCKS="24",
+        BLOCKSERVE_BLOCK_SIZE="4",
+        ENABLE_V1_KVCACHE_SCHEDULER="0",
+        KV_CACHE_RATIO="0.9",  # 21 prefill blocks, 3 decode blocks
+        BLOCKSERVE_LEGACY_DEC_BLOCKS="1",
+    )
+    processes = [
+        start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
+        start(["-m", "tests.fake_worker_process"], env, tmp_path / "worker.log"),
+    ]
+    peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
+    try:
+        peer.wait_until(lambda: peer.status().ready, 30)
+        fits = peer.submit([1, 2, 3], max_tokens=8)
+        too_long = peer.submit([4, 5, 6], max_tokens=40)  # 8 decode blocks: more than the table holds
+        elapsed = peer.wait_until(lambda: fits in peer.finished and too_long in peer.finished, 10)
+        assert elapsed < 5
+        assert peer.finished[too_long].error.startswith("incomplete")
+        assert peer.finished[fits].finish_reason == "length" and len(peer.outputs[fits]) == 8
+        pools = {s.labels["pool"]: s.value for s in metric_samples(env, "blockserve_kv_blocks_capacity")}
+        assert pools == {"prefill": 21, "decode": 3}
+    finally:
+        peer.close()
+        stop_all(processes)
+
+
+def metric_samples(env, name):
+    text = httpx.get(f"http://127.0.0.1:{env['BLOCKSERVE_METRICS_PORT']}/metrics", timeout=5).text
+    return [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]

@@ -1,7 +1,8 @@
 import pytest
 
 from service import wire
-from service.scheduler.legacy import LegacyConfig
+from service.scheduler.fake_worker import FakeWorker
+from service.scheduler.legacy import LegacyConfig, LegacyScheduler
 from service.scheduler.policies import lifo, min_recompute
 from service.scheduler.request import RequestStatus
 from service.scheduler.scheduler import RequestRejected, SchedulerConfig
@@ -227,3 +228,21 @@ def test_legacy_head_of_line_waits_for_prefill_blocks():
     assert harness.scheduler.requests["c"].status is RequestStatus.WAITING
     harness.run_until_idle()
     assert len(harness.outputs["c"]) == 1
+
+
+def test_legacy_request_ended_inside_schedule_reports_at_once_even_if_the_step_is_empty():
+    cfg = config(num_blocks=16, max_model_len=64)
+    scheduler = LegacyScheduler(cfg, LegacyConfig(kv_cache_ratio=0.9, dec_blocks=1))  # decode table: 2 blocks
+    worker = FakeWorker(16, cfg.block_size)
+    scheduler.add_request("long", [1, 2, 3], greedy(30), 0.0)  # needs 7 decode blocks: can never finish
+    ended = []
+    for _ in range(40):  # as the server does: schedule while there is work, update only after a real step
+        step = scheduler.schedule(0.0)
+        ended += scheduler.take_ended_deltas()
+        if not scheduler.has_work:
+            break
+        if not step.is_empty:
+            scheduler.update(worker.execute(step), 0.0)
+    assert step.is_empty and [d.request_id for d in ended] == ["long"]
+    assert ended[0].error.startswith("incomplete") and scheduler.requests == {}
+    assert scheduler.pool.num_free_blocks == 16

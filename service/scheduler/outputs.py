@@ -41,3 +41,16 @@ def closing_delta(request: Request, reason: FinishReason, error: str | None) -> 
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=request.num_cached_tokens,
     )
+
+
+def new_request_message(request: Request, num_scheduled_tokens: int) -> wire.NewRequest:
+    """A request in full, for a worker that holds no state for it (first time, or after preemption)."""
+    return wire.NewRequest(
+        request_id=request.request_id,
+        token_ids=list(request.token_ids),
+        num_prompt_tokens=request.num_prompt_tokens,
+        sampling=request.sampling,
+        block_ids=list(request.block_ids),
+        num_computed_tokens=request.num_computed_tokens,
+        num_scheduled_tokens=num_scheduled_tokens,
+    )

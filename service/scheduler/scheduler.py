@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from service import wire
 from service.scheduler.admission import AdmissionReserve
 from service.scheduler.block_pool import BlockPool
-from service.scheduler.outputs import closing_delta, stop_reason, token_delta
+from service.scheduler.outputs import closing_delta, new_request_message, stop_reason, token_delta
 from service.scheduler.policies import POLICIES
 from service.scheduler.request import FinishReason, Request, RequestStatus
 from service.scheduler.stats import SchedulerStats
@@ -310,17 +310,7 @@ class Scheduler:
             if request.sent_to_worker:
                 running_requests.append(wire.RunningRequest(request.request_id, new_block_ids[request], num_new))
             else:
-                new_requests.append(
-                    wire.NewRequest(
-                        request_id=request.request_id,
-                        token_ids=list(request.token_ids),
-                        num_prompt_tokens=request.num_prompt_tokens,
-                        sampling=request.sampling,
-                        block_ids=list(request.block_ids),
-                        num_computed_tokens=request.num_computed_tokens,
-                        num_scheduled_tokens=num_new,
-                    )
-                )
+                new_requests.append(new_request_message(request, num_new))
                 request.sent_to_worker = True
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
             self.stats.num_recomputed_tokens += max(0, min(end, request.max_computed_tokens) - start)

@@ -10,13 +10,6 @@ from .fake_scheduler import MAX_MODEL_LEN, MODEL_NAME, ApiServer, FakeScheduler
 CHAT = [{"role": "user", "content": "Say hello"}]
 
 
-@pytest.fixture(scope="module")
-def stack():
-    with FakeScheduler() as fake, ApiServer(fake.addr) as api:
-        api.wait_ready()
-        yield fake, api
-
-
 @pytest.fixture
 def fake(stack):
     fake, _ = stack

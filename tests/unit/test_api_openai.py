@@ -5,16 +5,9 @@ import pytest
 
 from service.api.detokenizer import REPLACEMENT_CHAR
 
-from .fake_scheduler import MAX_MODEL_LEN, MODEL_NAME, ApiServer, FakeScheduler, tiny_tokenizer, wait_until
+from .fake_scheduler import MAX_MODEL_LEN, MODEL_NAME, tiny_tokenizer, wait_until
 
 CHAT = [{"role": "user", "content": "Say hello"}]
-
-
-@pytest.fixture(scope="module")
-def stack():
-    with FakeScheduler() as fake, ApiServer(fake.addr) as api:
-        api.wait_ready()
-        yield fake, api
 
 
 @pytest.fixture

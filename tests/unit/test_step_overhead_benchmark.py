@@ -8,6 +8,7 @@ import pytest
 
 from service import wire
 from service.scheduler.legacy import LegacyConfig, build_scheduler
+from service.scheduler.outputs import new_request_message
 from service.scheduler.scheduler import SchedulerConfig
 
 NUM_REQUESTS = 64
@@ -51,19 +52,15 @@ def test_one_step_of_scheduling(benchmark, mode):
 
 
 def full_state_step(scheduler, step: wire.SchedulerOutput) -> wire.SchedulerOutput:
-    """The same step as if every request were re-sent whole (what the proposal's v1 did)."""
-    resent = [
-        wire.NewRequest(
-            request_id=request.request_id,
-            token_ids=list(request.token_ids),
-            num_prompt_tokens=request.num_prompt_tokens,
-            sampling=request.sampling,
-            block_ids=list(request.block_ids),
-            num_computed_tokens=request.num_computed_tokens - 1,
-            num_scheduled_tokens=1,
-        )
-        for request in scheduler.running
-    ]
+    """The same step as if every request were re-sent whole (what the proposal's v1 did).
+
+    `step` already advanced each request's computed count by its one scheduled token.
+    """
+    resent = []
+    for request in scheduler.running:
+        request.num_computed_tokens -= 1
+        resent.append(new_request_message(request, 1))
+        request.num_computed_tokens += 1
     return wire.SchedulerOutput(step_id=step.step_id, new_requests=resent)
 
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 import paddle.nn.functional as F
-from paddle.incubate.nn.functional import fused_rms_norm
 
 from gpu_worker.attention import PagedAttentionBackend
 from gpu_worker.kv_cache import KVCache
@@ -76,8 +75,10 @@ class LlamaForCausalLM:
 
     def _norm(self, x: paddle.Tensor, weight: paddle.Tensor, residual: paddle.Tensor | None = None):
         """(rms_norm(x + residual) * weight, x + residual)."""
-        normed, summed = fused_rms_norm(x, weight, None, self.config.rms_norm_eps, begin_norm_axis=1, residual=residual)
-        return normed, (x if residual is None else summed)
+        summed = x if residual is None else x + residual
+        # Plain ops: paddle's fused_rms_norm CPU kernel is AVX-512 code (SIGILL on AVX2-only CPUs).
+        normed = summed * paddle.rsqrt(summed.square().mean(axis=-1, keepdim=True) + self.config.rms_norm_eps) * weight
+        return normed, summed
 
     @paddle.no_grad()
     def forward(

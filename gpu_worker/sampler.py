@@ -71,7 +71,8 @@ def _scaled(logits: paddle.Tensor, params: list[wire.SamplingParams]) -> paddle.
     """Logits divided by temperature, with tokens under min_p times the top probability removed."""
     temperature = np.array([[p.temperature] for p in params], dtype=np.float32)
     logits = logits / paddle.to_tensor(temperature)
-    min_p = np.array([[p.min_p] for p in params], dtype=np.float32)
+    # Capped at 1 so the floor never rises above the top probability: the most likely token stays.
+    min_p = np.minimum(np.array([[p.min_p] for p in params], dtype=np.float32), 1.0)
     if (min_p > 0).any():
         probs = F.softmax(logits, axis=-1)
         floor = paddle.to_tensor(min_p) * probs.max(axis=-1, keepdim=True)
@@ -91,7 +92,9 @@ def _draw_truncated(logits: paddle.Tensor, params: list[wire.SamplingParams], un
     sorted_logits = paddle.where(paddle.to_tensor(beyond_top_k), removed, sorted_logits)
     probs = F.softmax(sorted_logits, axis=-1)
     mass_before = paddle.cumsum(probs, axis=-1) - probs
-    probs = paddle.where(mass_before < paddle.to_tensor(top_p), probs, paddle.zeros_like(probs))
+    # The first (most likely) candidate always stays: a top_p of 0, or one that is 0 in float32, keeps it alone.
+    kept = (mass_before < paddle.to_tensor(top_p)) | paddle.to_tensor(np.arange(probs.shape[-1])[None, :] == 0)
+    probs = paddle.where(kept, probs, paddle.zeros_like(probs))
     picked = _inverse_cdf(probs, uniforms)
     return np.take_along_axis(sorted_ids.numpy(), picked[:, None], axis=-1)[:, 0]
 

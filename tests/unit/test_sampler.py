@@ -142,3 +142,33 @@ def test_logprobs_come_from_the_raw_logits_with_the_top_k_sorted():
     assert [t.token_id for t in with_logprobs.top_logprobs] == list(best)
     assert [t.logprob for t in with_logprobs.top_logprobs] == pytest.approx(raw_logprobs[best], abs=1e-5)
     assert without.logprob is None and without.top_logprobs is None
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(top_p=1e-300),  # 0 in float32
+        dict(top_p=0.0),
+        dict(top_p=1e-300, top_k=3),
+        dict(min_p=1.0),
+        dict(min_p=5.0),  # above 1: nothing would pass a floor over the top probability
+        dict(min_p=1.0, top_p=1e-300, top_k=2),
+    ],
+    ids=repr,
+)
+def test_truncation_never_excludes_the_most_likely_token(params):
+    logits = random_logits(32, seed=3)
+    requests = [request(str(i), temperature=1.0, **params) for i in range(32)]
+
+    tokens = [t.token_id for t in sample(logits, requests, Sampler(seed=11))]
+
+    assert tokens == list(logits.argmax(axis=-1))
+
+
+def test_a_vanishing_top_p_keeps_the_top_token_even_when_it_holds_almost_all_the_mass():
+    logits_row = np.full(VOCAB_SIZE, -30.0, dtype=np.float32)
+    logits_row[5] = 30.0
+
+    counts = draw_counts(logits_row, 200, top_p=1e-300)
+
+    assert counts[5] == 200

@@ -87,6 +87,9 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(default=None, description="If set, requests need Authorization: Bearer <key>")
     worker_timeout_s: float = Field(default=30.0, gt=0, description="A step unanswered this long marks the worker dead")
     drain_timeout_s: float = Field(default=30.0, ge=0, description="On SIGTERM, wait this long for in-flight requests")
+    max_request_body_bytes: ByteSize = Field(
+        default=ByteSize(4 * 1024**2), gt=0, description="api: largest request body accepted (413 above), e.g. 4MiB"
+    )
 
     @model_validator(mode="after")
     def _check_budget(self) -> "Settings":

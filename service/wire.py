@@ -49,6 +49,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     tokenizer_json: str
     chat_template: str | None
     add_bos_token: bool = False
+    aliases: list[str] = []  # other names requests may use (the GGUF file's own name)
 
 
 class Message(msgspec.Struct, tag_field="type", kw_only=True):

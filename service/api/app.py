@@ -10,15 +10,17 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import Depends, FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.api import chat, completions
 from service.api.auth import ApiKeyMiddleware
+from service.api.body_limit import BodyLimitMiddleware
 from service.api.context import ApiContext, get_context
 from service.api.errors import ApiError, install_error_handlers
 from service.api.metrics import ApiMetrics, MetricsMiddleware
-from service.api.protocol import ModelCard, ModelList
+from service.api.openapi import errors, install_openapi
+from service.api.protocol import Health, ModelCard, ModelList, Readiness
 from service.api.scheduler_client import SchedulerClient
 from service.config import Settings
 
@@ -53,17 +55,21 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(completions.router)
     app.include_router(chat.router)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses=errors(401, 503))
     async def list_models(context: ApiContext = Depends(get_context)) -> ModelList:
         model = context.served_model()
         return ModelList(data=[ModelCard(id=model.name, max_model_len=model.max_model_len)])
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
+    @app.get("/health", response_model=Health)
+    async def health() -> Health:
         """The process is alive (says nothing about the scheduler or the model)."""
-        return {"status": "ok"}
+        return Health(status="ok")
 
-    @app.get("/ready")
+    @app.get(
+        "/ready",
+        response_model=Readiness,
+        responses={503: {"model": Readiness, "description": "Not ready, and why"}},
+    )
     async def ready(context: ApiContext = Depends(get_context)) -> JSONResponse:
         """200 only if the scheduler answers in time that it is ready to serve."""
         status = await context.client.status(READY_TIMEOUT_S) if context.client.connected else None
@@ -77,13 +83,21 @@ def create_app(settings: Settings) -> FastAPI:
             return JSONResponse({"ready": False, "reason": exc.message}, status_code=503)
         return JSONResponse({"ready": True, "num_workers": status.num_workers})
 
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text"}},
+    )
+    async def prometheus_metrics() -> PlainTextResponse:
+        """The api's own metrics in Prometheus' text format (the scheduler serves its own)."""
+        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    install_openapi(app)
+    metrics.start_series(app.routes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=int(settings.max_request_body_bytes))
     if settings.api_key is not None and settings.api_key.get_secret_value():
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value())
-    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts the 401s too
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts the 401s and 413s too
     return app
 
 

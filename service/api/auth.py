@@ -1,7 +1,9 @@
 """Optional API key: `Authorization: Bearer <key>` on every /v1 route.
 
 Checked before anything else (even before the body is read), so a caller without the key
-learns nothing but 401. /health, /ready and /metrics stay open for probes and scrapers.
+learns nothing but 401. /health, /ready and /metrics stay open for probes and scrapers, and
+/docs, /redoc and /openapi.json on purpose: they describe the API, not its data, and a browser
+opening /docs cannot send the key.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -12,6 +13,7 @@ from service.api.context import ApiContext, get_context
 from service.api.errors import ApiError
 from service.api.generation import Generation, choice_specs, unless_disconnected
 from service.api.logprobs import chat_logprobs
+from service.api.openapi import generation_responses
 from service.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -28,7 +30,7 @@ from service.api.sse import sse_event, sse_response
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=generation_responses())
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, context: ApiContext = Depends(get_context)
 ):
@@ -37,7 +39,8 @@ async def create_chat_completion(
     model.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs to be true.", param="top_logprobs")
-    prompt = model.encode_chat([message.template_dict() for message in body.messages])
+    messages = [message.template_dict() for message in body.messages]
+    prompt = await asyncio.to_thread(model.encode_chat, messages)  # off the event loop: it may be long
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = model.check_fits(len(prompt), requested)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -17,7 +17,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 class ChatTemplateError(ValueError):
-    """The template rejected the messages, or is itself broken."""
+    """The template rejected the messages, or is itself broken; `message_index` names the message if known."""
+
+    def __init__(self, message: str, message_index: int | None = None) -> None:
+        super().__init__(message)
+        self.message_index = message_index
 
 
 def _raise_exception(message: str) -> None:
@@ -54,12 +58,26 @@ def render_chat(
 ) -> str:
     """The prompt text for `messages`, ending with the assistant's turn opener."""
     template = compile_template(source)
-    try:
+
+    def render(some_messages: list[dict[str, object]]) -> str:
         return template.render(
-            messages=messages,
+            messages=some_messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
         )
+
+    try:
+        return render(messages)
     except Exception as exc:  # the template is data: any failure of it is a bad request, not a crash
-        raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
+        failure = exc
+    # Only on failure: the shortest failing prefix of the conversation names the message at fault.
+    for index in range(len(messages)):
+        try:
+            render(messages[: index + 1])
+        except Exception as exc:
+            role = messages[index].get("role")
+            raise ChatTemplateError(
+                f"the chat template failed on messages[{index}] (role {role!r}): {exc}", message_index=index
+            ) from None
+    raise ChatTemplateError(f"the chat template failed on these messages: {failure}") from None

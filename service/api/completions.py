@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -12,6 +13,7 @@ from service.api.context import ApiContext, get_context
 from service.api.errors import ApiError
 from service.api.generation import ChoiceResult, Generation, choice_specs, unless_disconnected
 from service.api.logprobs import completion_logprobs
+from service.api.openapi import generation_responses
 from service.api.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from service.api.served_model import ServedModel
 from service.api.sse import sse_event, sse_response
@@ -21,20 +23,23 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 router = APIRouter()
 
 
-@router.post("/v1/completions", response_model=CompletionResponse)
+@router.post("/v1/completions", response_model=CompletionResponse, responses=generation_responses())
 async def create_completion(body: CompletionRequest, request: Request, context: ApiContext = Depends(get_context)):
     model = context.served_model()
     model.check_name(body.model)
     model.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
     if body.echo and body.logprobs is not None:
         raise ApiError(400, "echo together with logprobs is not supported.", param="echo")
-    prompts = prompt_token_ids(model, body.prompt)
+    prompts = await asyncio.to_thread(prompt_token_ids, model, body.prompt)  # off the event loop: it may be long
     max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
     budgets = [(prompt, model.check_fits(len(prompt), max_tokens)) for prompt in prompts]
     response_id = f"cmpl-{uuid.uuid4().hex}"
     specs = choice_specs(response_id, body, budgets, body.logprobs)
     generation = Generation(context.client, model, specs, body.stop_strings())
-    echoes = [model.decode(prompts[spec.index // body.n]) if body.echo else "" for spec in specs]
+    echoes = [""] * len(specs)
+    if body.echo:
+        texts = await asyncio.to_thread(lambda: [model.decode(prompt) for prompt in prompts])
+        echoes = [texts[spec.index // body.n] for spec in specs]
     num_prompt_tokens = sum(map(len, prompts))
     if body.stream:
         return sse_response(_chunks(body, model, response_id, generation, echoes, num_prompt_tokens))

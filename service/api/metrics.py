@@ -2,12 +2,14 @@
 
 Each app gets its own registry, so several apps (tests, or a process embedding one) never
 collide. Route labels are route templates ("/v1/completions"), never raw paths, to keep the
-label set small.
+label set small. Every route's series exist from the start, at 0, so dashboards and alerts see
+a quiet route rather than a missing one.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -42,6 +44,17 @@ class ApiMetrics:
             "Frames from the scheduler dropped as malformed, unknown or of another protocol version",
             registry=self.registry,
         )
+
+    def start_series(self, routes: Iterable[object]) -> None:
+        """Create each route's duration histogram and its successful-requests counter at 0."""
+        for route in routes:
+            path = getattr(route, "path", None)
+            if path is None:
+                continue
+            self.duration.labels(path)
+            for method in sorted(getattr(route, "methods", None) or ()):
+                if method != "HEAD":
+                    self.requests.labels(path, method, "200")
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

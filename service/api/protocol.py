@@ -1,7 +1,9 @@
 """OpenAI request and response bodies; these models are the API's documentation.
 
-Requests are validated strictly (no "5" for 5, no true for 1). A parameter sent as JSON null
-means its default, as OpenAI's clients expect. Unknown parameters are ignored.
+Requests are validated strictly (no "5" for 5, no true for 1, no NaN or infinities). A
+parameter sent as JSON null means its default, as OpenAI's clients expect. Unknown parameters
+are ignored. Numeric ranges are OpenAI's, and vLLM's for its extra parameters. Text must be
+valid Unicode: a lone surrogate (`"\\ud800"` in JSON) is rejected before it reaches the tokenizer.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
 
 from service.wire import SamplingParams
 
@@ -17,12 +20,34 @@ MAX_CHOICES = 128
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**63 - 1 - MAX_CHOICES  # choice i samples with seed + i
 
-StopString = Annotated[str, Field(min_length=1)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class StrictRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+def lone_surrogate_path(value: object, path: tuple[str | int, ...] = ()) -> tuple[str | int, ...] | None:
+    """Where in a JSON value a string holds a lone surrogate (not valid Unicode), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = lone_surrogate_path(key, path) if isinstance(key, str) else None
+            found = found if found is not None else lone_surrogate_path(item, (*path, key))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = lone_surrogate_path(item, (*path, index))
+            if found is not None:
+                return found
+    return None
 
 
 class StreamOptions(StrictRequest):
@@ -32,7 +57,7 @@ class StreamOptions(StrictRequest):
 class GenerationRequest(StrictRequest):
     """The parameters /v1/completions and /v1/chat/completions share."""
 
-    model: str | None = Field(None, description="Served model name; empty = the one model served")
+    model: str | None = Field(None, description="Served model name (or an alias); empty = the one model served")
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="Independent choices to generate")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -42,12 +67,25 @@ class GenerationRequest(StrictRequest):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    stop: StopString | list[StopString] | None = Field(None, description="Text that ends a choice; never returned")
+    stop: NonEmptyText | list[NonEmptyText] | None = Field(None, description="Text that ends a choice; never returned")
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: object) -> object:
+        # Checked on the raw body, so unknown parameters and chat-template fields are covered too.
+        path = lone_surrogate_path(data)
+        if path is not None:
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "The text is not valid Unicode (it holds a lone surrogate)",
+                {"param": ".".join(map(str, path))},
+            )
+        return data
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -77,9 +115,12 @@ class GenerationRequest(StrictRequest):
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
-        description="Text, token ids, or a batch of either"
-    )
+    prompt: (
+        NonEmptyText
+        | TokenIds
+        | Annotated[list[NonEmptyText], Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    ) = Field(description="Text, token ids, or a batch of either; never empty")
     max_tokens: int | None = Field(None, ge=1, description="Default 16")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Top alternatives per token")
     echo: bool = Field(False, description="Prepend the prompt to the text")
@@ -90,13 +131,15 @@ class TextPart(StrictRequest):
     text: str
 
 
-class ChatMessage(BaseModel):
-    """One message; fields other than these reach the chat template untouched."""
+Content = str | list[TextPart]
+
+
+class MessageParam(BaseModel):
+    """One chat message; fields other than these reach the chat template untouched."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Content | None
     name: str | None = None
 
     def template_dict(self) -> dict[str, object]:
@@ -104,6 +147,62 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             message["content"] = "\n".join(part.text for part in self.content)
         return message
+
+
+class SystemMessageParam(MessageParam):
+    role: Literal["system"]
+    content: Content
+
+
+class DeveloperMessageParam(MessageParam):
+    role: Literal["developer"]
+    content: Content
+
+
+class UserMessageParam(MessageParam):
+    role: Literal["user"]
+    content: Content
+
+
+class FunctionCall(StrictRequest):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON text")
+
+
+class ToolCall(StrictRequest):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantMessageParam(MessageParam):
+    """An earlier reply: text, tool calls, or both."""
+
+    role: Literal["assistant"]
+    content: Content | None = None
+    refusal: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _says_something(self) -> "AssistantMessageParam":
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+
+class ToolMessageParam(MessageParam):
+    """A tool's answer to one tool call of the assistant."""
+
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+ChatMessage = Annotated[
+    SystemMessageParam | DeveloperMessageParam | UserMessageParam | AssistantMessageParam | ToolMessageParam,
+    Field(discriminator="role"),
+]
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -217,6 +316,29 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer, OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Readiness(BaseModel):
+    ready: bool
+    reason: str | None = None
+    num_workers: int | None = None
 
 
 class ModelCard(BaseModel):

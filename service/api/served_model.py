@@ -38,7 +38,8 @@ class ServedModel:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a prompt text, with the BOS token when the model wants one."""
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode does not), so a long text does not stall the event loop.
+        token_ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         bos = self.info.bos_token_id
         if self.info.add_bos_token and bos is not None and token_ids[:1] != [bos]:
             return [bos, *token_ids]  # unless the text (a rendered chat template) already starts with it
@@ -55,11 +56,12 @@ class ServedModel:
                 eos_token=self._special_token(self.info.eos_token_ids[0] if self.info.eos_token_ids else None),
             )
         except ChatTemplateError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
+            param = "messages" if exc.message_index is None else f"messages.{exc.message_index}"
+            raise ApiError(400, f"This chat cannot be rendered: {exc}.", param=param) from None
         return self.encode(text)
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode_batch([token_ids], skip_special_tokens=True)[0]  # releases the GIL
 
     def token_text(self, token_id: int) -> str:
         """How one token reads on its own (special tokens included), for logprobs."""
@@ -110,7 +112,7 @@ class ServedModel:
         return max_tokens
 
     def check_name(self, requested: str | None) -> None:
-        if requested and requested != self.name:
+        if requested and requested != self.name and requested not in self.info.aliases:
             raise ApiError(
                 404,
                 f"The model `{requested}` does not exist or you do not have access to it.",

@@ -94,7 +94,7 @@ def test_model_info_caps_the_length_and_names_the_special_tokens(runner):
     info = runner.model_info
     assert info.max_model_len == 2048 and info.vocab_size == 49152
     assert info.eos_token_ids == [2] and info.bos_token_id == 1 and info.add_bos_token is False
-    assert info.name == "SmolLM2-135M-Instruct.Q4_1"
+    assert (info.name, info.aliases) == ("SmolLM2-135M-Instruct", ["SmolLM2-135M-Instruct.Q4_1"])
 
 
 def test_kv_cache_is_sized_from_memory_unless_a_block_count_is_set(runner):

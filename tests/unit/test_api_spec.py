@@ -1,0 +1,148 @@
+"""The OpenAPI document says what the server does: its error answers, content types and request shapes."""
+
+import httpx
+import msgspec
+import pytest
+
+from service.api.errors import ApiError
+from service.api.served_model import ServedModel
+
+from .fake_scheduler import MODEL_NAME, ApiServer, FakeScheduler, tiny_model_info
+from .test_api_errors import assert_openai_error
+
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+
+
+@pytest.fixture(scope="module")
+def http(stack):
+    _, api = stack
+    with httpx.Client(base_url=api.base_url, timeout=10) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def spec(http):
+    return http.get("/openapi.json").json()
+
+
+def test_no_route_documents_fastapis_422(spec):
+    statuses = {
+        status for operations in spec["paths"].values() for op in operations.values() for status in op["responses"]
+    }
+    assert "422" not in statuses
+    assert "HTTPValidationError" not in spec["components"]["schemas"]
+
+
+@pytest.mark.parametrize("path", GENERATION_ROUTES)
+def test_generation_routes_document_400_error_bodies_and_streamed_events(spec, path):
+    responses = spec["paths"][path]["post"]["responses"]
+    assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+    assert {"413", "404", "503"} <= set(responses)
+    assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+
+
+def test_the_error_schema_is_the_shape_the_server_answers(spec, http):
+    detail = spec["components"]["schemas"]["ErrorDetail"]
+    error = assert_openai_error(http.post("/v1/completions", json={"prompt": ""}), 400)
+    assert set(detail["properties"]) == set(error) == set(detail["required"])
+
+
+def test_metrics_are_documented_as_text(spec, http):
+    assert set(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert http.get("/metrics").headers["content-type"].startswith("text/plain")
+
+
+def test_a_stream_answers_with_the_documented_event_stream_type(http):
+    response = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "stream": True})
+    assert response.headers["content-type"].startswith("text/event-stream")
+
+
+@pytest.mark.parametrize(
+    ("method", "path"), [("GET", "/v1/completions"), ("DELETE", "/v1/models"), ("POST", "/health")]
+)
+def test_a_405_names_the_allowed_methods(http, method, path):
+    response = http.request(method, path)
+    assert_openai_error(response, 405)
+    allowed = {method.strip() for method in response.headers["allow"].split(",")}
+    assert allowed == {method.upper() for method in spec_methods(http, path)}
+
+
+def spec_methods(http, path):
+    return http.get("/openapi.json").json()["paths"][path]
+
+
+@pytest.mark.parametrize("prompt", ["", [], [""], [[]], ["ok", ""]])
+def test_empty_prompts_are_schema_errors(http, prompt):
+    assert_openai_error(http.post("/v1/completions", json={"prompt": prompt}), 400)
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "tool", "content": "12 degrees"}, "messages.1.tool_call_id"),
+        ({"role": "tool", "tool_call_id": "call_1"}, "messages.1.content"),
+        ({"role": "assistant"}, "messages.1"),
+        ({"role": "assistant", "content": None}, "messages.1"),
+        ({"role": "user"}, "messages.1.content"),
+        ({"role": "system", "content": None}, "messages.1.content"),
+        ({"role": "assistant", "tool_calls": [{"id": "x", "type": "function"}]}, "messages.1.tool_calls.0.function"),
+    ],
+)
+def test_messages_have_the_shape_openai_defines_for_their_role(http, message, param):
+    messages = [{"role": "user", "content": "Weather in Oslo?"}, message]
+    assert_openai_error(http.post("/v1/chat/completions", json={"messages": messages}), 400, param)
+
+
+def test_an_assistant_message_may_carry_tool_calls_without_content(http):
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "tool_calls": [TOOL_CALL]},
+        {"role": "tool", "content": "12 degrees", "tool_call_id": "call_1"},
+    ]
+    response = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+
+
+def test_the_request_models_encode_the_role_shapes(spec):
+    schemas = spec["components"]["schemas"]
+    assert set(schemas["ToolMessageParam"]["required"]) == {"role", "content", "tool_call_id"}
+    assert "content" not in schemas["AssistantMessageParam"].get("required", [])
+    prompt_forms = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    assert all(form.get("minLength", form.get("minItems")) == 1 for form in prompt_forms)
+
+
+def test_a_chat_template_failure_is_a_400_that_names_the_message():
+    template = (
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('tools are not supported') }}{% endif %}"
+        "{{ m.content }}{% endfor %}"
+    )
+    model = ServedModel(msgspec.structs.replace(tiny_model_info(), chat_template=template))
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "calling"},
+        {"role": "tool", "content": "12", "tool_call_id": "call_1"},
+    ]
+    with pytest.raises(ApiError) as raised:
+        model.encode_chat(messages)
+    assert raised.value.status_code == 400
+    assert raised.value.param == "messages.2"
+    assert "messages[2] (role 'tool')" in raised.value.message
+    assert "tools are not supported" in raised.value.message
+
+
+def test_the_gguf_file_name_is_accepted_as_an_alias_of_the_model():
+    info = msgspec.structs.replace(tiny_model_info(), aliases=["tiny-test-model.Q4_1"])
+    model = ServedModel(info)
+    model.check_name("tiny-test-model.Q4_1")
+    model.check_name(MODEL_NAME)
+    with pytest.raises(ApiError):
+        model.check_name("tiny-test-model.Q8_0")
+
+
+def test_with_an_api_key_the_docs_and_the_spec_stay_open_on_purpose():
+    with FakeScheduler() as fake, ApiServer(fake.addr, api_key="sekrit") as api:
+        api.wait_ready()
+        with httpx.Client(base_url=api.base_url, timeout=10) as http:
+            assert [http.get(path).status_code for path in ("/docs", "/redoc", "/openapi.json")] == [200, 200, 200]
+            assert_openai_error(http.get("/v1/models"), 401)

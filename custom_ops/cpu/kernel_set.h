@@ -1,0 +1,48 @@
+// The ISA-specific kernels behind the ops: one table per instruction set, picked per call.
+// Plain types only: this header is also included inside the AVX2/AVX-512 translation units.
+#pragma once
+
+#include <cstdint>
+
+namespace bs {
+
+// Keys scored together in one online-softmax update of attend_tile.
+constexpr int64_t kKeySpan = 32;
+
+// Queries of one request sharing one kv head, at consecutive positions (a query tile).
+struct AttentionTile {
+  const float* query;        // [tokens, num_heads, head_dim]
+  const float* key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
+  const float* value_cache;  // same layout
+  const int64_t* block_ids;  // the request's block-table row
+  float* out;                // [tokens, num_heads * head_dim]
+  float* scratch;            // attention_scratch_floats(...) floats, one buffer per thread
+  int64_t first_token;       // flat index of the tile's first query
+  int64_t num_queries;
+  int64_t first_position;  // absolute position of the first query; query i sees keys 0..first_position + i
+  int64_t kv_head;
+  int64_t num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+};
+
+inline int64_t attention_scratch_floats(int64_t query_tile, int64_t group, int64_t head_dim) {
+  const int64_t rows = query_tile * group;
+  return rows * (2 * head_dim + kKeySpan + 2);
+}
+
+struct KernelSet {
+  // out = x_sum * rsqrt(mean(x_sum^2) + eps) * weight, x_sum = x + residual (residual may be null);
+  // x_sum is stored to `summed` unless it is null.
+  void (*rms_norm_row)(const float* x, const float* residual, const float* weight, float* out, float* summed,
+                       int64_t width, float eps);
+  // out[i] = silu(gate_up[i]) * gate_up[width + i]
+  void (*silu_and_mul_row)(const float* gate_up, float* out, int64_t width);
+  // Rotary embedding of one head, Hugging Face layout (halves): cos/sin are the position's first half_dim entries.
+  void (*rotate_head)(const float* x, const float* cos, const float* sin, float* out, int64_t head_dim);
+  void (*attend_tile)(const AttentionTile& tile);
+};
+
+const KernelSet& avx2_kernels();
+const KernelSet& avx512_kernels();
+
+}  // namespace bs

@@ -1,0 +1,82 @@
+"""Load blockserve's C++ custom CPU operators: JIT-built once from custom_ops/ and cached, or the
+extension that custom_ops/setup.py installed (the Docker image), and the CPU features they need."""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+BUILD_SCRIPT = Path(__file__).resolve().parents[1] / "custom_ops" / "build.py"
+REQUIRED_CPU_FEATURES = ("avx2", "fma")
+
+
+class CustomOpsUnavailable(RuntimeError):
+    """The custom operators cannot run here: no build, a failed build, or a CPU without AVX2/FMA."""
+
+
+def cpu_features() -> set[str]:
+    """The instruction-set flags the kernel reports for this CPU (empty where /proc/cpuinfo is missing)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build_definition() -> ModuleType | None:
+    """custom_ops/build.py of a source checkout (an editable install); None in an installed package."""
+    if not BUILD_SCRIPT.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("blockserve_custom_ops_build", BUILD_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def load_ops(source_dir: Path | None = None) -> ModuleType:
+    """The ops module (its functions are the PD_BUILD_OP names); raises CustomOpsUnavailable.
+
+    `source_dir` replaces custom_ops/cpu (tests build a broken copy there).
+    """
+    build = _build_definition()
+    if build is None:
+        try:
+            return importlib.import_module("blockserve_ops")
+        except ImportError as exc:
+            raise CustomOpsUnavailable(f"no custom_ops sources and no prebuilt extension ({exc})") from None
+    source_dir = Path(source_dir or build.SOURCE_DIR)
+    try:
+        return _jit_build(build, source_dir)
+    except Exception as exc:
+        raise CustomOpsUnavailable(f"building {source_dir} failed: {type(exc).__name__}: {exc}") from None
+
+
+def _jit_build(build: ModuleType, source_dir: Path) -> ModuleType:
+    from paddle.utils.cpp_extension import get_build_directory, load
+
+    build_dir = Path(get_build_directory()) / f"{build.EXTENSION_NAME}_{build.source_hash(source_dir)}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # Workers and tests may start together: one builds, the others wait and reuse its result.
+    with open(build_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        log.info("loading custom ops from %s (built on first use)", build_dir)
+        return load(
+            name=build.EXTENSION_NAME,
+            sources=build.sources(source_dir),
+            extra_cxx_cflags=list(build.CXX_FLAGS),
+            extra_ldflags=list(build.EXTRA_LDFLAGS),
+            extra_include_paths=[*build.EXTRA_INCLUDE_DIRS, str(source_dir)],
+            build_directory=os.fspath(build_dir),
+        )

@@ -1,11 +1,15 @@
 """The wire contract: every message between api, scheduler and worker.
 
-Messages are msgspec structs in one tagged union, encoded as msgpack. Each carries the
-protocol version; `decode()` rejects a malformed, unknown or wrong-version frame with
-`WireError`, which receivers count and drop. Nothing is ever unpickled.
+Messages are msgspec structs in one tagged union, encoded as msgpack arrays (`array_like`:
+the tag first, the fields in order, the protocol version last: no field names on the wire).
+The many small structs of a step are `gc=False` (they hold no cycles), which keeps decoding
+them off the garbage collector's books. Each carries the protocol version; `decode()`
+rejects a malformed, unknown or wrong-version frame with `WireError`, which receivers count and
+drop. Nothing is ever unpickled.
 
 Scheduler -> worker traffic is deltas: a request is sent in full once (`NewRequest`), after
 that only its newly added block ids and how many tokens to compute (`RunningRequest`).
+Scheduler -> api traffic is one `DeltaBatch` per replica per step, not a frame per request.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class WireError(ValueError):
@@ -52,8 +56,8 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     aliases: list[str] = []  # other names requests may use (the GGUF file's own name)
 
 
-class Message(msgspec.Struct, tag_field="type", kw_only=True):
-    """Base of every frame: carries the protocol version."""
+class Message(msgspec.Struct, tag_field="type", kw_only=True, array_like=True):
+    """Base of every frame: carries the protocol version (kw_only: encoded after the fields)."""
 
     version: int = PROTOCOL_VERSION
 
@@ -80,12 +84,12 @@ class AbortRequest(Message, tag="abort"):
     request_id: str
 
 
-class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True, gc=False):
     token_id: int
     logprob: float
 
 
-class RequestDelta(Message, tag="delta"):
+class RequestDelta(Message, tag="delta", gc=False):
     """New tokens of one request; the last delta has `finish_reason` set."""
 
     request_id: str
@@ -97,6 +101,12 @@ class RequestDelta(Message, tag="delta"):
     error_status: int | None = None  # HTTP status the api should use for `error`
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+
+
+class DeltaBatch(Message, tag="deltas"):
+    """Every delta one step produced for one api replica, in one frame."""
+
+    deltas: list[RequestDelta]
 
 
 class StatusQuery(Message, tag="status_query"):
@@ -120,9 +130,10 @@ class WorkerHello(Message, tag="worker_hello"):
     num_kv_blocks: int
     block_size: int
     model: ModelInfo
+    kernels: dict[str, str] = {}  # the kernels and CPU features the worker computes with (settings_info shows them)
 
 
-class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
+class NewRequest(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
     """A request the worker has no state for: all its tokens (prompt and any output so far)."""
 
     request_id: str
@@ -134,7 +145,7 @@ class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     num_scheduled_tokens: int
 
 
-class RunningRequest(msgspec.Struct, frozen=True, array_like=True):
+class RunningRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A request the worker already holds: only what changed."""
 
     request_id: str
@@ -162,7 +173,7 @@ class SchedulerOutput(Message, tag="step"):
         return not (self.new_requests or self.running_requests)
 
 
-class SampledToken(msgspec.Struct, frozen=True, array_like=True):
+class SampledToken(msgspec.Struct, frozen=True, array_like=True, gc=False):
     request_id: str
     token_id: int
     logprob: float | None = None
@@ -191,6 +202,7 @@ AnyMessage = Union[
     GenerateRequest,
     AbortRequest,
     RequestDelta,
+    DeltaBatch,
     StatusQuery,
     SchedulerStatus,
     WorkerHello,

@@ -1,0 +1,355 @@
+"""How busy the step loop keeps a fast accelerator: the real scheduler, a fixed-step worker, an api peer.
+
+Run: python benchmarks/bench_step_loop.py [--mode serial|async|both] [--quick] [--json PATH] [--plot PATH]
+
+Each case starts the real `blockserve scheduler` process on loopback sockets and a model-free
+worker process whose step sleeps a fixed time (the CPU is free meanwhile, as under a blocking
+device sync) around the FakeWorker's per-request bookkeeping and deterministic tokens. This
+process plays an api replica: it submits every request as token ids on the api socket at once
+and drains their deltas. The worker's busy fraction is its sleeping time over the span from the
+first step's start to the last step's end; the gap is the time between one step's end and the
+next step's start. Where the gap goes: the scheduler's per-part seconds from its metrics (parts
+it does not expose are left out), the worker's input building, and the worker's frame decoding
+and result encoding (timed during the sleep, so the timing itself costs no gap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import zmq
+
+from service import wire
+from service.scheduler.fake_worker import FakeWorker
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.processes import loopback_env, stop  # noqa: E402
+
+PROMPT_LEN = 8
+BLOCK_SIZE = 16
+VOCAB_SIZE = 50_000
+FULL_CASES = [
+    *((step_ms, running, 0) for step_ms in (1, 5, 20) for running in (64, 256, 1024)),
+    (5, 256, 10_000),
+]
+QUICK_CASES = [(5, 64, 0), (5, 16, 100)]
+STEP_LOOP_PARTS = "blockserve_step_loop_seconds_total"  # {part=...}, where the scheduler exposes it
+SCHEDULE_HISTOGRAM = "blockserve_schedule_duration_seconds"
+
+
+def max_tokens_for(step_ms: int, waiting: int, quick: bool) -> int:
+    """Enough steps for a steady figure, few enough for the whole run to stay within minutes."""
+    if quick:
+        return 12
+    if waiting:
+        return 8
+    return 60 if step_ms >= 20 else 150
+
+
+# ---------------------------------------------------------------- the worker process
+
+
+class FixedStepRunner:
+    """A FakeWorker whose every step also takes `step_s` of "device" time, with its timings kept."""
+
+    def __init__(self, num_kv_blocks: int, step_s: float):
+        self.model_info = wire.ModelInfo(
+            name="fixed-step",
+            max_model_len=1 << 16,
+            vocab_size=VOCAB_SIZE,
+            eos_token_ids=[0],
+            bos_token_id=None,
+            tokenizer_json="",
+            chat_template=None,
+        )
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = BLOCK_SIZE
+        self.step_s = step_s
+        self.worker = FakeWorker(num_kv_blocks, BLOCK_SIZE, VOCAB_SIZE)
+        self.steps: list[dict[str, float]] = []
+
+    def execute(self, step: wire.SchedulerOutput) -> wire.StepResult:
+        started = time.perf_counter()
+        result = self.worker.execute(step)
+        device_started = time.perf_counter()
+        if not step.is_empty:
+            frame = wire.encode(step)  # timed while the device "computes": the CPU is free then
+            codec_started = time.perf_counter()
+            wire.decode(frame)
+            wire.encode(result)
+            codec_s = time.perf_counter() - codec_started
+            time.sleep(max(0.0, self.step_s - (time.perf_counter() - device_started)))
+            self.steps.append(
+                {"started": started, "device_started": device_started, "ended": time.perf_counter(), "codec_s": codec_s}
+            )
+        return result
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    from gpu_worker.worker_process import serve_worker
+    from service.config import load_settings
+
+    settings = load_settings()
+    runner = FixedStepRunner(settings.num_kv_blocks, args.step_ms / 1000)
+    serve_worker(runner, settings)
+    Path(args.timings).write_text(json.dumps(runner.steps))
+
+
+# ---------------------------------------------------------------- the api side
+
+
+class ApiPeer:
+    """One api replica: submits requests as token ids and counts the tokens of their deltas."""
+
+    def __init__(self, addr: str):
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.connect(addr)
+        self.num_tokens = 0
+        self.open_requests: set[str] = set()
+        self.errors: list[str] = []
+        self.first_token_at = self.last_token_at = 0.0
+
+    def wait_ready(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.socket.send(wire.encode(wire.StatusQuery()))
+            if self.socket.poll(500):
+                message = wire.decode(self.socket.recv())
+                if isinstance(message, wire.SchedulerStatus) and message.ready:
+                    return
+            time.sleep(0.1)
+        raise TimeoutError("the scheduler did not become ready")
+
+    def submit(self, count: int, max_tokens: int) -> None:
+        sampling = wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        for index in range(count):
+            request_id = uuid.uuid4().hex
+            prompt = [(index * 7 + offset) % (VOCAB_SIZE - 1) + 1 for offset in range(PROMPT_LEN)]
+            self.socket.send(
+                wire.encode(wire.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling))
+            )
+            self.open_requests.add(request_id)
+
+    def drain(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.open_requests:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self.open_requests)} requests unfinished")
+            if self.socket.poll(100):
+                while self.socket.poll(0):
+                    self._on_message(wire.decode(self.socket.recv()))
+
+    def _on_message(self, message: wire.AnyMessage) -> None:
+        if isinstance(message, wire.SchedulerStatus):
+            return  # a late answer to wait_ready()
+        deltas = message.deltas if isinstance(message, wire.DeltaBatch) else [message]
+        now = time.perf_counter()
+        for delta in deltas:
+            if delta.token_ids:
+                self.num_tokens += len(delta.token_ids)
+                self.first_token_at = self.first_token_at or now
+                self.last_token_at = now
+            if delta.finish_reason is not None:
+                self.open_requests.discard(delta.request_id)
+                if delta.finish_reason == "error":
+                    self.errors.append(delta.error or "")
+
+    def close(self) -> None:
+        self.context.destroy(linger=0)
+
+
+# ---------------------------------------------------------------- one case
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] if ordered else 0.0
+
+
+def scheduler_parts_s(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Seconds per step-loop part over the case, from the scheduler's metrics."""
+    prefix = f"{STEP_LOOP_PARTS}|"
+    parts = {key.removeprefix(prefix): after[key] - before.get(key, 0.0) for key in after if key.startswith(prefix)}
+    if not parts and f"{SCHEDULE_HISTOGRAM}_sum" in after:
+        parts["schedule"] = after[f"{SCHEDULE_HISTOGRAM}_sum"] - before.get(f"{SCHEDULE_HISTOGRAM}_sum", 0.0)
+    return parts
+
+
+def scrape_parts(port: str) -> dict[str, float]:
+    """Metric samples with the part label folded into the name, e.g. `..._seconds_total|schedule`."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text):
+        for sample in family.samples:
+            key = f"{sample.name}|{sample.labels['part']}" if "part" in sample.labels else sample.name
+            samples[key] = samples.get(key, 0.0) + sample.value
+    return samples
+
+
+def run_case(mode: str, step_ms: int, running: int, waiting: int, max_tokens: int, log_dir: Path) -> dict:
+    num_requests = running + waiting
+    blocks_each = -(-(PROMPT_LEN + max_tokens) // BLOCK_SIZE)
+    env = loopback_env(
+        BLOCKSERVE_ASYNC_SCHEDULING="1" if mode == "async" else "0",
+        BLOCKSERVE_MAX_NUM_SEQS=str(running),
+        BLOCKSERVE_MAX_NUM_BATCHED_TOKENS=str(max(2048, running * PROMPT_LEN)),
+        BLOCKSERVE_NUM_KV_BLOCKS=str(2 * running * blocks_each + 64),
+        BLOCKSERVE_BLOCK_SIZE=str(BLOCK_SIZE),
+        BLOCKSERVE_LOG_LEVEL="WARNING",
+    )
+    name = f"{mode}-{step_ms}ms-{running}r-{waiting}w"
+    timings_path = log_dir / f"{name}.steps.json"
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "scheduler"],
+            env=env,
+            cwd=ROOT,
+            stdout=open(log_dir / f"{name}.scheduler.log", "wb"),
+            stderr=subprocess.STDOUT,
+        ),
+        subprocess.Popen(
+            [sys.executable, __file__, "worker", "--step-ms", str(step_ms), "--timings", str(timings_path)],
+            env=env,
+            cwd=ROOT,
+            stdout=open(log_dir / f"{name}.worker.log", "wb"),
+            stderr=subprocess.STDOUT,
+        ),
+    ]
+    peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
+    try:
+        peer.wait_ready()
+        before = scrape_parts(env["BLOCKSERVE_METRICS_PORT"])
+        peer.submit(num_requests, max_tokens)
+        peer.drain(timeout_s=600)
+        after = scrape_parts(env["BLOCKSERVE_METRICS_PORT"])
+    finally:
+        peer.close()
+        for process in processes:  # the scheduler first: the worker serves until it has gone
+            stop(process)
+    steps = json.loads(timings_path.read_text())
+    return summarize(mode, step_ms, running, waiting, max_tokens, peer, steps, scheduler_parts_s(before, after))
+
+
+def summarize(mode, step_ms, running, waiting, max_tokens, peer: ApiPeer, steps: list[dict], parts_s: dict) -> dict:
+    device_s = sum(step["ended"] - step["device_started"] for step in steps)
+    span_s = steps[-1]["ended"] - steps[0]["device_started"]
+    gaps_s = [later["device_started"] - earlier["ended"] for earlier, later in zip(steps, steps[1:])]
+    num_steps = len(steps)
+    per_step_ms = {f"scheduler {part}": seconds * 1e3 / num_steps for part, seconds in sorted(parts_s.items())}
+    per_step_ms["worker input building"] = sum(s["device_started"] - s["started"] for s in steps) * 1e3 / num_steps
+    per_step_ms["worker decode + encode"] = sum(s["codec_s"] for s in steps) * 1e3 / num_steps
+    return {
+        "mode": mode,
+        "step_ms": step_ms,
+        "running": running,
+        "waiting": waiting,
+        "max_tokens": max_tokens,
+        "num_steps": num_steps,
+        "busy_fraction": device_s / span_s,
+        "gap_ms": {
+            "p50": percentile(gaps_s, 0.5) * 1e3,
+            "p99": percentile(gaps_s, 0.99) * 1e3,
+            "mean": statistics.fmean(gaps_s) * 1e3 if gaps_s else 0.0,
+        },
+        "output_tokens": peer.num_tokens,
+        "expected_tokens": (running + waiting) * max_tokens,
+        "errors": len(peer.errors),
+        "tokens_per_s": peer.num_tokens / max(peer.last_token_at - peer.first_token_at, 1e-9),
+        "parts_ms_per_step": per_step_ms,
+    }
+
+
+# ---------------------------------------------------------------- report
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"{'mode':<7}{'step':>6}{'running':>9}{'waiting':>9}{'busy':>7}{'gap p50':>9}{'gap p99':>9}{'tok/s':>9}")
+    for r in results:
+        gap = r["gap_ms"]
+        print(
+            f"{r['mode']:<7}{r['step_ms']:>4}ms{r['running']:>9}{r['waiting']:>9}{r['busy_fraction']:>7.3f}"
+            f"{gap['p50']:>7.2f}ms{gap['p99']:>7.2f}ms{r['tokens_per_s']:>9.0f}"
+        )
+    print("\nWhere the gap goes (ms per step; overlapped parts in async mode need not add up to the gap)")
+    for r in results:
+        parts = ", ".join(f"{part} {ms:.2f}" for part, ms in r["parts_ms_per_step"].items())
+        print(
+            f"{r['mode']:<7}{r['step_ms']:>4}ms{r['running']:>6}r{r['waiting']:>6}w  gap {r['gap_ms']['mean']:.2f}: {parts}"
+        )
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for mode in sorted({r["mode"] for r in results}):
+        for step_ms in sorted({r["step_ms"] for r in results}):
+            points = sorted(
+                (r["running"], r["busy_fraction"])
+                for r in results
+                if r["mode"] == mode and r["step_ms"] == step_ms and not r["waiting"]
+            )
+            if points:
+                style = "-" if mode == "async" else "--"
+                axes.plot(*zip(*points), style, marker="o", label=f"{mode}, {step_ms} ms steps")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("running requests")
+    axes.set_ylabel("worker busy fraction")
+    axes.set_ylim(0, 1.05)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    axes.set_title("Step loop: fixed-step worker busy fraction")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    subcommands = parser.add_subparsers(dest="role")
+    worker = subcommands.add_parser("worker", help="(internal) the fixed-step worker process")
+    worker.add_argument("--step-ms", type=float, required=True)
+    worker.add_argument("--timings", required=True)
+    parser.add_argument("--mode", choices=["serial", "async", "both"], default="both")
+    parser.add_argument("--quick", action="store_true", help="two small cases, for tests")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--plot", type=Path, help="PNG of busy fraction against running requests")
+    args = parser.parse_args()
+    if args.role == "worker":
+        run_worker(args)
+        return
+    modes = ["serial", "async"] if args.mode == "both" else [args.mode]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-step-loop-") as log_dir:
+        for step_ms, running, waiting in QUICK_CASES if args.quick else FULL_CASES:
+            for mode in modes:
+                max_tokens = max_tokens_for(step_ms, waiting, args.quick)
+                results.append(run_case(mode, step_ms, running, waiting, max_tokens, Path(log_dir)))
+                print_table(results[-1:])
+    print()
+    print_table(results)
+    if args.json:
+        args.json.write_text(json.dumps({"cases": results}, indent=2))
+    if args.plot:
+        plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()

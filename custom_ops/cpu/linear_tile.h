@@ -1,0 +1,71 @@
+// The packed-weight GEMM body, included once per instruction set inside a `#pragma GCC target` region
+// of linear_gemm.cc (no include guard, no includes: standard headers come before the region). Needs
+// `Vec` (the instruction set's native fp32 vector) and `kMaxRows` (rows of x per register tile).
+
+constexpr int kLanes = sizeof(Vec) / sizeof(float);
+constexpr int kVecs = kPanelWidth / kLanes;  // vectors per row of a tile
+typedef Vec UnalignedVec __attribute__((aligned(4)));
+
+static inline Vec load(const float* from) { return *reinterpret_cast<const UnalignedVec*>(from); }
+static inline void store(float* to, Vec value) { *reinterpret_cast<UnalignedVec*>(to) = value; }
+
+// y[rows, 0:cols] (+)= x[rows, k0:k0+depth] @ panel[k0:k0+depth, 0:16] for one 16-column weight panel.
+// `start` (bias or zeros, 16 floats) seeds the sum when `accumulate` is false.
+template <int kRows>
+static inline void tile(const float* x, int64_t ldx, const float* panel, int64_t depth, const float* start,
+                        bool accumulate, float* y, int64_t ldy, int cols) {
+  Vec acc[kRows][kVecs];
+  for (int r = 0; r < kRows; ++r) {
+    float partial[kPanelWidth] = {};
+    const float* from = !accumulate ? start : cols == kPanelWidth ? y + r * ldy : partial;
+    if (accumulate && cols < kPanelWidth) std::memcpy(partial, y + r * ldy, cols * sizeof(float));
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = load(from + v * kLanes);
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    Vec weights[kVecs];
+    for (int v = 0; v < kVecs; ++v) weights[v] = load(panel + k * kPanelWidth + v * kLanes);
+#pragma GCC unroll 16
+    for (int r = 0; r < kRows; ++r) {
+      const float scalar = x[r * ldx + k];
+      for (int v = 0; v < kVecs; ++v) acc[r][v] += weights[v] * scalar;
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    float partial[kPanelWidth];
+    float* to = cols == kPanelWidth ? y + r * ldy : partial;
+    for (int v = 0; v < kVecs; ++v) store(to + v * kLanes, acc[r][v]);
+    if (cols < kPanelWidth) std::memcpy(y + r * ldy, partial, cols * sizeof(float));
+  }
+}
+
+template <int... kRows>
+static inline void tile_of(int rows, std::integer_sequence<int, kRows...>, const float* x, int64_t ldx,
+                           const float* panel, int64_t depth, const float* start, bool accumulate, float* y,
+                           int64_t ldy, int cols) {
+  ((rows == kRows + 1 ? tile<kRows + 1>(x, ldx, panel, depth, start, accumulate, y, ldy, cols) : void()), ...);
+}
+
+// y[m, n] = x[m, k] @ W (+ bias) with W packed by pack_weight. Threads split the weight panels; the
+// static schedule gives a thread the same panels in every depth block, so no barrier is needed between.
+static void gemm(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias, float* y) {
+  const int64_t panels = num_panels(n);
+#pragma omp parallel
+  for (int64_t m0 = 0; m0 < m; m0 += kBlockRows) {
+    const int64_t m_end = std::min(m, m0 + kBlockRows);
+    for (int64_t k0 = 0; k0 < k; k0 += kBlockDepth) {
+      const int64_t depth = std::min(kBlockDepth, k - k0);
+#pragma omp for schedule(static) nowait
+      for (int64_t p = 0; p < panels; ++p) {
+        const int cols = static_cast<int>(std::min<int64_t>(kPanelWidth, n - p * kPanelWidth));
+        float start[kPanelWidth] = {};
+        if (bias != nullptr) std::memcpy(start, bias + p * kPanelWidth, cols * sizeof(float));
+        const float* panel = packed + (p * k + k0) * kPanelWidth;
+        for (int64_t r0 = m0; r0 < m_end; r0 += kMaxRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m_end - r0));
+          tile_of(rows, std::make_integer_sequence<int, kMaxRows>{}, x + r0 * k + k0, k, panel, depth, start,
+                  k0 > 0, y + r0 * n + p * kPanelWidth, n, cols);
+        }
+      }
+    }
+  }
+}

@@ -73,6 +73,7 @@ class FixedStepRunner:
         )
         self.num_kv_blocks = num_kv_blocks
         self.block_size = BLOCK_SIZE
+        self.kernels: dict[str, str] = {}
         self.step_s = step_s
         self.worker = FakeWorker(num_kv_blocks, BLOCK_SIZE, VOCAB_SIZE)
         self.steps: list[dict[str, float]] = []

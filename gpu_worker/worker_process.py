@@ -1,16 +1,20 @@
-"""The worker process: a ZMQ DEALER loop around a model runner.
+"""The worker process: a model runner behind a ZMQ DEALER that its own thread serves.
 
-It says hello (block count, block size, model info), then answers every step with a
-StepResult and every ping with a pong. If it hears nothing for a while it says hello again,
-so a restarted scheduler finds it. A malformed frame is counted and dropped. On SIGTERM it
-keeps serving until the scheduler has gone (it drains its requests first), bounded by
-`drain_timeout_s`.
+The link thread owns the socket. It says hello (block count, block size, model info, kernels),
+answers every ping at once, even while a step computes, and receives and decodes the next steps
+while the current one computes, so the runner finds them ready. When it has heard nothing for a
+while and owes no step result, it says hello again, so a restarted scheduler finds it. A
+malformed frame is counted and dropped. The main thread runs the steps in order and hands each
+result to the link thread. On SIGTERM it keeps serving until the scheduler has gone (it drains
+its requests first), bounded by `drain_timeout_s`.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import signal
+import threading
 import time
 import uuid
 from typing import Protocol
@@ -18,21 +22,110 @@ from typing import Protocol
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from service import wire
+from service import curve, wire
 from service.config import Settings
 
 log = logging.getLogger(__name__)
 
-POLL_MS = 500
+POLL_S = 0.5
 REHELLO_AFTER_S = 5.0
+CLOSE = b""  # on the results pipe: the link thread stops
 
 
 class Runner(Protocol):
     model_info: wire.ModelInfo
     num_kv_blocks: int
     block_size: int
+    kernels: dict[str, str]
 
     def execute(self, step: wire.SchedulerOutput) -> wire.StepResult: ...
+
+
+class SchedulerLink:
+    """The worker socket, served from one thread; steps come out of `next_step()`, results go in `send()`."""
+
+    def __init__(self, settings: Settings, hello: wire.WorkerHello):
+        self.scheduler_connected = False
+        self.num_malformed_frames = 0
+        self._hello = wire.encode(hello)
+        self._steps: queue.SimpleQueue[wire.SchedulerOutput] = queue.SimpleQueue()
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.IDENTITY, hello.worker_id.encode())
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        curve.secure_client(self._socket, curve.client_keys(settings))
+        self._socket.connect(settings.worker_addr)
+        # The main thread's results reach the link thread over a pipe: a zmq socket is used by one thread.
+        pipe_addr = f"inproc://results-{uuid.uuid4().hex}"
+        self._results_in = self._context.socket(zmq.PULL)
+        self._results_in.bind(pipe_addr)
+        self._results_out = self._context.socket(zmq.PUSH)
+        self._results_out.connect(pipe_addr)
+        self._thread = threading.Thread(target=self._serve, name="scheduler-link", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def next_step(self, timeout_s: float) -> wire.SchedulerOutput | None:
+        try:
+            return self._steps.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def send(self, result: wire.StepResult) -> None:
+        self._results_out.send(wire.encode(result))
+
+    def close(self) -> None:
+        self._results_out.send(CLOSE)
+        self._thread.join()
+        self._socket.disable_monitor()
+        self._context.destroy(linger=0)
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        for socket in (self._socket, self._monitor, self._results_in):
+            poller.register(socket, zmq.POLLIN)
+        self._socket.send(self._hello)
+        last_heard = time.monotonic()
+        num_unanswered = 0  # steps received whose result has not gone out
+        while True:
+            events = dict(poller.poll(POLL_S * 1000))
+            while self._monitor.poll(0):
+                event = parse_monitor_message(self._monitor.recv_multipart())["event"]
+                self.scheduler_connected = event == zmq.EVENT_CONNECTED
+            if self._results_in in events:
+                while self._results_in.poll(0):
+                    frame = self._results_in.recv()
+                    if frame == CLOSE:
+                        return
+                    self._socket.send(frame)
+                    num_unanswered -= 1
+                    last_heard = time.monotonic()  # its answer came just now: silence counts from here
+            if self._socket in events:
+                while self._socket.poll(0):
+                    last_heard = time.monotonic()
+                    num_unanswered += self._on_frame(self._socket.recv())
+            if num_unanswered == 0 and time.monotonic() - last_heard > REHELLO_AFTER_S:
+                self._socket.send(self._hello)
+                last_heard = time.monotonic()
+
+    def _on_frame(self, frame: bytes) -> int:
+        """Handle one frame from the scheduler; 1 if it is a step that needs a result."""
+        try:
+            message = wire.decode(frame)
+            if isinstance(message, wire.SchedulerOutput):
+                self._steps.put(message)
+                return int(not message.is_empty)
+            if not isinstance(message, wire.Ping):
+                raise wire.WireError(f"unexpected {type(message).__name__}")
+            self._socket.send(wire.encode(wire.Pong()))
+        except wire.WireError as exc:
+            self.num_malformed_frames += 1
+            log.warning("dropped frame #%d: %s", self.num_malformed_frames, exc)
+        return 0
 
 
 def serve_worker(runner: Runner, settings: Settings) -> None:
@@ -45,56 +138,26 @@ def serve_worker(runner: Runner, settings: Settings) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    worker_id = f"worker-{uuid.uuid4().hex[:8]}"
-    context = zmq.Context()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.IDENTITY, worker_id.encode())
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
-    monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-    socket.connect(settings.worker_addr)
-    scheduler_connected = False
-    hello = wire.encode(
-        wire.WorkerHello(
-            worker_id=worker_id,
-            num_kv_blocks=runner.num_kv_blocks,
-            block_size=runner.block_size,
-            model=runner.model_info,
-        )
+    hello = wire.WorkerHello(
+        worker_id=f"worker-{uuid.uuid4().hex[:8]}",
+        num_kv_blocks=runner.num_kv_blocks,
+        block_size=runner.block_size,
+        model=runner.model_info,
+        kernels=runner.kernels,
     )
-    socket.send(hello)
-    log.info("%s connected to %s with %d KV blocks", worker_id, settings.worker_addr, runner.num_kv_blocks)
-    last_heard = time.monotonic()
-    num_malformed = 0
+    link = SchedulerLink(settings, hello)
+    link.start()
+    log.info("%s connected to %s with %d KV blocks", hello.worker_id, settings.worker_addr, runner.num_kv_blocks)
     try:
-        while stop_deadline is None or (scheduler_connected and time.monotonic() < stop_deadline):
-            while monitor.poll(0):
-                scheduler_connected = parse_monitor_message(monitor.recv_multipart())["event"] == zmq.EVENT_CONNECTED
-            if not socket.poll(POLL_MS):
-                if time.monotonic() - last_heard > REHELLO_AFTER_S:
-                    socket.send(hello)
-                    last_heard = time.monotonic()
+        while stop_deadline is None or (link.scheduler_connected and time.monotonic() < stop_deadline):
+            step = link.next_step(POLL_S)
+            if step is None:
                 continue
-            last_heard = time.monotonic()
-            try:
-                message = wire.decode(socket.recv())
-            except wire.WireError as exc:
-                num_malformed += 1
-                log.warning("dropped malformed frame #%d: %s", num_malformed, exc)
-                continue
-            if isinstance(message, wire.SchedulerOutput):
-                result = runner.execute(message)
-                if not message.is_empty:
-                    socket.send(wire.encode(result))
-            elif isinstance(message, wire.Ping):
-                socket.send(wire.encode(wire.Pong()))
-            else:
-                num_malformed += 1
-                log.warning("dropped unexpected %s", type(message).__name__)
+            result = runner.execute(step)
+            if not step.is_empty:
+                link.send(result)
     finally:
-        socket.disable_monitor()
-        context.destroy(linger=0)
+        link.close()
 
 
 def run_worker(settings: Settings) -> None:

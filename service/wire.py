@@ -110,7 +110,7 @@ class DeltaBatch(Message, tag="deltas"):
 
 
 class StatusQuery(Message, tag="status_query"):
-    pass
+    request_ids: list[str] = []  # the replica's open requests, to learn which the scheduler lost
 
 
 class SchedulerStatus(Message, tag="status"):
@@ -120,6 +120,7 @@ class SchedulerStatus(Message, tag="status"):
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
+    unknown_request_ids: list[str] = []  # of the query's request ids, those this scheduler does not hold
 
 
 # ---------------------------------------------------------------- scheduler <-> worker

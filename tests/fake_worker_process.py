@@ -17,6 +17,7 @@ from tests.unit.fake_scheduler import tiny_model_info
 class FakeRunner:
     def __init__(self, num_kv_blocks: int, block_size: int, step_delay_s: float):
         self.model_info = tiny_model_info()
+        self.kernels: dict[str, str] = {}
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.step_delay_s = step_delay_s

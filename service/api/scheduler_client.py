@@ -1,9 +1,10 @@
 """The api replica's one connection to the scheduler: a ZMQ DEALER shared by all requests.
 
-A reader task routes each RequestDelta to the queue of its request. Requests never hang on a
-lost scheduler: when the connection drops, every open request ends with an error delta; when a
-request hears nothing for `idle_check_s` and the scheduler does not answer a status query, or
-answers that it holds no requests at all, that request ends with an error delta too.
+A reader task routes each delta (one DeltaBatch per scheduler step, or a lone RequestDelta)
+to the queue of its request. Requests never hang on a lost scheduler: when the connection drops,
+every open request ends with an error delta; when a request hears nothing for `idle_check_s`, a
+status query lists this replica's open request ids, and the request ends with an error delta if
+the scheduler does not answer or answers that it does not hold it (whatever else it holds).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from service import wire
+from service import curve, wire
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +42,14 @@ class SchedulerClient:
         *,
         idle_check_s: float,
         on_malformed_frame: Callable[[], None] = lambda: None,
+        client_keys: curve.ClientKeys | None = None,
     ) -> None:
         self.addr = addr
         self.replica_id = replica_id
         self.model: wire.ModelInfo | None = None  # the last welcome's; kept across reconnects
         self._idle_check_s = idle_check_s
         self._on_malformed_frame = on_malformed_frame
+        self._client_keys = client_keys
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._welcomed = asyncio.Event()  # welcomed on the current connection
@@ -67,6 +70,7 @@ class SchedulerClient:
         socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        curve.secure_client(socket, self._client_keys)
         socket.connect(self.addr)
         self._tasks = [
             asyncio.create_task(self._read_loop()),
@@ -78,7 +82,7 @@ class SchedulerClient:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._fail_open_requests("the api is shutting down")
+        self.fail_open_requests("the api is shutting down")
         self._socket.disable_monitor()
         self._context.destroy(linger=0)
 
@@ -105,11 +109,14 @@ class SchedulerClient:
                 self._send(wire.AbortRequest(request_id=request_id))
 
     async def status(self, timeout_s: float = STATUS_TIMEOUT_S) -> wire.SchedulerStatus | None:
-        """The scheduler's status, or None if it does not answer in time."""
+        """The scheduler's status, or None if it does not answer in time.
+
+        The query carries every open request id, so any answer says which of them the scheduler lost.
+        """
         waiter: asyncio.Future[wire.SchedulerStatus] = asyncio.get_running_loop().create_future()
         self._status_waiters.append(waiter)
         try:
-            if not self._send(wire.StatusQuery()):
+            if not self._send(wire.StatusQuery(request_ids=list(self._streams))):
                 return None
             return await asyncio.wait_for(waiter, timeout_s)
         except TimeoutError:
@@ -129,7 +136,8 @@ class SchedulerClient:
                 status = await self.status()
                 if status is None:
                     return lost_delta(request_id, "the scheduler stopped answering")
-                if status.num_running + status.num_waiting == 0:
+                # Deltas sent before the answer are queued by now: the last one may have come meanwhile.
+                if queue.empty() and request_id in status.unknown_request_ids:
                     return lost_delta(request_id, "the scheduler no longer has this request")
 
     def _send(self, message: wire.Message) -> bool:
@@ -152,10 +160,11 @@ class SchedulerClient:
                 log.warning("dropped a frame from the scheduler: %s", exc)
 
     def _dispatch(self, message: wire.AnyMessage) -> None:
-        if isinstance(message, wire.RequestDelta):
-            queue = self._streams.get(message.request_id)
-            if queue is not None:
-                queue.put_nowait(message)
+        if isinstance(message, wire.DeltaBatch):
+            for delta in message.deltas:
+                self._route(delta)
+        elif isinstance(message, wire.RequestDelta):
+            self._route(message)
         elif isinstance(message, wire.SchedulerStatus):
             waiters, self._status_waiters = self._status_waiters, []
             for waiter in waiters:
@@ -168,6 +177,11 @@ class SchedulerClient:
             self._welcomed.set()
         else:
             raise wire.WireError(f"unexpected {type(message).__name__} on the api socket")
+
+    def _route(self, delta: wire.RequestDelta) -> None:
+        queue = self._streams.get(delta.request_id)
+        if queue is not None:
+            queue.put_nowait(delta)
 
     async def _greet_loop(self) -> None:
         """Say hello until welcomed; a new connection also says hello at once (see below)."""
@@ -184,8 +198,9 @@ class SchedulerClient:
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 log.warning("lost the connection to the scheduler at %s", self.addr)
                 self._welcomed.clear()
-                self._fail_open_requests("the connection to the scheduler was lost")
+                self.fail_open_requests("the connection to the scheduler was lost")
 
-    def _fail_open_requests(self, reason: str) -> None:
+    def fail_open_requests(self, reason: str) -> None:
+        """End every open request with an error delta (a stream then ends with an error event)."""
         for request_id, queue in self._streams.items():
             queue.put_nowait(lost_delta(request_id, reason))

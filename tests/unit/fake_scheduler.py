@@ -2,9 +2,10 @@
 
 `FakeScheduler` binds a ROUTER on a free loopback port and answers from a background thread:
 ApiHello with a ModelInfo around a tiny byte-level BPE tokenizer trained here, StatusQuery with
-`ready`, and GenerateRequest with the tokens of `reply_text`, one delta per token (finish
-"length" at max_tokens, else the EOS token and finish "stop"). It records every request and
-abort. `ApiServer` runs the real app under a real uvicorn server on a free loopback port.
+`ready` and the asked request ids it does not hold, and GenerateRequest with the tokens of
+`reply_text`, one delta per token (finish "length" at max_tokens, else the EOS token and finish
+"stop"), the deltas due at one moment in one DeltaBatch per replica, as the scheduler sends a
+step's. It records every request and abort. `ApiServer` runs the real app under a real uvicorn server on a free loopback port.
 """
 
 from __future__ import annotations
@@ -73,8 +74,7 @@ def tiny_model_info() -> wire.ModelInfo:
 class _Outgoing:
     due_s: float
     identity: bytes
-    request_id: str
-    frame: bytes
+    delta: wire.RequestDelta
 
 
 class FakeScheduler:
@@ -85,6 +85,7 @@ class FakeScheduler:
         self.ready = True
         self.silent = False  # ignore everything, like a wedged scheduler
         self.lose_requests = False  # accept generate requests, then never answer them
+        self.num_other_requests = 0  # requests of other replicas it says it runs
         self.error: tuple[int, str] | None = None  # answer generate with this (status, message)
         self.token_delay_s = 0.0
         self.generated: list[wire.GenerateRequest] = []
@@ -141,20 +142,27 @@ class FakeScheduler:
             self.replicas[identity] = message.replica_id
             self._socket.send_multipart([identity, wire.encode(wire.ApiWelcome(model=self._model, ready=self.ready))])
         elif isinstance(message, wire.StatusQuery):
+            held = {out.delta.request_id for out in self._outgoing}
             status = wire.SchedulerStatus(
-                ready=self.ready, num_workers=1, num_running=0, num_waiting=0, num_free_blocks=8, num_total_blocks=8
+                ready=self.ready,
+                num_workers=1,
+                num_running=len(held) + self.num_other_requests,
+                num_waiting=0,
+                num_free_blocks=8,
+                num_total_blocks=8,
+                unknown_request_ids=[request_id for request_id in message.request_ids if request_id not in held],
             )
             self._socket.send_multipart([identity, wire.encode(status)])
         elif isinstance(message, wire.AbortRequest):
             self.aborted.append(message.request_id)
-            self._outgoing = [out for out in self._outgoing if out.request_id != message.request_id]
+            self._outgoing = [out for out in self._outgoing if out.delta.request_id != message.request_id]
         elif isinstance(message, wire.GenerateRequest):
             self.generated.append(message)
             if self.lose_requests:
                 return
             for delay_index, delta in enumerate(self._script(message), start=1):
                 due_s = time.monotonic() + delay_index * self.token_delay_s
-                self._outgoing.append(_Outgoing(due_s, identity, message.request_id, wire.encode(delta)))
+                self._outgoing.append(_Outgoing(due_s, identity, delta))
 
     def _script(self, request: wire.GenerateRequest) -> list[wire.RequestDelta]:
         num_prompt_tokens = len(request.prompt_token_ids)
@@ -199,8 +207,11 @@ class FakeScheduler:
         now_s = time.monotonic()
         due = [out for out in self._outgoing if out.due_s <= now_s]
         self._outgoing = [out for out in self._outgoing if out.due_s > now_s]
+        batches: dict[bytes, list[wire.RequestDelta]] = {}
         for out in due:
-            self._socket.send_multipart([out.identity, out.frame])
+            batches.setdefault(out.identity, []).append(out.delta)
+        for identity, deltas in batches.items():
+            self._socket.send_multipart([identity, wire.encode(wire.DeltaBatch(deltas=deltas))])
 
 
 class ApiServer:

@@ -115,6 +115,24 @@ def test_a_request_the_scheduler_lost_ends_with_503():
     assert "no longer has this request" in response.json()["error"]["message"]
 
 
+def test_a_request_the_scheduler_lost_ends_with_503_while_it_runs_others():
+    with FakeScheduler() as fake, ApiServer(fake.addr, worker_timeout_s=0.2) as api:
+        api.wait_ready()
+        fake.lose_requests, fake.num_other_requests = True, 3
+        response = httpx.post(f"{api.base_url}/v1/completions", json=COMPLETION, timeout=10)
+    assert response.status_code == 503
+    assert "no longer has this request" in response.json()["error"]["message"]
+
+
+def test_a_slow_request_the_scheduler_holds_is_not_taken_as_lost():
+    with FakeScheduler() as fake, ApiServer(fake.addr, worker_timeout_s=0.1) as api:
+        api.wait_ready()
+        fake.reply_text, fake.token_delay_s = "Hello world", 0.4  # silent for 4 idle checks per token
+        response = httpx.post(f"{api.base_url}/v1/completions", json={**COMPLETION, "max_tokens": 3}, timeout=10)
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 3
+
+
 def test_malformed_frames_are_counted_and_dropped(fake, api):
     fake.send_raw(b"\x00not msgpack")
     fake.send_raw(wire.encode(wire.Ping(version=wire.PROTOCOL_VERSION + 1)))

@@ -63,6 +63,9 @@ class Settings(BaseSettings):
         default="min_recompute", description="Victim choice when blocks run out"
     )
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of identical prefixes")
+    async_scheduling: bool = Field(
+        default=True, description="Decide the next step while the worker computes one (false = one step at a time)"
+    )
     enable_v1_kvcache_scheduler: bool = Field(
         default=True,
         validation_alias=AliasChoices("ENABLE_V1_KVCACHE_SCHEDULER"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from service import wire
+from service.scheduler.outcome import StepOutcome
 from service.scheduler.request import FinishReason, Request, RequestStatus
 from service.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig, blocks_for
 from service.scheduler.stats import SchedulerStats
@@ -44,7 +45,12 @@ class LegacyScheduler(Scheduler):
         self._prefill_blocks: dict[str, int] = {}  # request id -> how many of its blocks are prefill share
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling: wire.SamplingParams, now: float
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: wire.SamplingParams,
+        now: float,
+        owner: bytes = b"",
     ) -> None:
         needed = self._admission_blocks(len(prompt_token_ids))
         if needed > self.prefill_capacity:
@@ -52,7 +58,7 @@ class LegacyScheduler(Scheduler):
                 f"the prompt needs {needed} prefill blocks but the prefill table holds {self.prefill_capacity} "
                 f"(KV_CACHE_RATIO={self.legacy.kv_cache_ratio})"
             )
-        super().add_request(request_id, prompt_token_ids, sampling, now)
+        super().add_request(request_id, prompt_token_ids, sampling, now, owner)
 
     def pool_usage(self) -> list[tuple[str, int, int]]:
         """(pool, capacity, used blocks) of the prefill and decode tables."""
@@ -75,15 +81,18 @@ class LegacyScheduler(Scheduler):
             needed = self._admission_blocks(request.num_prompt_tokens)
             if self.prefill_used + needed > self.prefill_capacity:
                 break  # first come, first served: the head waits and so does everyone behind it
+            blocks = self.pool.allocate(needed)
+            if blocks is None:
+                break  # the quota allows it, but blocks of ended requests are still in flight
             self.waiting.popleft()
-            request.block_ids = self.pool.allocate(needed)
+            request.block_ids = blocks
             self.prefill_used += needed
             self._prefill_blocks[request.request_id] = needed
             self.stats.num_prompt_tokens += request.num_tokens
             request.status = RequestStatus.RUNNING
             request.admitted_seq = self._admissions
             self._admissions += 1
-            self.running.append(request)
+            self.running[request] = None
             num_new = min(request.num_tokens, budget)
             scheduled[request] = num_new
             new_block_ids[request] = list(request.block_ids)
@@ -99,6 +108,8 @@ class LegacyScheduler(Scheduler):
         if self.decode_used + needed > self.decode_capacity:
             return None
         blocks = self.pool.allocate(needed)
+        if blocks is None:
+            return None  # blocks of ended requests are still in flight
         self.decode_used += needed
         request.block_ids.extend(blocks)
         return blocks
@@ -108,50 +119,53 @@ class LegacyScheduler(Scheduler):
         victim = max(candidates, key=self.decode_blocks)
         return victim if self.decode_blocks(victim) > 0 else requester
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, now: float, outcome: StepOutcome) -> None:
         """Suspend: give back the decode blocks, keep the prompt blocks and the batch slot."""
         num_prefill = self._prefill_blocks[request.request_id]
         decode_blocks = request.block_ids[num_prefill:]
         if not decode_blocks or self.legacy.disable_recover:
             # Nothing to give back means this request alone needs more than the decode table.
-            self._end_incomplete(request, INCOMPLETE if decode_blocks else TOO_LONG)
+            self._end_incomplete(request, INCOMPLETE if decode_blocks else TOO_LONG, now, outcome)
             return
-        self.pool.free(decode_blocks)
+        self._release(request, decode_blocks)
         self.decode_used -= len(decode_blocks)
         del request.block_ids[num_prefill:]
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
         request.status = RequestStatus.SUSPENDED
         request.sent_to_worker = False
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.num_preempted_waiting += 1
 
-    def _can_run(self, request: Request) -> bool:
+    def _can_run(self, request: Request, now: float, outcome: StepOutcome) -> bool:
         """A suspended request is recovered once its whole sequence fits in the decode table."""
         if request.status is not RequestStatus.SUSPENDED:
             return request.status is RequestStatus.RUNNING
         needed = blocks_for(request.num_tokens, self.config.block_size) - len(request.block_ids)
         if needed > self.decode_capacity:
-            self._end_incomplete(request, TOO_LONG)
+            self._end_incomplete(request, TOO_LONG, now, outcome)
             return False
         if self.decode_used + needed > self.decode_capacity:
             return False
-        request.block_ids.extend(self.pool.allocate(needed))
+        blocks = self.pool.allocate(needed)
+        if blocks is None:
+            return False  # blocks of ended requests are still in flight
+        request.block_ids.extend(blocks)
         self.decode_used += needed
         request.status = RequestStatus.RUNNING
         self.num_preempted_waiting -= 1
         return True
 
-    def _end_incomplete(self, request: Request, reason: str) -> None:
-        self.running.remove(request)
+    def _end_incomplete(self, request: Request, reason: str, now: float, outcome: StepOutcome) -> None:
         self.num_preempted_waiting -= request.status is RequestStatus.SUSPENDED
-        self._pending_deltas.append(self._end(request, FinishReason.ERROR, reason))
+        self._end(request, FinishReason.ERROR, reason, now, outcome)
 
-    def _finish(self, request: Request, reason: FinishReason) -> None:
+    def _finish(self, request: Request, reason: FinishReason, now: float, outcome: StepOutcome) -> None:
         num_prefill = self._prefill_blocks.pop(request.request_id, 0)
         self.prefill_used -= num_prefill
         self.decode_used -= len(request.block_ids) - num_prefill
-        super()._finish(request, reason)
+        super()._finish(request, reason, now, outcome)
 
 
 def build_scheduler(

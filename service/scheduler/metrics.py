@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
+from service.scheduler.outcome import StepOutcome
 from service.scheduler.request import Request
 from service.scheduler.scheduler import Scheduler
 from service.scheduler.stats import SchedulerStats
@@ -98,6 +99,11 @@ class _LiveCollector(Collector):
         yield counter(
             "blockserve_prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.prefix_cache_hits
         )
+        yield counter(
+            "blockserve_wasted_decode_slots",
+            "Tokens computed for requests that had ended (stop token, abort) while their step was in flight.",
+            stats.num_wasted_decode_slots,
+        )
         finished = CounterMetricFamily(
             "blockserve_requests_finished", "Finished requests by reason.", labels=["model_name", "reason"]
         )
@@ -176,30 +182,40 @@ class SchedulerMetrics:
             "blockserve_schedule_duration_seconds", "Time the scheduler takes to decide one step.", STEP_BUCKETS_S
         )
         self.batch_tokens = histogram("blockserve_batch_tokens", "Tokens computed in one step.", BATCH_TOKEN_BUCKETS)
-        self._last_token_at: dict[str, float] = {}
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
 
-    def on_tokens(self, request_id: str, arrival_s: float, now: float) -> None:
-        model = self.get_model_name()
-        last = self._last_token_at.get(request_id)
-        if last is None:
-            self.ttft.labels(model).observe(now - arrival_s)
-        else:
-            self.itl.labels(model).observe(now - last)
-        self._last_token_at[request_id] = now
+    def on_outcome(self, outcome: StepOutcome) -> None:
+        """Latencies of what one scheduler call produced, from the requests' own timings."""
+        if outcome.sampled:
+            self.on_tokens(outcome.sampled)
+        if outcome.finished:
+            self.on_finished(outcome.finished)
 
-    def on_finished(self, request: Request, now: float) -> None:
+    def on_tokens(self, requests: list[Request]) -> None:
+        """Each request just got a token: its first (TTFT) or its next (inter-token latency)."""
         model = self.get_model_name()
-        self._last_token_at.pop(request.request_id, None)
-        self.e2e.labels(model).observe(now - request.arrival_time)
-        if request.first_scheduled_time is not None:
-            self.queue.labels(model).observe(request.first_scheduled_time - request.arrival_time)
-        self.preemptions.labels(model).observe(request.num_preemptions)
+        ttft, itl = self.ttft.labels(model), self.itl.labels(model)
+        for request in requests:
+            if request.num_output_tokens == 1:
+                ttft.observe(request.first_token_time - request.arrival_time)
+            else:
+                itl.observe(request.last_token_gap_s)
 
-    def on_step(self, num_tokens: int, schedule_s: float, step_s: float) -> None:
+    def on_finished(self, requests: list[Request]) -> None:
+        model = self.get_model_name()
+        e2e, queue, preemptions = self.e2e.labels(model), self.queue.labels(model), self.preemptions.labels(model)
+        for request in requests:
+            e2e.observe(request.finish_time - request.arrival_time)
+            if request.first_scheduled_time is not None:
+                queue.observe(request.first_scheduled_time - request.arrival_time)
+            preemptions.observe(request.num_preemptions)
+
+    def on_schedule(self, num_tokens: int, schedule_s: float) -> None:
         model = self.get_model_name()
         self.batch_tokens.labels(model).observe(num_tokens)
         self.schedule.labels(model).observe(schedule_s)
-        self.step.labels(model).observe(step_s)
+
+    def on_step(self, step_s: float) -> None:
+        self.step.labels(self.get_model_name()).observe(step_s)

@@ -30,14 +30,16 @@ def token_delta(request: Request, token: wire.SampledToken, reason: FinishReason
     )
 
 
-def closing_delta(request: Request, reason: FinishReason, error: str | None) -> wire.RequestDelta:
+def closing_delta(
+    request: Request, reason: FinishReason, error: str | None, error_status: int = 500
+) -> wire.RequestDelta:
     """The last delta of a request that ends without a new token."""
     return wire.RequestDelta(
         request_id=request.request_id,
         token_ids=[],
         finish_reason=reason.value,
         error=error,
-        error_status=500 if error else None,
+        error_status=error_status if error else None,
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=request.num_cached_tokens,
     )

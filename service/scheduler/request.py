@@ -33,6 +33,7 @@ class Request:
     sampling: SamplingParams
     arrival_time: float
     block_size: int
+    owner: bytes = b""  # identity of the api replica that sent it: its deltas go there
     token_ids: list[int] = field(init=False)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks of token_ids
     block_ids: list[int] = field(default_factory=list)
@@ -46,8 +47,16 @@ class Request:
     num_skipped: int = 0  # admission rounds in which it was passed over at the head of the queue
     admitted_seq: int = -1  # order of the latest admission (lifo victim choice)
     sent_to_worker: bool = False  # the worker holds its state; next time send deltas only
-    first_token_time: float | None = None
+    num_output_placeholders: int = 0  # tokens that steps in flight will sample for it (overlapped loop)
+    last_step_id: int = 0  # the latest step that computes it: its blocks are released after that step
+    in_reserve: bool = False  # counted in the admission reserve (see AdmissionReserve)
+    reserve_prompt_blocks: int = 0
+    reserve_output_blocks: int = 0
     first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    last_token_gap_s: float = 0.0  # time between its last two tokens
+    finish_time: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -73,7 +82,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, now: float) -> None:
+        if self.last_token_time is None:
+            self.first_token_time = now
+        else:
+            self.last_token_gap_s = now - self.last_token_time
+        self.last_token_time = now
         self.token_ids.append(token_id)
         if len(self.token_ids) % self.block_size == 0:
             extend_block_hashes(self.block_hashes, self.token_ids, self.block_size)

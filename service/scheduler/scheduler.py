@@ -1,18 +1,25 @@
 """The unified-table scheduler: a pure, synchronous object that decides every step.
 
 `schedule(now)` hands the token budget to running requests first (a decode is one token, an
-unfinished chunked prefill continues), then admits waiting ones; `update(result, now)` takes
-the sampled tokens and returns what each request produced. No sockets, no clocks.
+unfinished chunked prefill continues), then admits waiting ones; `update(step, result, now)`
+takes the sampled tokens and returns what the step produced. No sockets, no clocks.
+
+Steps may overlap (see step_loop.py): a step can be scheduled while earlier ones are still
+computing. A decoding request then gets one more token whose input is the token the step in
+flight samples (a placeholder the worker fills from its own state). A request that ends while a
+step in flight still computes it keeps its blocks until that step has returned, and the
+token computed for it there is discarded (a wasted decode slot, counted).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from service import wire
 from service.scheduler.admission import AdmissionReserve
 from service.scheduler.block_pool import BlockPool
+from service.scheduler.outcome import StepOutcome
 from service.scheduler.outputs import closing_delta, new_request_message, stop_reason, token_delta
 from service.scheduler.policies import POLICIES
 from service.scheduler.request import FinishReason, Request, RequestStatus
@@ -64,6 +71,24 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass(slots=True)
+class ScheduledStep:
+    """One step: the message for the worker, what scheduling itself ended, and what it scheduled."""
+
+    output: wire.SchedulerOutput
+    outcome: StepOutcome  # requests that schedule() ended (legacy: incomplete)
+    # (request, its preemption count then, computed tokens after the step, whether the step samples it)
+    scheduled: list[tuple[Request, int, int, bool]] = field(default_factory=list)
+
+    @property
+    def step_id(self) -> int:
+        return self.output.step_id
+
+    @property
+    def needs_result(self) -> bool:
+        return not self.output.is_empty
+
+
 class Scheduler:
     """Owns the block table, the queues and every request's progress."""
 
@@ -71,18 +96,19 @@ class Scheduler:
         self.config = config
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.choose_victim = POLICIES[config.preemption_policy]
-        self.reserve = AdmissionReserve()
+        self.reserve = AdmissionReserve(config.max_model_len, config.block_size)
         self.stats = stats or SchedulerStats()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: dict[Request, None] = {}  # in admission order (an ordered set)
         self.num_preempted_waiting = 0
-        self.finished: list[Request] = []  # since the last schedule(); see pop_finished()
         self._step_id = 0
+        self._completed_step_id = 0  # steps up to this one have returned (they return in order)
         self._admissions = 0
         self._finished_for_worker: list[str] = []
-        self._last_scheduled: list[Request] = []
-        self._pending_deltas: list[wire.RequestDelta] = []  # requests ended inside schedule()
+        self._releases: dict[int, list[list[int]]] = {}  # step id -> blocks to free once it has returned
+        self.num_releasing_blocks = 0
+        self._promised: list[Request] = []  # waited for released blocks last step: served first this one
 
     def pool_usage(self) -> list[tuple[str, int, int]]:
         """(pool, capacity, used blocks) of each table: one here; the legacy mode has two."""
@@ -93,20 +119,19 @@ class Scheduler:
         """Requests to serve, or finished ones the worker has not been told about."""
         return bool(self.requests or self._finished_for_worker)
 
-    def take_ended_deltas(self) -> list[wire.RequestDelta]:
-        """Closing deltas of requests that schedule() itself ended (legacy: incomplete); send them now."""
-        deltas, self._pending_deltas = self._pending_deltas, []
-        return deltas
-
-    def pop_finished(self) -> list[Request]:
-        """Requests finished since the last call (kept until the next schedule() at most)."""
-        finished, self.finished = self.finished, []
-        return finished
+    def releasing_block_ids(self) -> list[int]:
+        """Blocks of ended requests that a step in flight still writes (freed when it returns)."""
+        return [block_id for lists in self._releases.values() for block_ids in lists for block_id in block_ids]
 
     # ------------------------------------------------------------------ requests in
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling: wire.SamplingParams, now: float
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: wire.SamplingParams,
+        now: float,
+        owner: bytes = b"",
     ) -> None:
         """Queue a request, or raise RequestRejected if it could never be served."""
         cfg = self.config
@@ -130,96 +155,123 @@ class Scheduler:
                 f"the request needs up to {needed_blocks} KV-cache blocks "
                 f"({max_len} tokens) but the whole cache holds {cfg.num_blocks}"
             )
-        request = Request(request_id, list(prompt_token_ids), sampling, now, cfg.block_size)
+        request = Request(request_id, list(prompt_token_ids), sampling, now, cfg.block_size, owner)
         self.requests[request_id] = request
         self.waiting.append(request)
 
-    def abort_request(self, request_id: str) -> wire.RequestDelta | None:
-        """Stop a request wherever it is; its blocks are freed at once."""
+    def abort_request(self, request_id: str, now: float) -> StepOutcome:
+        """Stop a request wherever it is; its blocks are freed once no step in flight computes it."""
+        outcome = StepOutcome()
         request = self.requests.get(request_id)
         if request is None:
-            return None
-        if request.status in (RequestStatus.RUNNING, RequestStatus.SUSPENDED):
-            self.running.remove(request)
-        else:
+            return outcome
+        if request.status not in (RequestStatus.RUNNING, RequestStatus.SUSPENDED):
             self.waiting.remove(request)
         self.num_preempted_waiting -= request.status in (RequestStatus.PREEMPTED, RequestStatus.SUSPENDED)
-        return self._end(request, FinishReason.ABORT)
+        self._end(request, FinishReason.ABORT, None, now, outcome)
+        return outcome
 
-    def fail_all(self, message: str) -> list[wire.RequestDelta]:
-        """End every request with an error (the worker died)."""
-        deltas = self.take_ended_deltas()
-        deltas += [self._end(r, FinishReason.ERROR, message) for r in list(self.requests.values())]
-        self.running.clear()
+    def fail_all(self, message: str, now: float, error_status: int = 503) -> StepOutcome:
+        """End every request with an error (the worker is gone: no step in flight will return)."""
+        outcome = StepOutcome()
+        self._completed_step_id = self._step_id
+        for block_lists in self._releases.values():
+            for block_ids in block_lists:
+                self.pool.free(block_ids)
+        self._releases.clear()
+        self.num_releasing_blocks = 0
+        for request in list(self.requests.values()):
+            self._end(request, FinishReason.ERROR, message, now, outcome, error_status)
         self.waiting.clear()
         self.num_preempted_waiting = 0
-        self._last_scheduled = []
-        return deltas
+        self._finished_for_worker.clear()  # a new worker holds no state
+        return outcome
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self, now: float) -> wire.SchedulerOutput:
+    def schedule(self, now: float) -> ScheduledStep:
         """Decide what the worker computes in the next step."""
-        self.finished = []
+        outcome = StepOutcome()  # requests that scheduling itself ends (legacy: incomplete)
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
         new_block_ids: dict[Request, list[int]] = {}
         preempted: list[Request] = []
 
-        for request in list(self.running):
+        promised, self._promised = self._promised, []
+        for request in promised + [r for r in self.running if r not in promised] if promised else list(self.running):
             if budget == 0:
                 break
-            if not self._can_run(request):
+            if not self._can_run(request, now, outcome):
                 continue  # preempted earlier in this step, or suspended
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_output_placeholders and self._ends_with_placeholders(request):
+                continue  # the tokens in flight end it: nothing more to compute
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
             while (blocks := self._grow(request, num_new)) is None:
+                if self._releases_cover(request, num_new):
+                    self._promised.append(request)  # blocks of ended requests come back with the step in flight
+                    break
                 victim = self._choose_victim(request)
+                if victim is request and request.num_output_placeholders:
+                    break  # its next token is still computing: decide once it is known, as a serial loop would
                 budget += scheduled.pop(victim, 0)
                 new_block_ids.pop(victim, None)
-                self._preempt(victim)
+                self._preempt(victim, now, outcome)
                 if not victim.is_finished:
                     preempted.append(victim)
                 if victim is request:
                     break
-            if request.status is RequestStatus.RUNNING:
+            if blocks is not None and request.status is RequestStatus.RUNNING:
                 scheduled[request] = num_new
                 new_block_ids[request] = blocks
                 budget -= num_new
 
         if preempted:
             self.reserve.on_preemption()
-        else:
+        elif self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             budget = self._admit_waiting(budget, scheduled, new_block_ids, now)
         if scheduled:
             self.reserve.on_step()
-        return self._build_output(scheduled, new_block_ids, preempted, now)
+        return self._build_step(scheduled, new_block_ids, preempted, outcome)
 
-    def update(self, result: wire.StepResult, now: float) -> list[wire.RequestDelta]:
-        """Apply the worker's sampled tokens; return each request's new tokens."""
-        last_scheduled, self._last_scheduled = self._last_scheduled, []
-        deltas = self.take_ended_deltas()
+    def update(self, step: ScheduledStep, result: wire.StepResult, now: float) -> StepOutcome:
+        """Apply the worker's sampled tokens for `step`; return what they produced."""
+        outcome = StepOutcome()
+        self._completed_step_id = step.step_id
         if result.error is not None:
-            return deltas + [
-                self._end(r, FinishReason.ERROR, f"worker error: {result.error}")
-                for r in last_scheduled
-                if not r.is_finished
-            ]
-        sampled = {s.request_id: s for s in result.sampled}
-        for request in last_scheduled:
-            if request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            self._cache_computed_blocks(request)
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a prefill chunk that did not reach the end: nothing sampled
-            token = sampled.get(request.request_id)
-            if token is None:
-                deltas.append(self._end(request, FinishReason.ERROR, "the worker returned no token"))
-                continue
-            deltas.append(self._accept_token(request, token, now))
-        self.running = [r for r in self.running if not r.is_finished]
-        return deltas
+            for request, preemptions, _, _ in step.scheduled:
+                if not request.is_finished and request.num_preemptions == preemptions:
+                    self._end(request, FinishReason.ERROR, f"worker error: {result.error}", now, outcome)
+        else:
+            sampled = {token.request_id: token for token in result.sampled}
+            for request, preemptions, computed_end, samples in step.scheduled:
+                if request.num_preemptions != preemptions:
+                    continue  # preempted since: it is recomputed from scratch
+                if request.is_finished:
+                    self.stats.num_wasted_decode_slots += samples  # ended while this step computed it
+                    continue
+                self._cache_computed_blocks(request, computed_end)
+                if not samples:
+                    continue  # a prefill chunk that did not reach the end: nothing sampled
+                request.num_output_placeholders -= 1
+                token = sampled.get(request.request_id)
+                if token is None:
+                    self._end(request, FinishReason.ERROR, "the worker returned no token", now, outcome)
+                else:
+                    self._accept_token(request, token, now, outcome)
+        for block_ids in self._releases.pop(step.step_id, ()):
+            self.num_releasing_blocks -= len(block_ids)
+            self.pool.free(block_ids)
+        return outcome
 
     # ------------------------------------------------------------------ internals
+
+    def _ends_with_placeholders(self, request: Request) -> bool:
+        """Whether the tokens that steps in flight sample for it reach max_tokens or max_model_len."""
+        pending = request.num_output_placeholders
+        return (
+            request.num_output_tokens + pending >= request.sampling.max_tokens
+            or request.num_tokens + pending >= self.config.max_model_len
+        )
 
     def _grow(self, request: Request, num_new: int) -> list[int] | None:
         """Blocks so that `num_new` more tokens fit, or None if the pool is short."""
@@ -229,21 +281,32 @@ class Scheduler:
         blocks = self.pool.allocate(needed)
         if blocks is not None:
             request.block_ids.extend(blocks)
+            self.reserve.refresh(request)
         return blocks
 
-    def _can_run(self, request: Request) -> bool:
+    def _releases_cover(self, request: Request, num_new: int) -> bool:
+        """Whether blocks that steps in flight will give back make up what `request` lacks now."""
+        if not self.num_releasing_blocks:
+            return False
+        needed = blocks_for(request.num_computed_tokens + num_new, self.config.block_size) - len(request.block_ids)
+        free = self.pool.num_free_blocks
+        return free < needed <= free + self.num_releasing_blocks
+
+    def _can_run(self, request: Request, now: float, outcome: StepOutcome) -> bool:
         return request.status is RequestStatus.RUNNING
 
     def _choose_victim(self, requester: Request) -> Request:
         # The longest-running request is never offered, so one request always progresses.
-        return self.choose_victim(self.running[1:] or [requester], self.pool)
+        return self.choose_victim(list(self.running)[1:] or [requester], self.pool)
 
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
-        self.pool.free(request.block_ids)
+    def _preempt(self, request: Request, now: float, outcome: StepOutcome) -> None:
+        del self.running[request]
+        self.reserve.untrack(request)
+        self._release(request, request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0
         request.num_cached_blocks = 0
+        request.num_output_placeholders = 0
         request.status = RequestStatus.PREEMPTED
         self.num_preempted_waiting += 1
         request.num_preemptions += 1
@@ -251,9 +314,19 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _release(self, request: Request, block_ids: list[int]) -> None:
+        """Free blocks a request gave up; if a step in flight still computes it, once that step returns."""
+        if not block_ids:
+            return
+        if request.last_step_id > self._completed_step_id:
+            self._releases.setdefault(request.last_step_id, []).append(block_ids)
+            self.num_releasing_blocks += len(block_ids)
+        else:
+            self.pool.free(block_ids)
+
     def _admit_waiting(self, budget: int, scheduled: dict, new_block_ids: dict, now: float) -> int:
         cfg = self.config
-        reserved = self.reserve.reserved_blocks(self.running, cfg.max_model_len, cfg.block_size)
+        reserved = self.reserve.reserved_blocks()
         passed: list[Request] = []
         while (
             self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(passed) <= cfg.max_skip_ahead
@@ -266,7 +339,8 @@ class Scheduler:
                 if request.num_skipped > cfg.max_head_skips:
                     break  # aged head: nobody passes it any more, blocks drain to it
                 continue
-            reserved += self.reserve.reserved_blocks([request], cfg.max_model_len, cfg.block_size)
+            self.reserve.track(request)
+            reserved = self.reserve.reserved_blocks()
             scheduled[request] = num_new
             new_block_ids[request] = list(request.block_ids)
             budget -= num_new
@@ -301,11 +375,13 @@ class Scheduler:
         request.num_skipped = 0
         request.admitted_seq = self._admissions
         self._admissions += 1
-        self.running.append(request)
+        self.running[request] = None
         return num_new
 
-    def _build_output(self, scheduled: dict, new_block_ids: dict, preempted: list, now: float) -> wire.SchedulerOutput:
-        new_requests, running_requests = [], []
+    def _build_step(self, scheduled: dict, new_block_ids: dict, preempted: list, outcome: StepOutcome) -> ScheduledStep:
+        self._step_id += 1
+        step_id = self._step_id
+        new_requests, running_requests, records = [], [], []
         for request, num_new in scheduled.items():
             if request.sent_to_worker:
                 running_requests.append(wire.RunningRequest(request.request_id, new_block_ids[request], num_new))
@@ -316,47 +392,62 @@ class Scheduler:
             self.stats.num_recomputed_tokens += max(0, min(end, request.max_computed_tokens) - start)
             request.max_computed_tokens = max(request.max_computed_tokens, end)
             request.num_computed_tokens = end
-        self._last_scheduled = list(scheduled)
-        self._step_id += 1
+            request.last_step_id = step_id
+            samples = end == request.num_tokens + request.num_output_placeholders
+            request.num_output_placeholders += samples
+            records.append((request, request.num_preemptions, end, samples))
         finished, self._finished_for_worker = self._finished_for_worker, []
-        return wire.SchedulerOutput(
-            step_id=self._step_id,
+        output = wire.SchedulerOutput(
+            step_id=step_id,
             new_requests=new_requests,
             running_requests=running_requests,
             finished_request_ids=finished,
             preempted_request_ids=[r.request_id for r in preempted],
         )
+        return ScheduledStep(output, outcome, records)
 
-    def _cache_computed_blocks(self, request: Request) -> None:
-        num_full = min(request.num_computed_tokens // self.config.block_size, len(request.block_hashes))
-        self.pool.cache_blocks(
-            request.block_ids, request.block_hashes, request.token_ids, request.num_cached_blocks, num_full
-        )
-        request.num_cached_blocks = max(request.num_cached_blocks, num_full)
+    def _cache_computed_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        num_full = min(num_computed_tokens // self.config.block_size, len(request.block_hashes))
+        if num_full > request.num_cached_blocks:
+            self.pool.cache_blocks(
+                request.block_ids, request.block_hashes, request.token_ids, request.num_cached_blocks, num_full
+            )
+            request.num_cached_blocks = num_full
 
-    def _accept_token(self, request: Request, token: wire.SampledToken, now: float) -> wire.RequestDelta:
-        request.append_token(token.token_id)
+    def _accept_token(self, request: Request, token: wire.SampledToken, now: float, outcome: StepOutcome) -> None:
+        request.append_token(token.token_id, now)
         self.stats.num_generation_tokens += 1
-        if request.first_token_time is None:
-            request.first_token_time = now
         reason = stop_reason(request, token.token_id, self.config.eos_token_ids, self.config.max_model_len)
-        if reason is not None:
-            self._finish(request, reason)
-        return token_delta(request, token, reason)
+        outcome.sampled.append(request)
+        outcome.add(request, token_delta(request, token, reason))
+        if reason is None:
+            self.reserve.refresh_after_token(request)
+        else:
+            self._finish(request, reason, now, outcome)
 
-    def _end(self, request: Request, reason: FinishReason, error: str | None = None) -> wire.RequestDelta:
-        """Finish a request and return its closing delta."""
-        self._finish(request, reason)
-        return closing_delta(request, reason, error)
+    def _end(
+        self,
+        request: Request,
+        reason: FinishReason,
+        error: str | None,
+        now: float,
+        outcome: StepOutcome,
+        error_status: int = 500,
+    ) -> None:
+        """Finish a request and give its api replica the closing delta."""
+        outcome.add(request, closing_delta(request, reason, error, error_status))
+        self._finish(request, reason, now, outcome)
 
-    def _finish(self, request: Request, reason: FinishReason) -> None:
-        if request.block_ids:
-            self.pool.free(request.block_ids)
-            request.block_ids = []
+    def _finish(self, request: Request, reason: FinishReason, now: float, outcome: StepOutcome) -> None:
+        self.running.pop(request, None)
+        self.reserve.untrack(request)
+        self._release(request, request.block_ids)
+        request.block_ids = []
         if request.sent_to_worker:
             self._finished_for_worker.append(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        request.finish_time = now
         del self.requests[request.request_id]
         self.stats.record_finish(request)
-        self.finished.append(request)
+        outcome.finished.append(request)

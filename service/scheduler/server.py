@@ -2,9 +2,11 @@
 
 Two ROUTER sockets: api replicas connect to `scheduler_addr` (requests, aborts, status; token
 deltas go back to the replica that sent each request), workers to `worker_addr` (hello, step
-results). One step is in flight at a time. A worker that disconnects, or leaves a step
-unanswered for `worker_timeout_s`, is dead: readiness turns false and every request in flight
-ends with an error. A worker that says hello again is taken as a fresh one.
+results). The step loop is serial (one step in flight) or, with `async_scheduling`, overlapped
+(the next step is decided and sent while the worker computes one; see step_loop.py). Each
+step's deltas go to each api replica as one `DeltaBatch`. A worker that disconnects, or leaves a
+step unanswered for `worker_timeout_s`, is dead: readiness turns false and every request in
+flight ends with an error. A worker that says hello again is taken as a fresh one.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from service import wire
 from service.config import Settings
 from service.scheduler.legacy import build_scheduler, legacy_config_from
 from service.scheduler.metrics import SchedulerMetrics
+from service.scheduler.outcome import StepOutcome
 from service.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from service.scheduler.stats import SchedulerStats
+from service.scheduler.step_loop import StepLoop
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +43,14 @@ class SchedulerServer:
         self.worker_socket = self._router(settings.worker_addr)
         self.worker_monitor = self.worker_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.scheduler: Scheduler | None = None
+        self.loop: StepLoop | None = None
         self.model: wire.ModelInfo | None = None
         self.worker_id: bytes | None = None
-        self.owners: dict[str, tuple[bytes, float]] = {}  # request id -> (api replica identity, arrival)
         self.stats = SchedulerStats()  # outlives any one Scheduler, so counters never go back
         self.metrics = SchedulerMetrics(
             lambda: self.scheduler, self.stats, lambda: self.model.name if self.model else "", settings.redacted()
         )
-        self.step_in_flight: wire.SchedulerOutput | None = None
-        self.step_sent_at = 0.0
-        self.step_schedule_s = 0.0
+        self.step_sent_at: dict[int, float] = {}  # step id -> when it went to the worker, while in flight
         self.last_ping_at = 0.0
         self.last_heard_at = 0.0
         self.num_malformed_frames = 0
@@ -65,6 +67,10 @@ class SchedulerServer:
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
         socket.bind(addr)
         return socket
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.scheduler.requests) if self.scheduler else 0
 
     @property
     def ready(self) -> bool:
@@ -92,17 +98,17 @@ class SchedulerServer:
             self._maybe_step(now)
             if self.draining:
                 drain_deadline = drain_deadline or now + self.settings.drain_timeout_s
-                if not self.owners or now >= drain_deadline:
+                if self.num_requests == 0 or now >= drain_deadline:
                     self.stopping = True
         self.close()
 
     def begin_drain(self) -> None:
-        log.info("draining: no new requests; %d in flight", len(self.owners))
+        log.info("draining: no new requests; %d in flight", self.num_requests)
         self.draining = True
 
     def close(self) -> None:
-        for request_id in list(self.owners):
-            self._send_delta(self._error_delta(request_id, "the scheduler is shutting down", 503))
+        if self.scheduler is not None:
+            self._deliver(self.scheduler.fail_all("the scheduler is shutting down", time.monotonic()))
         self.worker_socket.disable_monitor()
         self.context.destroy(linger=CLOSE_LINGER_MS)  # let the last deltas of drained requests leave
 
@@ -127,11 +133,9 @@ class SchedulerServer:
         if isinstance(message, wire.GenerateRequest):
             self._on_generate(identity, message)
         elif isinstance(message, wire.AbortRequest):
-            if self.scheduler is not None and self.owners.get(message.request_id, (None,))[0] == identity:
-                delta = self.scheduler.abort_request(message.request_id)
-                if delta is not None:
-                    self._send_delta(delta)
-                self._observe_finished()
+            request = self.scheduler.requests.get(message.request_id) if self.scheduler else None
+            if request is not None and request.owner == identity:
+                self._deliver(self.scheduler.abort_request(message.request_id, time.monotonic()))
         elif isinstance(message, wire.ApiHello):
             if self.model is not None:
                 self._send(self.api_socket, identity, wire.ApiWelcome(model=self.model, ready=self.ready))
@@ -142,20 +146,15 @@ class SchedulerServer:
 
     def _on_generate(self, identity: bytes, message: wire.GenerateRequest) -> None:
         request_id = message.request_id
-        if request_id in self.owners:
-            self._send(self.api_socket, identity, self._error_delta(request_id, "duplicate request id", 409))
-            return
         if self.scheduler is None or not self.ready:
             reason = "the service is shutting down" if self.draining else "no worker is available"
             self._send(self.api_socket, identity, self._error_delta(request_id, reason, 503))
             return
         now = time.monotonic()
         try:
-            self.scheduler.add_request(request_id, message.prompt_token_ids, message.sampling, now)
+            self.scheduler.add_request(request_id, message.prompt_token_ids, message.sampling, now, identity)
         except RequestRejected as exc:
             self._send(self.api_socket, identity, self._error_delta(request_id, str(exc), exc.status))
-            return
-        self.owners[request_id] = (identity, now)
 
     def _status(self) -> wire.SchedulerStatus:
         scheduler = self.scheduler
@@ -168,21 +167,11 @@ class SchedulerServer:
             num_total_blocks=scheduler.pool.num_blocks if scheduler else 0,
         )
 
-    def _send_delta(self, delta: wire.RequestDelta, now: float | None = None) -> None:
-        owner = self.owners.get(delta.request_id)
-        if owner is None:
-            return
-        identity, arrival = owner
-        if delta.token_ids:
-            self.metrics.on_tokens(delta.request_id, arrival, now or time.monotonic())
-        if delta.finish_reason is not None:
-            del self.owners[delta.request_id]
-        self._send(self.api_socket, identity, delta)
-
-    def _observe_finished(self) -> None:
-        now = time.monotonic()
-        for request in self.scheduler.pop_finished():
-            self.metrics.on_finished(request, now)
+    def _deliver(self, outcome: StepOutcome) -> None:
+        """Send each api replica its deltas in one frame; observe the latencies."""
+        for owner, deltas in outcome.deltas.items():
+            self._send(self.api_socket, owner, wire.DeltaBatch(deltas=deltas))
+        self.metrics.on_outcome(outcome)
 
     @staticmethod
     def _error_delta(request_id: str, reason: str, status: int) -> wire.RequestDelta:
@@ -226,6 +215,7 @@ class SchedulerServer:
                 vocab_size=hello.model.vocab_size,
             ),
         )
+        self.loop = StepLoop(self.scheduler, self.settings.async_scheduling)
         self.worker_id = identity
         self.last_ping_at = self.last_heard_at = time.monotonic()
         log.info(
@@ -237,44 +227,42 @@ class SchedulerServer:
         )
 
     def _on_step_result(self, result: wire.StepResult) -> None:
-        if self.step_in_flight is None or result.step_id != self.step_in_flight.step_id:
+        now = time.monotonic()
+        outcome = self.loop.complete(result, now) if self.loop else None
+        if outcome is None:
             log.warning("ignored a result for step %d", result.step_id)
             return
-        step, self.step_in_flight = self.step_in_flight, None
-        now = time.monotonic()
-        self.metrics.on_step(step.num_scheduled_tokens, self.step_schedule_s, now - self.step_sent_at)
-        for delta in self.scheduler.update(result, now):
-            self._send_delta(delta, now)
-        self._observe_finished()
+        self.metrics.on_step(now - self.step_sent_at.pop(result.step_id))
+        self._maybe_step(now)  # the next step first: the worker must not wait for the fan-out
+        self._deliver(outcome)
 
     def _maybe_step(self, now: float) -> None:
-        if (
-            self.step_in_flight is not None
-            or self.worker_id is None
-            or self.scheduler is None
-            or not self.scheduler.has_work
-        ):
+        """Schedule and send steps while the loop allows (serial: one in flight; overlapped: two)."""
+        if self.worker_id is None or self.loop is None:
             return
-        step = self.scheduler.schedule(now)
-        self.step_schedule_s = time.monotonic() - now
-        for delta in self.scheduler.take_ended_deltas():
-            self._send_delta(delta, now)
-        if step.is_empty and not (step.finished_request_ids or step.preempted_request_ids):
-            return
-        self._send(self.worker_socket, self.worker_id, step)
-        if step.is_empty:
-            return  # only state to drop: no answer expected
-        self.step_in_flight = step
-        self.step_sent_at = now
+        while self.loop.can_schedule():
+            started = time.perf_counter()
+            step = self.loop.schedule(now)
+            schedule_s = time.perf_counter() - started
+            output = step.output
+            if not output.is_empty or output.finished_request_ids or output.preempted_request_ids:
+                self._send(self.worker_socket, self.worker_id, output)
+            self._deliver(step.outcome)
+            if not step.needs_result:
+                return  # nothing to compute (at most state to drop): no answer expected
+            self.step_sent_at[step.step_id] = now
+            self.metrics.on_schedule(output.num_scheduled_tokens, schedule_s)
+            now = time.monotonic()
 
     def _check_worker(self, now: float) -> None:
         if self.worker_id is None:
             return
-        if self.step_in_flight is not None and now - self.step_sent_at > self.settings.worker_timeout_s:
+        oldest_sent_at = min(self.step_sent_at.values(), default=None)
+        if oldest_sent_at is not None and now - oldest_sent_at > self.settings.worker_timeout_s:
             self._worker_lost(f"the worker did not answer a step within {self.settings.worker_timeout_s:.0f} s")
-        elif self.step_in_flight is None and self.last_ping_at - self.last_heard_at > self.settings.worker_timeout_s:
+        elif oldest_sent_at is None and self.last_ping_at - self.last_heard_at > self.settings.worker_timeout_s:
             self._worker_lost(f"the worker did not answer pings for {self.settings.worker_timeout_s:.0f} s")
-        elif self.step_in_flight is None and now - self.last_ping_at > PING_INTERVAL_S:
+        elif oldest_sent_at is None and now - self.last_ping_at > PING_INTERVAL_S:
             self._send(self.worker_socket, self.worker_id, wire.Ping())
             self.last_ping_at = now
 
@@ -283,14 +271,11 @@ class SchedulerServer:
             self._worker_lost("the worker disconnected")
 
     def _worker_lost(self, reason: str) -> None:
-        log.error("%s: failing %d requests", reason, len(self.owners))
+        log.error("%s: failing %d requests", reason, self.num_requests)
         self.worker_id = None
-        self.step_in_flight = None
-        if self.scheduler is not None:
-            for delta in self.scheduler.fail_all(reason):
-                delta.error_status = 503
-                self._send_delta(delta)
-            self._observe_finished()
+        self.step_sent_at.clear()
+        if self.loop is not None:
+            self._deliver(self.loop.fail(reason, time.monotonic()))
 
 
 def run_scheduler(settings: Settings) -> None:

@@ -7,6 +7,7 @@ an operator cares about: throughput, preemptions, recomputed tokens, block usage
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -14,7 +15,9 @@ import numpy as np
 from service import wire
 from service.scheduler.fake_worker import FakeWorker
 from service.scheduler.legacy import LegacyConfig, build_scheduler
+from service.scheduler.request import FinishReason, Request
 from service.scheduler.scheduler import RequestRejected, SchedulerConfig
+from service.scheduler.step_loop import StepLoop
 from service.workload import TraceRequest
 
 
@@ -54,26 +57,25 @@ class SimulationReport:
         return asdict(self)
 
 
-class _Timing:
-    __slots__ = ("arrival", "first_token", "finish", "num_tokens", "failed")
-
-    def __init__(self, arrival: float):
-        self.arrival, self.first_token, self.finish, self.num_tokens, self.failed = arrival, None, None, 0, False
-
-
 def simulate(
     trace: list[TraceRequest],
     config: SchedulerConfig,
     cost: CostModel = CostModel(),
     legacy: LegacyConfig | None = None,
+    overlapped: bool = False,
 ) -> SimulationReport:
-    """Replay `trace` through the unified scheduler (or the legacy one, given `legacy`)."""
+    """Replay `trace` through the unified scheduler (or the legacy one, given `legacy`).
+
+    `overlapped` drives it as the overlapped step loop does (the next step decided while one computes).
+    """
     scheduler = build_scheduler(config, legacy)
+    loop = StepLoop(scheduler, overlapped)
     worker = FakeWorker(config.num_blocks, config.block_size)
+    sent: deque[wire.SchedulerOutput] = deque()  # steps the worker has not computed yet, in order
     pending = sorted(trace, key=lambda r: r.arrival_time_s)
-    timings: dict[str, _Timing] = {}
+    finished: list[Request] = []
     now, next_arrival, rejected, steps, usage_time = 0.0, 0, 0, 0, 0.0
-    while next_arrival < len(pending) or scheduler.requests:
+    while next_arrival < len(pending) or scheduler.requests or loop.in_flight:
         while next_arrival < len(pending) and pending[next_arrival].arrival_time_s <= now:
             request = pending[next_arrival]
             next_arrival += 1
@@ -82,16 +84,21 @@ def simulate(
                 scheduler.add_request(request.request_id, request.prompt_token_ids, sampling, request.arrival_time_s)
             except RequestRejected:
                 rejected += 1
-                continue
-            timings[request.request_id] = _Timing(request.arrival_time_s)
-        step = scheduler.schedule(now)
-        for delta in scheduler.take_ended_deltas():
-            timings[delta.request_id].finish, timings[delta.request_id].failed = now, True
-        if step.is_empty:
+        while loop.can_schedule():
+            scheduled = loop.schedule(now)
+            finished += scheduled.outcome.finished
+            sent.append(scheduled.output)
+            if not scheduled.needs_result:
+                break
+        if not loop.in_flight:
             if next_arrival < len(pending):
                 now = max(now, pending[next_arrival].arrival_time_s)
                 continue
             raise RuntimeError("scheduler stalled with requests left")  # a scheduler bug, never expected
+        step = sent.popleft()
+        while step.is_empty:  # state to drop only: no time, no answer
+            worker.execute(step)
+            step = sent.popleft()
         result = worker.execute(step)
         scheduled_ids = [r.request_id for r in step.new_requests] + [r.request_id for r in step.running_requests]
         context = sum(worker.requests[request_id].num_computed_tokens for request_id in scheduled_ids)
@@ -99,30 +106,26 @@ def simulate(
         usage_time += scheduler.pool.usage * duration
         now += duration
         steps += 1
-        for delta in scheduler.update(result, now):
-            timing = timings[delta.request_id]
-            if delta.token_ids and timing.first_token is None:
-                timing.first_token = now
-            timing.num_tokens += len(delta.token_ids)
-            if delta.finish_reason is not None:
-                timing.finish = now
-                timing.failed = delta.error is not None
-    return _report(trace, timings, rejected, now, steps, usage_time, scheduler)
+        finished += loop.complete(result, now).finished
+    return _report(trace, finished, rejected, now, steps, usage_time, scheduler)
 
 
-def _report(trace, timings, rejected, now, steps, usage_time, scheduler) -> SimulationReport:
-    done = [t for t in timings.values() if t.finish is not None and not t.failed]
+def _report(trace, finished: list[Request], rejected, now, steps, usage_time, scheduler) -> SimulationReport:
+    done = [r for r in finished if r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)]
     start = min((r.arrival_time_s for r in trace), default=0.0)
     duration = max(now - start, 1e-9)
-    ttft = np.array([t.first_token - t.arrival for t in done]) if done else np.zeros(1)
-    tpot = np.array([(t.finish - t.first_token) / (t.num_tokens - 1) for t in done if t.num_tokens > 1] or [0.0])
+    ttft = np.array([r.first_token_time - r.arrival_time for r in done]) if done else np.zeros(1)
+    tpot = np.array(
+        [(r.finish_time - r.first_token_time) / (r.num_output_tokens - 1) for r in done if r.num_output_tokens > 1]
+        or [0.0]
+    )
     return SimulationReport(
         num_requests=len(trace),
         num_finished=len(done),
         num_rejected=rejected,
-        num_failed=sum(1 for t in timings.values() if t.failed),
+        num_failed=sum(1 for r in finished if r.finish_reason is FinishReason.ERROR),
         duration_s=duration,
-        output_tokens_per_s=sum(t.num_tokens for t in done) / duration,
+        output_tokens_per_s=sum(r.num_output_tokens for r in done) / duration,
         requests_per_s=len(done) / duration,
         num_steps=steps,
         num_preemptions=scheduler.stats.num_preemptions,

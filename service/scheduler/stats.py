@@ -16,6 +16,7 @@ class SchedulerStats:
     num_generation_tokens: int = 0  # counted as each token is accepted
     prefix_cache_queries: int = 0  # prompt tokens looked up at first admission
     prefix_cache_hits: int = 0  # of those, tokens served from the cache
+    num_wasted_decode_slots: int = 0  # tokens computed for requests that had ended while their step ran
     finished_by_reason: Counter = field(default_factory=Counter)
 
     def record_finish(self, request: Request) -> None:

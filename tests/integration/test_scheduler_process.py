@@ -27,6 +27,7 @@ class ApiPeer:
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, wire.RequestDelta] = {}
         self.statuses: list[wire.SchedulerStatus] = []
+        self.batch_sizes: list[int] = []  # deltas per DeltaBatch frame
 
     def send(self, message: wire.Message) -> None:
         self.socket.send(wire.encode(message))
@@ -43,12 +44,20 @@ class ApiPeer:
             return
         while self.socket.poll(0):
             message = wire.decode(self.socket.recv())
-            if isinstance(message, wire.RequestDelta):
-                self.outputs[message.request_id].extend(message.token_ids)
-                if message.finish_reason is not None:
-                    self.finished[message.request_id] = message
+            if isinstance(message, wire.DeltaBatch):
+                self.batch_sizes.append(len(message.deltas))
+                for delta in message.deltas:
+                    self.on_delta(delta)
+            elif isinstance(message, wire.RequestDelta):
+                self.on_delta(message)
             elif isinstance(message, wire.SchedulerStatus):
                 self.statuses.append(message)
+
+    def on_delta(self, delta: wire.RequestDelta) -> None:
+        assert delta.request_id not in self.finished, "a delta after the request ended"
+        self.outputs[delta.request_id].extend(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finished[delta.request_id] = delta
 
     def wait_until(self, condition, timeout_s: float) -> float:
         start_time = time.monotonic()
@@ -67,13 +76,18 @@ class ApiPeer:
         self.context.destroy(linger=0)
 
 
+MODES = {"serial": "0", "overlapped": "1"}
+BOTH_MODES = pytest.mark.parametrize("cluster", MODES, indirect=True)
+
+
 @pytest.fixture
-def cluster(tmp_path):
-    """Scheduler + fake worker; yields (env, peer, processes)."""
+def cluster(request, tmp_path):
+    """Scheduler + fake worker (step loop "overlapped" unless parametrized); yields (env, peer, processes)."""
     env = loopback_env(
         BLOCKSERVE_NUM_KV_BLOCKS="24",
         BLOCKSERVE_BLOCK_SIZE="4",
         BLOCKSERVE_WORKER_TIMEOUT_S="2",
+        BLOCKSERVE_ASYNC_SCHEDULING=MODES[getattr(request, "param", "overlapped")],
         FAKE_STEP_DELAY_S="0.03",
     )
     processes = {
@@ -87,11 +101,13 @@ def cluster(tmp_path):
     stop_all(list(processes.values()))
 
 
+@BOTH_MODES
 def test_many_requests_on_a_tight_cache_all_finish_and_free_every_block(cluster):
     env, peer, _ = cluster
     ids = [peer.submit([5 + i, 6, 7, 8, 9], max_tokens=20) for i in range(16)]
     peer.wait_until(lambda: len(peer.finished) == len(ids), 60)
     assert all(len(peer.outputs[i]) == 20 and peer.finished[i].finish_reason == "length" for i in ids)
+    assert max(peer.batch_sizes) > 1 and sum(peer.batch_sizes) == 16 * 20  # one frame per step, not per token
     status = peer.status()
     assert status.num_free_blocks == status.num_total_blocks == 24
     assert status.num_running == status.num_waiting == 0
@@ -127,6 +143,7 @@ def test_request_that_can_never_fit_gets_an_error_with_status_400(cluster):
     assert "max_model_len" in delta.error
 
 
+@BOTH_MODES
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_lost_worker_fails_in_flight_requests_and_turns_not_ready(cluster, how):
     env, peer, processes = cluster
@@ -193,12 +210,16 @@ def test_legacy_mode_ends_a_request_the_decode_table_cannot_hold_at_once(tmp_pat
     peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
     try:
         peer.wait_until(lambda: peer.status().ready, 30)
-        fits = peer.submit([1, 2, 3], max_tokens=8)
         too_long = peer.submit([4, 5, 6], max_tokens=40)  # 8 decode blocks: more than the table holds
-        elapsed = peer.wait_until(lambda: fits in peer.finished and too_long in peer.finished, 10)
+        elapsed = peer.wait_until(lambda: too_long in peer.finished, 10)  # ended alone, inside an empty step
+        fits = peer.submit([1, 2, 3], max_tokens=8)
+        peer.wait_until(lambda: fits in peer.finished, 10)
         assert elapsed < 5
         assert peer.finished[too_long].error.startswith("incomplete")
         assert peer.finished[fits].finish_reason == "length" and len(peer.outputs[fits]) == 8
+        samples = scrape(env["BLOCKSERVE_METRICS_PORT"])  # both reach the finish histograms
+        assert samples["blockserve_e2e_request_latency_seconds_count"] == 2
+        assert samples["blockserve_request_preemptions_count"] == 2
         pools = {s.labels["pool"]: s.value for s in metric_samples(env, "blockserve_kv_blocks_capacity")}
         assert pools == {"prefill": 21, "decode": 3}
     finally:

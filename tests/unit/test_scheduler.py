@@ -6,6 +6,7 @@ from service.scheduler.legacy import LegacyConfig, LegacyScheduler
 from service.scheduler.policies import lifo, min_recompute
 from service.scheduler.request import RequestStatus
 from service.scheduler.scheduler import RequestRejected, SchedulerConfig
+from service.scheduler.step_loop import StepLoop
 
 from .scheduler_harness import Harness, reference_output
 
@@ -20,10 +21,14 @@ def config(**overrides):
     return SchedulerConfig(**values)
 
 
+MODES = pytest.mark.parametrize("overlapped", [False, True], ids=["serial", "overlapped"])
+
+
+@MODES
 @pytest.mark.parametrize("policy", ["lifo", "min_recompute"])
-def test_preempted_request_resumes_with_identical_output(policy):
+def test_preempted_request_resumes_with_identical_output(policy, overlapped):
     cfg = config(num_blocks=12, preemption_policy=policy, enable_prefix_caching=False)
-    harness = Harness(cfg)
+    harness = Harness(cfg, overlapped=overlapped)
     prompts = {f"r{i}": [10 + i] * 6 for i in range(4)}
     for request_id, prompt in prompts.items():
         harness.add(request_id, prompt, greedy(30))
@@ -36,15 +41,18 @@ def test_preempted_request_resumes_with_identical_output(policy):
     assert harness.scheduler.pool.num_free_blocks == cfg.num_blocks
 
 
-def test_resumed_request_recomputes_only_evicted_blocks():
+@MODES
+def test_resumed_request_recomputes_only_evicted_blocks(overlapped):
     cfg = config(num_blocks=12, preemption_policy="lifo")
-    harness = Harness(cfg)
+    harness = Harness(cfg, overlapped=overlapped)
     for i in range(4):
         harness.add(f"r{i}", [10 + i] * 6, greedy(30))
     harness.run_until_idle()
     stats = harness.scheduler.stats
     assert stats.num_preemptions > 0
-    without_cache = Harness(config(num_blocks=12, preemption_policy="lifo", enable_prefix_caching=False))
+    without_cache = Harness(
+        config(num_blocks=12, preemption_policy="lifo", enable_prefix_caching=False), overlapped=overlapped
+    )
     for i in range(4):
         without_cache.add(f"r{i}", [10 + i] * 6, greedy(30))
     without_cache.run_until_idle()
@@ -153,17 +161,65 @@ def test_abort_frees_blocks_and_tells_the_worker():
     assert "a" not in harness.worker.requests
 
 
-def test_stop_token_and_max_model_len_end_requests():
-    cfg = config(max_model_len=12)
-    harness = Harness(cfg)
-    plain = reference_output([7, 8], greedy(30), cfg)
-    harness.add("stopped", [7, 8], greedy(30, stop_token_ids=[plain[2]]))
-    harness.add("capped", [9] * 8, greedy(30))
+def test_abort_while_a_step_computes_it_keeps_its_blocks_until_that_step_returns():
+    harness = Harness(config(), overlapped=True)
+    harness.add("a", [1, 2, 3, 4, 5], greedy(20))
+    harness.add("b", [6, 7], greedy(20))
+    harness.step()  # steps 1 and 2 sent, step 1 computed: step 2 (a decode of "a") is in flight
+    tokens_before = list(harness.outputs["a"])
+    blocks = list(harness.scheduler.requests["a"].block_ids)
+    harness.abort("a")
+    assert harness.finish_reasons["a"] == "abort"
+    assert sorted(harness.scheduler.releasing_block_ids()) == sorted(blocks)
+    assert all(harness.scheduler.pool.blocks[b].ref_count == 1 for b in blocks)
+    harness.step()  # step 2 returns: its token for "a" is dropped, the blocks are free
+    assert harness.outputs["a"] == tokens_before
+    assert harness.scheduler.releasing_block_ids() == []
+    assert harness.scheduler.stats.num_wasted_decode_slots == 1
     harness.run_until_idle()
-    assert harness.outputs["stopped"] == plain[:3]
-    assert harness.finish_reasons["stopped"] == "stop"
-    assert len(harness.outputs["capped"]) == 4
-    assert harness.finish_reasons["capped"] == "length"
+    assert "a" not in harness.worker.requests
+    assert harness.scheduler.pool.num_free_blocks == 16
+
+
+@MODES
+def test_stop_token_sampled_while_the_next_step_is_in_flight_ends_the_request_there(overlapped):
+    cfg = config()
+    plain = reference_output([7, 8], greedy(30), cfg)
+    harness = Harness(cfg, overlapped=overlapped)
+    harness.add("stopped", [7, 8], greedy(30, stop_token_ids=[plain[4]]))
+    harness.add("capped", [9, 9], greedy(3))
+    harness.run_until_idle()
+    assert harness.outputs["stopped"] == plain[:5]  # nothing past the stop token
+    assert harness.outputs["capped"] == reference_output([9, 9], greedy(3), cfg)
+    # The overlapped loop computed one token past the stop; max_tokens is known ahead, so no slot is lost there.
+    assert harness.scheduler.stats.num_wasted_decode_slots == int(overlapped)
+    assert harness.scheduler.pool.num_free_blocks == cfg.num_blocks
+
+
+def test_overlapped_loop_keeps_two_steps_in_flight_and_schedules_decodes_ahead():
+    harness = Harness(config(), overlapped=True)
+    harness.add("a", [1, 2, 3], greedy(5))
+    first = harness.step()
+    assert len(harness.loop.in_flight) == 1  # step 2 waits at the worker while step 1 was computed
+    [second] = harness.loop.in_flight
+    assert first.new_requests[0].num_scheduled_tokens == 3
+    assert second.output.running_requests == [wire.RunningRequest("a", [], 1)]  # the token step 1 samples
+    harness.run_until_idle()
+    assert harness.outputs["a"] == reference_output([1, 2, 3], greedy(5), harness.config)
+    assert harness.steps == 5  # one step per token: no extra step for the last, known in advance
+
+
+@MODES
+def test_an_errored_step_ends_its_requests_and_frees_their_slots(overlapped):
+    harness = Harness(config(max_num_seqs=1), overlapped=overlapped)
+    harness.add("a", [1, 2, 3], greedy(10))
+    step = harness.loop.schedule(harness.now)
+    harness.record(harness.loop.complete(wire.StepResult(step_id=step.step_id, error="boom"), 1.0))
+    assert harness.errors["a"] == "worker error: boom"
+    assert not harness.scheduler.running and harness.scheduler.pool.num_free_blocks == 16
+    harness.add("b", [4, 5], greedy(3))  # one slot: "b" runs only if "a" gave it back
+    harness.run_until_idle(max_steps=20)
+    assert harness.outputs["b"] == reference_output([4, 5], greedy(3), harness.config)
 
 
 def _running(harness, request_id):
@@ -184,14 +240,17 @@ def test_victim_policies_choose_newest_or_cheapest():
     assert min_recompute(candidates, pool).request_id == "new_short"
 
 
-def legacy_harness(ratio=0.5, disable_recover=False, **overrides):
+def legacy_harness(ratio=0.5, disable_recover=False, overlapped=False, **overrides):
     return Harness(
-        config(**overrides), LegacyConfig(kv_cache_ratio=ratio, dec_blocks=1, disable_recover=disable_recover)
+        config(**overrides),
+        LegacyConfig(kv_cache_ratio=ratio, dec_blocks=1, disable_recover=disable_recover),
+        overlapped,
     )
 
 
-def test_legacy_suspends_the_request_with_most_decode_blocks_and_recovers_it():
-    harness = legacy_harness(num_blocks=16)  # 8 prefill + 8 decode blocks of 4 tokens
+@MODES
+def test_legacy_suspends_the_request_with_most_decode_blocks_and_recovers_it(overlapped):
+    harness = legacy_harness(num_blocks=16, overlapped=overlapped)  # 8 prefill + 8 decode blocks of 4 tokens
     prompts = {f"r{i}": [20 + i] * 3 for i in range(4)}  # each takes 2 prefill blocks, then grows
     for request_id, prompt in prompts.items():
         harness.add(request_id, prompt, greedy(16))
@@ -203,8 +262,9 @@ def test_legacy_suspends_the_request_with_most_decode_blocks_and_recovers_it():
     assert harness.errors == {}
 
 
-def test_legacy_without_recovery_ends_suspended_requests_incomplete():
-    harness = legacy_harness(num_blocks=16, disable_recover=True)
+@MODES
+def test_legacy_without_recovery_ends_suspended_requests_incomplete(overlapped):
+    harness = legacy_harness(num_blocks=16, disable_recover=True, overlapped=overlapped)
     for i in range(4):
         harness.add(f"r{i}", [20 + i] * 3, greedy(16))
     harness.run_until_idle()
@@ -233,16 +293,16 @@ def test_legacy_head_of_line_waits_for_prefill_blocks():
 def test_legacy_request_ended_inside_schedule_reports_at_once_even_if_the_step_is_empty():
     cfg = config(num_blocks=16, max_model_len=64)
     scheduler = LegacyScheduler(cfg, LegacyConfig(kv_cache_ratio=0.9, dec_blocks=1))  # decode table: 2 blocks
+    loop = StepLoop(scheduler, overlapped=False)
     worker = FakeWorker(16, cfg.block_size)
     scheduler.add_request("long", [1, 2, 3], greedy(30), 0.0)  # needs 7 decode blocks: can never finish
     ended = []
-    for _ in range(40):  # as the server does: schedule while there is work, update only after a real step
-        step = scheduler.schedule(0.0)
-        ended += scheduler.take_ended_deltas()
-        if not scheduler.has_work:
-            break
-        if not step.is_empty:
-            scheduler.update(worker.execute(step), 0.0)
-    assert step.is_empty and [d.request_id for d in ended] == ["long"]
+    while loop.can_schedule():  # as the server does: schedule while there is work, update only after a real step
+        step = loop.schedule(0.0)
+        ended += step.outcome.all_deltas()
+        assert [r.request_id for r in step.outcome.finished] == [d.request_id for d in step.outcome.all_deltas()]
+        if step.needs_result:
+            loop.complete(worker.execute(step.output), 0.0)
+    assert step.output.is_empty and [d.request_id for d in ended] == ["long"]
     assert ended[0].error.startswith("incomplete") and scheduler.requests == {}
     assert scheduler.pool.num_free_blocks == 16

@@ -1,5 +1,6 @@
 """Invariants of the unified scheduler over random traces (hypothesis)."""
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -42,10 +43,14 @@ def fits_alone(prompt, sampling, config):
     return -(-(max_len - 1) // config.block_size) <= config.num_blocks
 
 
+MODES = pytest.mark.parametrize("overlapped", [False, True], ids=["serial", "overlapped"])
+
+
+@MODES
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs, specs=st.lists(request_specs, min_size=1, max_size=14))
-def test_random_traces_keep_every_invariant_and_finish_every_request(config, specs):
-    harness = Harness(config)
+def test_random_traces_keep_every_invariant_and_finish_every_request(overlapped, config, specs):
+    harness = Harness(config, overlapped=overlapped)
     expected, rejected, aborted = {}, set(), set()
     arrivals = sorted(enumerate(specs), key=lambda item: item[1]["arrival_step"])
     step = 0
@@ -71,6 +76,7 @@ def test_random_traces_keep_every_invariant_and_finish_every_request(config, spe
         harness.step()
         step += 1
         assert step < 5_000, "no progress: livelock or starvation"
+    harness.run_until_idle()  # the overlapped loop may still have a step in flight
 
     for request_id, (reference, _, _) in expected.items():
         if request_id in aborted:
@@ -92,10 +98,11 @@ legacy_configs = st.builds(
 )
 
 
+@MODES
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs, legacy=legacy_configs, specs=st.lists(request_specs, min_size=1, max_size=12))
-def test_legacy_pools_keep_their_share_and_recovery_yields_the_same_tokens(config, legacy, specs):
-    harness = Harness(config, legacy)
+def test_legacy_pools_keep_their_share_and_recovery_yields_the_same_tokens(overlapped, config, legacy, specs):
+    harness = Harness(config, legacy, overlapped)
     expected = {}
     for index, spec in enumerate(specs):
         prompt = PREFIXES[spec["shared_prefix"]] + spec["prompt"]

@@ -1,7 +1,9 @@
 """The scheduler's per-step cost and the size of what crosses to the worker (pytest-benchmark).
 
 Compare the groups' figures as ratios from one run (`pytest tests/unit/test_step_overhead_benchmark.py`):
-unified vs legacy scheduling cost per step; a delta step vs one that re-sends every request.
+unified vs legacy scheduling cost per step; 256 decodes beside 100 or 10,000 waiting requests
+(the cost must follow the requests scheduled, not the queue); a delta step vs one that re-sends
+every request.
 """
 
 import pytest
@@ -9,46 +11,69 @@ import pytest
 from service import wire
 from service.scheduler.legacy import LegacyConfig, build_scheduler
 from service.scheduler.outputs import new_request_message
-from service.scheduler.scheduler import SchedulerConfig
+from service.scheduler.scheduler import ScheduledStep, SchedulerConfig
 
-NUM_REQUESTS = 64
 PROMPT_LEN = 512
 ROUNDS = 300  # steps measured: far fewer than the 4096 tokens each request may generate
 
 
-def decoding_scheduler(legacy: LegacyConfig | None):
-    """64 requests past their prefill, decoding one token a step, never finishing."""
-    # Room for all 64 beside the admission reserve (output counted up to 4096 tokens each).
+def decoding_scheduler(legacy: LegacyConfig | None, num_running: int = 64, num_waiting: int = 0):
+    """`num_running` requests past their prefill, decoding one token a step, never finishing;
+    `num_waiting` more queued behind them (`max_num_seqs` is reached: they stay queued)."""
+    # Room for all of them beside the admission reserve (output counted up to 4096 tokens each).
     config = SchedulerConfig(
-        num_blocks=32_768, block_size=16, max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=65_536, max_model_len=8192
+        num_blocks=512 * num_running,
+        block_size=16,
+        max_num_seqs=num_running,
+        max_num_batched_tokens=PROMPT_LEN * num_running,
+        max_model_len=8192,
     )
     scheduler = build_scheduler(config, legacy)
-    for index in range(NUM_REQUESTS):
-        sampling = wire.SamplingParams(max_tokens=4096, ignore_eos=True)
+    sampling = wire.SamplingParams(max_tokens=4096, ignore_eos=True)
+    for index in range(num_running):
         scheduler.add_request(f"r{index}", list(range(index, index + PROMPT_LEN)), sampling, 0.0)
     step = scheduler.schedule(0.0)
-    scheduler.update(sampled_result(step), 0.0)
+    scheduler.update(step, sampled_result(step), 0.0)
+    for index in range(num_waiting):
+        scheduler.add_request(f"w{index}", list(range(index, index + PROMPT_LEN)), sampling, 0.0)
     return scheduler
 
 
-def sampled_result(step: wire.SchedulerOutput) -> wire.StepResult:
-    ids = [r.request_id for r in step.new_requests] + [r.request_id for r in step.running_requests]
-    return wire.StepResult(step_id=step.step_id, sampled=[wire.SampledToken(request_id, 7) for request_id in ids])
+def sampled_result(step: ScheduledStep) -> wire.StepResult:
+    output = step.output
+    ids = [r.request_id for r in output.new_requests] + [r.request_id for r in output.running_requests]
+    return wire.StepResult(step_id=output.step_id, sampled=[wire.SampledToken(request_id, 7) for request_id in ids])
+
+
+def measure_steps(benchmark, scheduler) -> wire.SchedulerOutput:
+    """schedule() + update() of one decode step; the worker's tokens are built once, outside the timing."""
+    sampled = [wire.SampledToken(request.request_id, 7) for request in scheduler.running]
+
+    def one_step() -> wire.SchedulerOutput:
+        step = scheduler.schedule(0.0)
+        scheduler.update(step, wire.StepResult(step_id=step.step_id, sampled=sampled), 0.0)
+        return step.output
+
+    return benchmark.pedantic(one_step, rounds=ROUNDS, warmup_rounds=10)
 
 
 @pytest.mark.benchmark(group="scheduler step, 64 decodes")
 @pytest.mark.parametrize("mode", ["unified", "legacy"])
 def test_one_step_of_scheduling(benchmark, mode):
     scheduler = decoding_scheduler(None if mode == "unified" else LegacyConfig(kv_cache_ratio=0.75))
+    output = measure_steps(benchmark, scheduler)
+    assert len(output.running_requests) == 64 and output.new_requests == []
+    assert output.num_scheduled_tokens == 64
 
-    def one_step() -> wire.SchedulerOutput:
-        step = scheduler.schedule(0.0)
-        scheduler.update(sampled_result(step), 0.0)
-        return step
 
-    step = benchmark.pedantic(one_step, rounds=ROUNDS, warmup_rounds=10)
-    assert len(step.running_requests) == NUM_REQUESTS and step.new_requests == []
-    assert step.num_scheduled_tokens == NUM_REQUESTS
+@pytest.mark.benchmark(group="scheduler step, 256 decodes")
+@pytest.mark.parametrize("num_waiting", [100, 10_000])
+def test_step_cost_follows_the_scheduled_requests_not_the_queue(benchmark, num_waiting):
+    scheduler = decoding_scheduler(None, num_running=256, num_waiting=num_waiting)
+    output = measure_steps(benchmark, scheduler)
+    assert len(output.running_requests) == 256 and output.new_requests == []
+    assert len(scheduler.waiting) == num_waiting
+    benchmark.extra_info["num_waiting"] = num_waiting
 
 
 def full_state_step(scheduler, step: wire.SchedulerOutput) -> wire.SchedulerOutput:
@@ -68,7 +93,7 @@ def full_state_step(scheduler, step: wire.SchedulerOutput) -> wire.SchedulerOutp
 @pytest.mark.parametrize("shape", ["deltas", "full state"])
 def test_encoding_a_step(benchmark, shape):
     scheduler = decoding_scheduler(None)
-    step = scheduler.schedule(0.0)
+    step = scheduler.schedule(0.0).output
     message = step if shape == "deltas" else full_state_step(scheduler, step)
     frame = benchmark(lambda: wire.encode(message))
     assert wire.decode(frame) == message

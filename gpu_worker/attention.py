@@ -18,6 +18,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from gpu_worker.models.rope import RotaryEmbedding, Rotation
 from gpu_worker.step_inputs import StepInputs
 from gpu_worker.tensor_ops import take_rows
 
@@ -196,3 +197,38 @@ class PagedAttentionBackend:
         probs = F.softmax(scores + batch.mask, axis=-1).reshape([segments, kv_heads, self.group * query_len, context])
         out = paddle.matmul(probs, v).reshape([segments, kv_heads, self.group, query_len, dim])
         return out.transpose([0, 3, 1, 2, 4]).reshape([segments * query_len, self.num_heads * dim])
+
+
+@dataclass(frozen=True)
+class RotaryPagedMetadata:
+    paged: PagedAttentionMetadata
+    query_rotation: Rotation
+    key_rotation: Rotation
+
+
+class RotaryPagedAttention:
+    """The model's attention on the pure-Paddle path: attend_qkv rotates, writes the cache and attends."""
+
+    def __init__(self, backend: PagedAttentionBackend, rotary: RotaryEmbedding):
+        self.backend = backend
+        self.rotary = rotary
+
+    def prepare(self, inputs: StepInputs) -> RotaryPagedMetadata:
+        positions = paddle.to_tensor(inputs.positions)
+        return RotaryPagedMetadata(
+            paged=self.backend.prepare(inputs),
+            query_rotation=self.rotary.rotation(positions, self.backend.num_heads),
+            key_rotation=self.rotary.rotation(positions, self.backend.num_kv_heads),
+        )
+
+    def attend_qkv(self, qkv, key_cache, value_cache, metadata: RotaryPagedMetadata) -> paddle.Tensor:
+        """Attention output [tokens, heads * dim] of the fused q|k|v projection [tokens, (heads + 2 kv_heads) * dim]."""
+        backend, dim = self.backend, self.backend.head_dim
+        query, key, value = paddle.split(
+            qkv, [backend.num_heads * dim, backend.num_kv_heads * dim, backend.num_kv_heads * dim], axis=-1
+        )
+        query = metadata.query_rotation.apply(query.reshape([-1, backend.num_heads, dim]))
+        key = metadata.key_rotation.apply(key.reshape([-1, backend.num_kv_heads, dim]))
+        value = value.reshape([-1, backend.num_kv_heads, dim])
+        backend.write_kv(key_cache, value_cache, key, value, metadata.paged)
+        return backend.attend(query, key_cache, value_cache, metadata.paged)

@@ -60,7 +60,8 @@ def load_ops(source_dir: Path | None = None) -> ModuleType:
     try:
         return _jit_build(build, source_dir)
     except Exception as exc:
-        raise CustomOpsUnavailable(f"building {source_dir} failed: {type(exc).__name__}: {exc}") from None
+        message = " ".join(str(exc).split())  # one line: the compiler's own errors went to stderr above
+        raise CustomOpsUnavailable(f"building {source_dir} failed: {type(exc).__name__}: {message}") from None
 
 
 def _jit_build(build: ModuleType, source_dir: Path) -> ModuleType:

@@ -7,6 +7,7 @@ import re
 import time
 from dataclasses import dataclass
 
+from gpu_worker.kernels import Kernels
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.weights import Checkpoint, open_checkpoint, read_weights
@@ -58,11 +59,11 @@ def model_info(checkpoint: Checkpoint, settings: Settings) -> wire.ModelInfo:
     )
 
 
-def load_model(settings: Settings) -> LoadedModel:
+def load_model(settings: Settings, kernels: Kernels) -> LoadedModel:
     """Read `settings.model_path()` (BLOCKSERVE_MODEL) into fp32 Paddle tensors; logs the time it took."""
     started = time.perf_counter()
     checkpoint = open_checkpoint(settings.model_path())
     info = model_info(checkpoint, settings)
-    model = LlamaForCausalLM(checkpoint.config, read_weights(checkpoint), max_positions=info.max_model_len)
+    model = LlamaForCausalLM(checkpoint.config, read_weights(checkpoint), info.max_model_len, kernels)
     log.info("loaded model %s (%s) in %.1f s", info.name, checkpoint.path, time.perf_counter() - started)
     return LoadedModel(model=model, config=checkpoint.config, info=info)

@@ -6,8 +6,8 @@ import logging
 
 import paddle
 
-from gpu_worker.attention import PagedAttentionBackend
 from gpu_worker.cpu_memory import keep_freed_memory
+from gpu_worker.kernels import select_kernels
 from gpu_worker.kv_cache import KVCache, num_blocks_for
 from gpu_worker.model_loader import load_model
 from gpu_worker.sampler import Sampler
@@ -25,7 +25,10 @@ class ModelRunner:
     def __init__(self, settings: Settings):
         if paddle.get_device() == "cpu":
             keep_freed_memory()
-        loaded = load_model(settings)
+        choice = select_kernels(settings.kernels)
+        self.kernels = choice.describe()  # reported in the hello and the scheduler's settings_info
+        log.info("kernels: %s (%s)", " ".join(f"{k}={v}" for k, v in self.kernels.items()), choice.reason)
+        loaded = load_model(settings, choice.kernels)
         config = loaded.config
         self.model = loaded.model
         self.model_info = loaded.info
@@ -34,7 +37,7 @@ class ModelRunner:
             config, self.block_size, int(settings.kv_cache_memory), settings.num_kv_blocks
         )
         self.kv_cache = KVCache(config, self.num_kv_blocks, self.block_size)
-        self.attention = PagedAttentionBackend(config.num_heads, config.num_kv_heads, config.head_dim, self.block_size)
+        self.attention = choice.kernels.attention(config, self.block_size, self.model.rotary)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         log.info(
@@ -72,8 +75,7 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> paddle.Tensor:
         """Write the step's KV into the cache; hidden states [tokens, hidden] before the final norm."""
         metadata = self.attention.prepare(inputs)
-        input_ids, positions = paddle.to_tensor(inputs.input_ids), paddle.to_tensor(inputs.positions)
-        return self.model.forward(input_ids, positions, self.kv_cache, self.attention, metadata)
+        return self.model.forward(paddle.to_tensor(inputs.input_ids), self.kv_cache, self.attention, metadata)
 
     def _update_states(self, step: wire.SchedulerOutput) -> list[tuple[RequestState, int]]:
         """Apply the step's deltas; return (state, tokens to compute) of every scheduled request."""

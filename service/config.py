@@ -51,6 +51,11 @@ class Settings(BaseSettings):
     served_model_name: str = Field(default="", description="Name in /v1/models; empty = derived from the model")
     max_model_len: int | None = Field(default=None, gt=0, description="Max prompt+output tokens; empty = the model's")
 
+    kernels: Literal["auto", "custom", "paddle"] = Field(
+        default="auto",
+        description="Worker kernels: custom C++ CPU ops, pure Paddle, or auto = custom where they build and run",
+    )
+
     # KV cache and scheduling
     block_size: int = Field(default=16, gt=0, le=1024, description="Tokens per KV-cache block")
     num_kv_blocks: int | None = Field(

@@ -153,7 +153,8 @@ class SchedulerMetrics:
         self.registry = CollectorRegistry()
         self.get_model_name = get_model_name
         labels = {key.lower(): str(value) for key, value in settings_info.items()}
-        self.registry.register(_LiveCollector(get_scheduler, stats, get_model_name, labels))
+        self._live = _LiveCollector(get_scheduler, stats, get_model_name, labels)
+        self.registry.register(self._live)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
@@ -182,6 +183,10 @@ class SchedulerMetrics:
             "blockserve_schedule_duration_seconds", "Time the scheduler takes to decide one step.", STEP_BUCKETS_S
         )
         self.batch_tokens = histogram("blockserve_batch_tokens", "Tokens computed in one step.", BATCH_TOKEN_BUCKETS)
+
+    def add_settings_info(self, info: dict[str, str]) -> None:
+        """More labels of blockserve_settings_info, e.g. what the registered worker computes with."""
+        self._live.settings_info.update({key.lower(): str(value) for key, value in info.items()})
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)

@@ -71,8 +71,14 @@ def tiny_llama3_bf16(folder, tokenizer):
     tokenizer.save_pretrained(folder)
 
 
+@pytest.fixture(scope="module", params=["custom", "paddle"])
+def kernels(request) -> str:
+    """BLOCKSERVE_KERNELS of the runner: every test passes on both paths."""
+    return request.param
+
+
 @pytest.fixture(scope="module", params=["smollm2-gguf", "qwen2-folder", "llama3-bf16-folder"])
-def models(request, smollm_path, hf_smollm_tokenizer, tmp_path_factory):
+def models(request, kernels, smollm_path, hf_smollm_tokenizer, tmp_path_factory):
     """(our ModelRunner, transformers' model) for the same files."""
     from transformers import AutoModelForCausalLM
 
@@ -84,7 +90,8 @@ def models(request, smollm_path, hf_smollm_tokenizer, tmp_path_factory):
         build = tiny_qwen2 if request.param == "qwen2-folder" else tiny_llama3_bf16
         build(hf_dir, hf_smollm_tokenizer)
         hf_kwargs = {}
-    runner = ModelRunner(load_settings(model=os.fspath(model_path), num_kv_blocks=NUM_KV_BLOCKS))
+    runner = ModelRunner(load_settings(model=os.fspath(model_path), num_kv_blocks=NUM_KV_BLOCKS, kernels=kernels))
+    assert runner.kernels["kernels"] == kernels
     reference = AutoModelForCausalLM.from_pretrained(os.fspath(hf_dir), dtype=torch.float32, **hf_kwargs).eval()
     return runner, reference
 

@@ -1,0 +1,122 @@
+"""The worker's kernels, chosen once at start-up: blockserve's custom C++ CPU ops or plain Paddle.
+
+Both paths offer the same calls to the model: `add_rms_norm`, `silu_and_mul` and an attention
+backend (`prepare(inputs)` once per step, `attend_qkv(qkv, caches, metadata)` per layer, which
+applies the rotary embedding, writes the step's keys and values and attends). The pure-Paddle
+path is the reference and the fallback wherever the custom ops cannot run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from types import ModuleType
+
+import paddle
+import paddle.nn.functional as F
+
+from gpu_worker.attention import PagedAttentionBackend, RotaryPagedAttention
+from gpu_worker.custom_attention import CustomPagedAttention
+from gpu_worker.custom_ops import REQUIRED_CPU_FEATURES, CustomOpsUnavailable, cpu_features, load_ops
+from gpu_worker.model_config import ModelConfig
+from gpu_worker.models.rope import RotaryEmbedding
+
+log = logging.getLogger(__name__)
+
+KERNEL_MODES = ("auto", "custom", "paddle")  # auto = custom where it builds and the CPU can run it
+REPORTED_CPU_FEATURES = ("avx2", "fma", "avx512f")
+
+
+class PaddleKernels:
+    """Plain Paddle ops (never paddle's fused_rms_norm: its CPU kernel is AVX-512 code, SIGILL elsewhere)."""
+
+    name = "paddle"
+    avx512 = False
+
+    def add_rms_norm(self, x, weight, residual, eps: float):
+        """(rms_norm(x + residual) * weight, x + residual); residual may be None."""
+        summed = x if residual is None else x + residual
+        normed = summed * paddle.rsqrt(summed.square().mean(axis=-1, keepdim=True) + eps) * weight
+        return normed, summed
+
+    def silu_and_mul(self, gate_up):
+        """silu(gate) * up of the fused [tokens, 2 * intermediate] gate|up output."""
+        gate, up = paddle.chunk(gate_up, 2, axis=-1)
+        return F.silu(gate) * up
+
+    def attention(self, config: ModelConfig, block_size: int, rotary: RotaryEmbedding) -> RotaryPagedAttention:
+        backend = PagedAttentionBackend(config.num_heads, config.num_kv_heads, config.head_dim, block_size)
+        return RotaryPagedAttention(backend, rotary)
+
+
+class CustomKernels:
+    """blockserve's custom ops (custom_ops/cpu): AVX2 + FMA, or AVX-512 where the CPU has it and it is allowed."""
+
+    name = "custom"
+
+    def __init__(self, ops: ModuleType, avx512: bool):
+        self.ops = ops
+        self.avx512 = avx512
+
+    def add_rms_norm(self, x, weight, residual, eps: float):
+        if residual is None:
+            return self.ops.bs_rms_norm(x, weight, eps, self.avx512), x
+        return self.ops.bs_add_rms_norm(x, residual, weight, eps, self.avx512)
+
+    def silu_and_mul(self, gate_up):
+        return self.ops.bs_silu_and_mul(gate_up, self.avx512)
+
+    def attention(self, config: ModelConfig, block_size: int, rotary: RotaryEmbedding) -> AttentionBackend:
+        if config.head_dim % 16:  # the attention kernel works on whole AVX-512 vectors of a head
+            log.warning("head_dim %d is not a multiple of 16: pure-Paddle attention", config.head_dim)
+            return PaddleKernels().attention(config, block_size, rotary)
+        return CustomPagedAttention(self.ops, config.num_heads, config.num_kv_heads, rotary, self.avx512)
+
+
+Kernels = PaddleKernels | CustomKernels
+AttentionBackend = RotaryPagedAttention | CustomPagedAttention
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    kernels: Kernels
+    reason: str  # why this path, for the start-up log line
+
+    def describe(self) -> dict[str, str]:
+        """What the worker reports (log, hello, the scheduler's settings_info)."""
+        features = cpu_features()
+        isa = "avx512" if self.kernels.avx512 else "avx2" if self.kernels.name == "custom" else "paddle"
+        return {
+            "kernels": self.kernels.name,
+            "kernels_isa": isa,
+            "cpu_features": ",".join(f for f in REPORTED_CPU_FEATURES if f in features) or "none",
+        }
+
+
+def select_kernels(mode: str, force_avx2: bool = False) -> KernelChoice:
+    """The kernels for `mode` (see KERNEL_MODES); `custom` raises CustomOpsUnavailable where they cannot run.
+
+    `force_avx2` keeps the custom ops on their AVX2 code on an AVX-512 CPU (tests cover both paths).
+    """
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernel mode {mode!r} is not one of {KERNEL_MODES}")
+    if mode == "paddle":
+        return KernelChoice(PaddleKernels(), "BLOCKSERVE_KERNELS=paddle")
+    try:
+        kernels = _custom_kernels(force_avx2)
+    except CustomOpsUnavailable as exc:
+        if mode == "custom":
+            raise
+        log.warning("custom kernels unavailable, serving with pure Paddle: %s", exc)
+        return KernelChoice(PaddleKernels(), f"custom kernels unavailable: {exc}")
+    return KernelChoice(kernels, f"BLOCKSERVE_KERNELS={mode}")
+
+
+def _custom_kernels(force_avx2: bool) -> CustomKernels:
+    if paddle.get_device() != "cpu":
+        raise CustomOpsUnavailable(f"the custom ops are CPU kernels and the device is {paddle.get_device()}")
+    features = cpu_features()
+    missing = [feature for feature in REQUIRED_CPU_FEATURES if feature not in features]
+    if missing:
+        raise CustomOpsUnavailable(f"the CPU lacks {', '.join(missing)}")
+    return CustomKernels(load_ops(), avx512="avx512f" in features and not force_avx2)

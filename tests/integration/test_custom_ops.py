@@ -1,0 +1,134 @@
+"""blockserve's custom CPU ops against the pure-Paddle kernels they replace, on both instruction sets,
+and the fallback to pure Paddle where they cannot build or run."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import paddle
+import pytest
+
+import gpu_worker.kernels as kernels_module
+from gpu_worker.custom_ops import CustomOpsUnavailable, cpu_features, load_ops
+from gpu_worker.kernels import PaddleKernels, select_kernels
+from gpu_worker.model_config import ModelConfig, RopeConfig
+from gpu_worker.models.rope import RotaryEmbedding
+from gpu_worker.step_inputs import RequestState, build_step_inputs
+from service import wire
+
+pytestmark = pytest.mark.integration
+
+MAX_POSITIONS = 1024
+
+
+@pytest.fixture(scope="module", params=["avx2", "avx512"])
+def custom(request):
+    """The custom kernels on one instruction set: AVX2 forced, or AVX-512 where the CPU has it."""
+    if request.param == "avx512" and "avx512f" not in cpu_features():
+        pytest.skip("this CPU has no AVX-512F")
+    kernels = select_kernels("custom", force_avx2=request.param == "avx2").kernels
+    assert kernels.name == "custom" and kernels.avx512 == (request.param == "avx512")
+    return kernels
+
+
+def tensor(array: np.ndarray) -> paddle.Tensor:
+    return paddle.to_tensor(np.ascontiguousarray(array))
+
+
+@pytest.mark.parametrize("rows, width", [(1, 576), (7, 64), (33, 72), (5, 37)])
+def test_add_rms_norm_matches_paddle_with_and_without_residual(custom, rows, width):
+    rng = np.random.default_rng(width)
+    x, residual = (rng.standard_normal((rows, width), dtype=np.float32) * 3 for _ in range(2))
+    weight = rng.standard_normal(width, dtype=np.float32)
+    for res in (None, tensor(residual)):
+        ours = custom.add_rms_norm(tensor(x), tensor(weight), res, 1e-5)
+        reference = PaddleKernels().add_rms_norm(tensor(x), tensor(weight), res, 1e-5)
+        for got, expected in zip(ours, reference):
+            np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows, width", [(1, 1536), (9, 40), (4, 13)])
+def test_silu_and_mul_matches_paddle_on_the_fused_gate_up_layout(custom, rows, width):
+    gate_up = np.random.default_rng(rows).standard_normal((rows, 2 * width), dtype=np.float32) * 6
+    ours = custom.silu_and_mul(tensor(gate_up)).numpy()
+    np.testing.assert_allclose(ours, PaddleKernels().silu_and_mul(tensor(gate_up)).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def mixed_step(rng, block_size: int, num_blocks: int):
+    """Decodes, a fresh prefill longer than a query tile, prefill chunks, a context over many key spans,
+    two requests sharing their first blocks, block ids scattered over the cache (holes between them)."""
+    shapes = [(9, 1), (0, 40), (5, 1), (37, 7), (0, 1), (300, 1), (2 * block_size, 20), (13, 3)]
+    free = [int(b) for b in rng.permutation(np.arange(1, num_blocks, 2))]  # odd ids only: holes in every table
+    states = []
+    for i, (num_cached, num_new) in enumerate(shapes):
+        length = num_cached + num_new
+        blocks = [free.pop() for _ in range(-(-length // block_size))]
+        states.append(RequestState(f"r{i}", list(range(length)), length, wire.SamplingParams(), blocks, num_cached))
+    shared = states[3].block_ids[:2]  # request 6 reuses request 3's first two (full, cached) blocks
+    states[6].block_ids[:2] = shared
+    return build_step_inputs([(s, n) for s, (_, n) in zip(states, shapes)], block_size, num_blocks)
+
+
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 32, 5)]
+)
+def test_rope_cache_write_and_paged_attention_match_the_paddle_backend(
+    custom, num_heads, num_kv_heads, head_dim, block_size
+):
+    rng = np.random.default_rng(head_dim)
+    num_blocks = 2 * (-(-320 // block_size)) * 8 + 1
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=1,
+        hidden_size=num_heads * head_dim,
+        intermediate_size=1,
+        num_layers=1,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
+        rope=RopeConfig(theta=10000.0),
+    )
+    rotary = RotaryEmbedding(config.rope, head_dim, MAX_POSITIONS)
+    inputs = mixed_step(rng, block_size, num_blocks)
+    cache = rng.standard_normal((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=np.float32)
+    qkv = rng.standard_normal((len(inputs.positions), (num_heads + 2 * num_kv_heads) * head_dim), dtype=np.float32)
+    results = {}
+    for kernels in (custom, PaddleKernels()):
+        attention = kernels.attention(config, block_size, rotary)
+        key_cache, value_cache = tensor(cache[0]), tensor(cache[1])
+        output = attention.attend_qkv(tensor(qkv), key_cache, value_cache, attention.prepare(inputs))
+        results[kernels.name] = output.numpy(), key_cache.numpy(), value_cache.numpy()
+    for got, expected in zip(results["custom"], results["paddle"]):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+    written = inputs.slot_mapping
+    assert not np.allclose(results["custom"][1].reshape(-1, num_kv_heads, head_dim)[written], 0)
+
+
+def test_a_failing_build_serves_with_paddle_and_says_so_in_one_line(tmp_path, monkeypatch, caplog):
+    (tmp_path / "broken.cc").write_text('#include "paddle/extension.h"\nthis is not C++;\n')
+    monkeypatch.setattr(kernels_module, "load_ops", lambda: load_ops(tmp_path))
+
+    with caplog.at_level(logging.WARNING, logger="gpu_worker.kernels"):
+        choice = select_kernels("auto")
+    with pytest.raises(CustomOpsUnavailable, match="failed"):
+        select_kernels("custom")
+
+    assert choice.kernels.name == "paddle" and choice.describe()["kernels"] == "paddle"
+    (record,) = caplog.records
+    assert "pure Paddle" in record.getMessage() and "\n" not in record.getMessage()
+
+
+def test_a_cpu_without_avx2_never_loads_the_custom_ops(monkeypatch, caplog):
+    monkeypatch.setattr(kernels_module, "cpu_features", lambda: {"sse2", "sse4_2", "fma"})
+    monkeypatch.setattr(kernels_module, "load_ops", lambda: pytest.fail("custom ops loaded on a CPU without AVX2"))
+
+    with caplog.at_level(logging.WARNING, logger="gpu_worker.kernels"):
+        choice = select_kernels("auto")
+
+    assert choice.kernels.name == "paddle"
+    (record,) = caplog.records
+    assert "lacks avx2" in record.getMessage()

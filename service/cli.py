@@ -115,7 +115,7 @@ def _simulate(args: argparse.Namespace) -> int:
     rows = []
     for label, policy, legacy in runs:
         config = SchedulerConfig.from_settings(settings, args.num_blocks, preemption_policy=policy)
-        report = simulate(trace, config, CostModel(), legacy)
+        report = simulate(trace, config, CostModel(), legacy, overlapped=settings.async_scheduling)
         rows.append({"scheduler": label, **report.as_dict()})
     if args.json:
         json.dump(rows, sys.stdout, indent=2)

@@ -19,15 +19,7 @@ MAX_OUTPUT_TOKENS_CONSIDERED = 4096
 
 
 class AdmissionReserve:
-    def __init__(
-        self,
-        max_model_len: int,
-        block_size: int,
-        init_ratio: float = 0.7,
-        min_ratio: float = 0.1,
-        decay_steps: int = 600,
-    ):
-        self.max_model_len = max_model_len
+    def __init__(self, block_size: int, init_ratio: float = 0.7, min_ratio: float = 0.1, decay_steps: int = 600):
         self.block_size = block_size
         self.init_ratio = init_ratio
         self.min_ratio = min_ratio
@@ -50,13 +42,9 @@ class AdmissionReserve:
         """(unfinished-prompt blocks, future-output blocks) that `request` still needs."""
         size = self.block_size
         held = len(request.block_ids)
-        prompt_end = -(-request.num_tokens // size)
-        remaining_output = min(
-            request.sampling.max_tokens - request.num_output_tokens,
-            self.max_model_len - request.num_tokens,
-            MAX_OUTPUT_TOKENS_CONSIDERED,
-        )
-        final_end = -(-(request.num_tokens + remaining_output - 1) // size)
+        num_tokens = len(request.token_ids)
+        prompt_end = -(-num_tokens // size)
+        final_end = -(-(min(request.max_num_tokens, num_tokens + MAX_OUTPUT_TOKENS_CONSIDERED) - 1) // size)
         return max(0, prompt_end - held), max(0, final_end - max(held, prompt_end))
 
     def track(self, request: Request) -> None:
@@ -78,7 +66,6 @@ class AdmissionReserve:
 
     def refresh_after_token(self, request: Request) -> None:
         """A new token changes the share only if it opens a block or the output is capped."""
-        if request.num_tokens % self.block_size == 1 or (
-            request.sampling.max_tokens - request.num_output_tokens > MAX_OUTPUT_TOKENS_CONSIDERED
-        ):
+        num_tokens = len(request.token_ids)
+        if num_tokens % self.block_size == 1 or request.max_num_tokens - num_tokens > MAX_OUTPUT_TOKENS_CONSIDERED:
             self.refresh(request)

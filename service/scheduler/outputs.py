@@ -6,26 +6,36 @@ from service import wire
 from service.scheduler.request import FinishReason, Request
 
 
-def stop_reason(
-    request: Request, token_id: int, eos_token_ids: tuple[int, ...], max_model_len: int
-) -> FinishReason | None:
+def stop_token_ids(sampling: wire.SamplingParams, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+    """The tokens that end a request: its own stop ids, and EOS unless it ignores EOS."""
+    return frozenset(sampling.stop_token_ids if sampling.ignore_eos else (*sampling.stop_token_ids, *eos_token_ids))
+
+
+def stop_reason(request: Request, token_id: int) -> FinishReason | None:
     """Why the request ends with `token_id` (already appended), or None if it goes on."""
-    sampling = request.sampling
-    if (not sampling.ignore_eos and token_id in eos_token_ids) or token_id in sampling.stop_token_ids:
+    if token_id in request.stop_token_ids:
         return FinishReason.STOP
-    if request.num_output_tokens >= sampling.max_tokens or request.num_tokens >= max_model_len:
+    if len(request.token_ids) >= request.max_num_tokens:
         return FinishReason.LENGTH
     return None
 
 
 def token_delta(request: Request, token: wire.SampledToken, reason: FinishReason | None) -> wire.RequestDelta:
+    if token.logprob is None:  # the common case, built with fewer fields
+        return wire.RequestDelta(
+            request_id=request.request_id,
+            token_ids=[token.token_id],
+            finish_reason=None if reason is None else reason.value,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=request.num_cached_tokens,
+        )
     return wire.RequestDelta(
         request_id=request.request_id,
         token_ids=[token.token_id],
-        logprobs=None if token.logprob is None else [token.logprob],
+        logprobs=[token.logprob],
         top_logprobs=None if token.top_logprobs is None else [token.top_logprobs],
         finish_reason=None if reason is None else reason.value,
-        num_prompt_tokens=request.num_prompt_tokens,
+        num_prompt_tokens=len(request.prompt_token_ids),
         num_cached_tokens=request.num_cached_tokens,
     )
 

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from service.scheduler.block_pool import extend_block_hashes
-from service.wire import SamplingParams
+from service.wire import RunningRequest, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -34,6 +34,8 @@ class Request:
     arrival_time: float
     block_size: int
     owner: bytes = b""  # identity of the api replica that sent it: its deltas go there
+    stop_token_ids: frozenset[int] = frozenset()  # a sampled one ends it (EOS unless ignored, and its own)
+    max_num_tokens: int = 0  # prompt plus output never exceed this (max_tokens, max_model_len)
     token_ids: list[int] = field(init=False)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks of token_ids
     block_ids: list[int] = field(default_factory=list)
@@ -47,6 +49,7 @@ class Request:
     num_skipped: int = 0  # admission rounds in which it was passed over at the head of the queue
     admitted_seq: int = -1  # order of the latest admission (lifo victim choice)
     sent_to_worker: bool = False  # the worker holds its state; next time send deltas only
+    decode_message: RunningRequest | None = None  # "one more token, no new block": the same every such step
     num_output_placeholders: int = 0  # tokens that steps in flight will sample for it (overlapped loop)
     last_step_id: int = 0  # the latest step that computes it: its blocks are released after that step
     in_reserve: bool = False  # counted in the admission reserve (see AdmissionReserve)

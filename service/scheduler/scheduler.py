@@ -20,7 +20,7 @@ from service import wire
 from service.scheduler.admission import AdmissionReserve
 from service.scheduler.block_pool import BlockPool
 from service.scheduler.outcome import StepOutcome
-from service.scheduler.outputs import closing_delta, new_request_message, stop_reason, token_delta
+from service.scheduler.outputs import closing_delta, new_request_message, stop_reason, stop_token_ids, token_delta
 from service.scheduler.policies import POLICIES
 from service.scheduler.request import FinishReason, Request, RequestStatus
 from service.scheduler.stats import SchedulerStats
@@ -96,7 +96,7 @@ class Scheduler:
         self.config = config
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.choose_victim = POLICIES[config.preemption_policy]
-        self.reserve = AdmissionReserve(config.max_model_len, config.block_size)
+        self.reserve = AdmissionReserve(config.block_size)
         self.stats = stats or SchedulerStats()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -155,7 +155,16 @@ class Scheduler:
                 f"the request needs up to {needed_blocks} KV-cache blocks "
                 f"({max_len} tokens) but the whole cache holds {cfg.num_blocks}"
             )
-        request = Request(request_id, list(prompt_token_ids), sampling, now, cfg.block_size, owner)
+        request = Request(
+            request_id,
+            list(prompt_token_ids),
+            sampling,
+            now,
+            cfg.block_size,
+            owner,
+            stop_token_ids(sampling, cfg.eos_token_ids),
+            max_len,
+        )
         self.requests[request_id] = request
         self.waiting.append(request)
 
@@ -193,6 +202,7 @@ class Scheduler:
         """Decide what the worker computes in the next step."""
         outcome = StepOutcome()  # requests that scheduling itself ends (legacy: incomplete)
         budget = self.config.max_num_batched_tokens
+        block_size = self.config.block_size
         scheduled: dict[Request, int] = {}
         new_block_ids: dict[Request, list[int]] = {}
         preempted: list[Request] = []
@@ -201,11 +211,16 @@ class Scheduler:
         for request in promised + [r for r in self.running if r not in promised] if promised else list(self.running):
             if budget == 0:
                 break
-            if not self._can_run(request, now, outcome):
+            if request.status is not RequestStatus.RUNNING and not self._can_run(request, now, outcome):
                 continue  # preempted earlier in this step, or suspended
-            if request.num_output_placeholders and self._ends_with_placeholders(request):
+            pending = request.num_output_placeholders
+            if pending and len(request.token_ids) + pending >= request.max_num_tokens:
                 continue  # the tokens in flight end it: nothing more to compute
-            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
+            num_new = min(len(request.token_ids) + pending - request.num_computed_tokens, budget)
+            if request.num_computed_tokens + num_new <= len(request.block_ids) * block_size:
+                scheduled[request] = num_new  # its blocks hold the new tokens: the common decode
+                budget -= num_new
+                continue
             while (blocks := self._grow(request, num_new)) is None:
                 if self._releases_cover(request, num_new):
                     self._promised.append(request)  # blocks of ended requests come back with the step in flight
@@ -243,13 +258,15 @@ class Scheduler:
                     self._end(request, FinishReason.ERROR, f"worker error: {result.error}", now, outcome)
         else:
             sampled = {token.request_id: token for token in result.sampled}
+            block_size = self.config.block_size
             for request, preemptions, computed_end, samples in step.scheduled:
                 if request.num_preemptions != preemptions:
                     continue  # preempted since: it is recomputed from scratch
-                if request.is_finished:
+                if request.status is RequestStatus.FINISHED:
                     self.stats.num_wasted_decode_slots += samples  # ended while this step computed it
                     continue
-                self._cache_computed_blocks(request, computed_end)
+                if computed_end // block_size > request.num_cached_blocks:
+                    self._cache_computed_blocks(request, computed_end)
                 if not samples:
                     continue  # a prefill chunk that did not reach the end: nothing sampled
                 request.num_output_placeholders -= 1
@@ -264,14 +281,6 @@ class Scheduler:
         return outcome
 
     # ------------------------------------------------------------------ internals
-
-    def _ends_with_placeholders(self, request: Request) -> bool:
-        """Whether the tokens that steps in flight sample for it reach max_tokens or max_model_len."""
-        pending = request.num_output_placeholders
-        return (
-            request.num_output_tokens + pending >= request.sampling.max_tokens
-            or request.num_tokens + pending >= self.config.max_model_len
-        )
 
     def _grow(self, request: Request, num_new: int) -> list[int] | None:
         """Blocks so that `num_new` more tokens fit, or None if the pool is short."""
@@ -382,20 +391,32 @@ class Scheduler:
         self._step_id += 1
         step_id = self._step_id
         new_requests, running_requests, records = [], [], []
+        recomputed = 0
         for request, num_new in scheduled.items():
-            if request.sent_to_worker:
-                running_requests.append(wire.RunningRequest(request.request_id, new_block_ids[request], num_new))
-            else:
+            blocks = new_block_ids.get(request)
+            if not request.sent_to_worker:
                 new_requests.append(new_request_message(request, num_new))
                 request.sent_to_worker = True
-            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
-            self.stats.num_recomputed_tokens += max(0, min(end, request.max_computed_tokens) - start)
-            request.max_computed_tokens = max(request.max_computed_tokens, end)
+            elif blocks or num_new != 1:
+                running_requests.append(wire.RunningRequest(request.request_id, blocks or [], num_new))
+            else:
+                message = request.decode_message
+                if message is None:
+                    message = request.decode_message = wire.RunningRequest(request.request_id, [], 1)
+                running_requests.append(message)
+            start = request.num_computed_tokens
+            end = start + num_new
+            if start < request.max_computed_tokens:
+                recomputed += min(end, request.max_computed_tokens) - start
+            if end > request.max_computed_tokens:
+                request.max_computed_tokens = end
             request.num_computed_tokens = end
             request.last_step_id = step_id
-            samples = end == request.num_tokens + request.num_output_placeholders
-            request.num_output_placeholders += samples
+            samples = end == len(request.token_ids) + request.num_output_placeholders
+            if samples:
+                request.num_output_placeholders += 1
             records.append((request, request.num_preemptions, end, samples))
+        self.stats.num_recomputed_tokens += recomputed
         finished, self._finished_for_worker = self._finished_for_worker, []
         output = wire.SchedulerOutput(
             step_id=step_id,
@@ -417,7 +438,7 @@ class Scheduler:
     def _accept_token(self, request: Request, token: wire.SampledToken, now: float, outcome: StepOutcome) -> None:
         request.append_token(token.token_id, now)
         self.stats.num_generation_tokens += 1
-        reason = stop_reason(request, token.token_id, self.config.eos_token_ids, self.config.max_model_len)
+        reason = stop_reason(request, token.token_id)
         outcome.sampled.append(request)
         outcome.add(request, token_delta(request, token, reason))
         if reason is None:

@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from service.scheduler.scheduler import SchedulerConfig
 from service.scheduler.simulator import simulate
 from service.workload import LengthDistribution, Workload, make_trace
@@ -32,9 +34,10 @@ def test_trace_is_seeded_and_poisson_arrivals_are_ordered():
     assert arrivals == sorted(arrivals) and arrivals[0] == 0.0 and arrivals[-1] > 0.0
 
 
-def test_simulation_finishes_every_request_with_all_its_tokens():
+@pytest.mark.parametrize("overlapped", [False, True], ids=["serial", "overlapped"])
+def test_simulation_finishes_every_request_with_all_its_tokens(overlapped):
     trace = small_trace()
-    report = simulate(trace, tight_config())
+    report = simulate(trace, tight_config(), overlapped=overlapped)
     assert report.num_finished == len(trace) and report.num_rejected == 0
     expected_tokens = sum(r.max_tokens for r in trace)
     assert abs(report.output_tokens_per_s * report.duration_s - expected_tokens) < 1e-6 * expected_tokens

@@ -11,15 +11,6 @@ def stop_token_ids(sampling: wire.SamplingParams, eos_token_ids: tuple[int, ...]
     return frozenset(sampling.stop_token_ids if sampling.ignore_eos else (*sampling.stop_token_ids, *eos_token_ids))
 
 
-def stop_reason(request: Request, token_id: int) -> FinishReason | None:
-    """Why the request ends with `token_id` (already appended), or None if it goes on."""
-    if token_id in request.stop_token_ids:
-        return FinishReason.STOP
-    if len(request.token_ids) >= request.max_num_tokens:
-        return FinishReason.LENGTH
-    return None
-
-
 def token_delta(request: Request, token: wire.SampledToken, reason: FinishReason | None) -> wire.RequestDelta:
     if token.logprob is None:  # the common case, built with fewer fields
         return wire.RequestDelta(

@@ -84,13 +84,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    def append_token(self, token_id: int, now: float) -> None:
-        if self.last_token_time is None:
-            self.first_token_time = now
-        else:
-            self.last_token_gap_s = now - self.last_token_time
-        self.last_token_time = now
-        self.token_ids.append(token_id)
-        if len(self.token_ids) % self.block_size == 0:
-            extend_block_hashes(self.block_hashes, self.token_ids, self.block_size)

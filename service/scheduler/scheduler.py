@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 from service import wire
 from service.scheduler.admission import AdmissionReserve
-from service.scheduler.block_pool import BlockPool
+from service.scheduler.block_pool import BlockPool, extend_block_hashes
 from service.scheduler.outcome import StepOutcome
-from service.scheduler.outputs import closing_delta, new_request_message, stop_reason, stop_token_ids, token_delta
+from service.scheduler.outputs import closing_delta, new_request_message, stop_token_ids, token_delta
 from service.scheduler.policies import POLICIES
 from service.scheduler.request import FinishReason, Request, RequestStatus
 from service.scheduler.stats import SchedulerStats
@@ -203,6 +203,7 @@ class Scheduler:
         outcome = StepOutcome()  # requests that scheduling itself ends (legacy: incomplete)
         budget = self.config.max_num_batched_tokens
         block_size = self.config.block_size
+        running = RequestStatus.RUNNING
         scheduled: dict[Request, int] = {}
         new_block_ids: dict[Request, list[int]] = {}
         preempted: list[Request] = []
@@ -211,13 +212,17 @@ class Scheduler:
         for request in promised + [r for r in self.running if r not in promised] if promised else list(self.running):
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING and not self._can_run(request, now, outcome):
+            if request.status is not running and not self._can_run(request, now, outcome):
                 continue  # preempted earlier in this step, or suspended
             pending = request.num_output_placeholders
-            if pending and len(request.token_ids) + pending >= request.max_num_tokens:
+            num_known = len(request.token_ids)
+            if pending and num_known + pending >= request.max_num_tokens:
                 continue  # the tokens in flight end it: nothing more to compute
-            num_new = min(len(request.token_ids) + pending - request.num_computed_tokens, budget)
-            if request.num_computed_tokens + num_new <= len(request.block_ids) * block_size:
+            computed = request.num_computed_tokens
+            num_new = num_known + pending - computed
+            if num_new > budget:
+                num_new = budget
+            if computed + num_new <= len(request.block_ids) * block_size:
                 scheduled[request] = num_new  # its blocks hold the new tokens: the common decode
                 budget -= num_new
                 continue
@@ -259,6 +264,7 @@ class Scheduler:
         else:
             sampled = {token.request_id: token for token in result.sampled}
             block_size = self.config.block_size
+            accept = self._accept_token
             for request, preemptions, computed_end, samples in step.scheduled:
                 if request.num_preemptions != preemptions:
                     continue  # preempted since: it is recomputed from scratch
@@ -274,7 +280,8 @@ class Scheduler:
                 if token is None:
                     self._end(request, FinishReason.ERROR, "the worker returned no token", now, outcome)
                 else:
-                    self._accept_token(request, token, now, outcome)
+                    accept(request, token, now, outcome)
+        self.stats.num_generation_tokens += len(outcome.sampled)
         for block_ids in self._releases.pop(step.step_id, ()):
             self.num_releasing_blocks -= len(block_ids)
             self.pool.free(block_ids)
@@ -436,9 +443,22 @@ class Scheduler:
             request.num_cached_blocks = num_full
 
     def _accept_token(self, request: Request, token: wire.SampledToken, now: float, outcome: StepOutcome) -> None:
-        request.append_token(token.token_id, now)
-        self.stats.num_generation_tokens += 1
-        reason = stop_reason(request, token.token_id)
+        token_id = token.token_id
+        if request.last_token_time is None:
+            request.first_token_time = now
+        else:
+            request.last_token_gap_s = now - request.last_token_time
+        request.last_token_time = now
+        token_ids = request.token_ids
+        token_ids.append(token_id)
+        if len(token_ids) % request.block_size == 0:
+            extend_block_hashes(request.block_hashes, token_ids, request.block_size)
+        if token_id in request.stop_token_ids:
+            reason = FinishReason.STOP
+        elif len(token_ids) >= request.max_num_tokens:
+            reason = FinishReason.LENGTH
+        else:
+            reason = None
         outcome.sampled.append(request)
         outcome.add(request, token_delta(request, token, reason))
         if reason is None:

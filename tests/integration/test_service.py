@@ -26,11 +26,9 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """scheduler + worker + two api replicas on one tight KV cache."""
-    logs = tmp_path_factory.mktemp("stack")
-    env = loopback_env(BLOCKSERVE_NUM_KV_BLOCKS=str(NUM_KV_BLOCKS), BLOCKSERVE_MAX_NUM_SEQS="32")
+def start_stack(logs, **overrides: str):
+    """scheduler + worker + two api replicas on one tight KV cache; yields (env, urls)."""
+    env = loopback_env(BLOCKSERVE_NUM_KV_BLOCKS=str(NUM_KV_BLOCKS), BLOCKSERVE_MAX_NUM_SEQS="32", **overrides)
     second_api = dict(env, BLOCKSERVE_PORT=str(int(env["BLOCKSERVE_PORT"]) + 1))
     processes = [
         start(["-m", "service.cli", "scheduler"], env, logs / "scheduler.log"),
@@ -39,10 +37,30 @@ def stack(tmp_path_factory):
         start(["-m", "service.cli", "api"], second_api, logs / "api2.log"),
     ]
     urls = [f"http://127.0.0.1:{e['BLOCKSERVE_PORT']}" for e in (env, second_api)]
-    for url in urls:
-        wait_ready(url, timeout_s=180)
-    yield env, urls
-    stop_all(processes)
+    try:
+        for url in urls:
+            wait_ready(url, timeout_s=180)
+        yield env, urls
+    finally:
+        stop_all(processes)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """The stack with the default (overlapped) step loop."""
+    yield from start_stack(tmp_path_factory.mktemp("stack"))
+
+
+@pytest.fixture(scope="module")
+def serial_stack(tmp_path_factory):
+    """The same stack with the serial step loop (BLOCKSERVE_ASYNC_SCHEDULING=0), the baseline."""
+    yield from start_stack(tmp_path_factory.mktemp("serial_stack"), BLOCKSERVE_ASYNC_SCHEDULING="0")
+
+
+@pytest.fixture(params=["overlapped", "serial"])
+def either_stack(request):
+    """The overlapped and the serial stack in turn."""
+    return request.getfixturevalue("stack" if request.param == "overlapped" else "serial_stack")
 
 
 def client_for(url: str) -> openai.OpenAI:
@@ -114,6 +132,27 @@ def test_greedy_output_over_http_equals_transformers(stack, reference_greedy):
         assert completion.choices[0].text == generate(prompt, 32), prompt
 
 
+def test_greedy_outputs_are_token_identical_with_the_overlapped_and_the_serial_loop(stack, serial_stack):
+    async def texts(urls: list[str]) -> list[tuple[str, list[str]]]:
+        async def one(index: int) -> tuple[str, list[str]]:
+            client = openai.AsyncOpenAI(base_url=f"{urls[0]}/v1", api_key="unused", max_retries=0, timeout=120)
+            completion = await client.completions.create(
+                model=model_name(urls[0]),
+                prompt=PROMPTS[index],
+                max_tokens=12 + 4 * index,  # requests end at different steps, while others still decode
+                temperature=0,
+                logprobs=1,
+            )
+            choice = completion.choices[0]
+            return choice.text, choice.logprobs.tokens
+
+        return await asyncio.gather(*(one(i) for i in range(6)))
+
+    overlapped, serial = asyncio.run(texts(stack[1])), asyncio.run(texts(serial_stack[1]))
+    assert overlapped == serial
+    assert all(tokens for _, tokens in overlapped)
+
+
 def test_two_api_replicas_serve_at_once(stack):
     _, urls = stack
 
@@ -133,8 +172,8 @@ def test_two_api_replicas_serve_at_once(stack):
     assert texts[0] == alone.choices[0].text
 
 
-def test_64_concurrent_streams_on_a_cache_for_8_all_finish_with_preemptions(stack):
-    env, urls = stack
+def test_64_concurrent_streams_on_a_cache_for_8_all_finish_with_preemptions(either_stack):
+    env, urls = either_stack
     metrics_port = env["BLOCKSERVE_METRICS_PORT"]
     before = scrape(metrics_port)
     max_tokens = 24
@@ -167,8 +206,8 @@ def test_64_concurrent_streams_on_a_cache_for_8_all_finish_with_preemptions(stac
     assert after["blockserve_kv_cache_usage_ratio"] == 0.0
 
 
-def test_client_disconnect_aborts_the_request_and_frees_its_blocks(stack):
-    env, urls = stack
+def test_client_disconnect_aborts_the_request_and_frees_its_blocks(either_stack):
+    env, urls = either_stack
     metrics_port = env["BLOCKSERVE_METRICS_PORT"]
     aborted_before = scrape_reason(metrics_port, "abort")
     body = {"model": model_name(urls[0]), "prompt": PROMPTS[2], "max_tokens": 200, "stream": True, "ignore_eos": True}

@@ -93,7 +93,7 @@ def create_app(settings: Settings) -> FastAPI:
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     install_openapi(app)
-    metrics.start_series(app.routes)
+    metrics.start_series(app.openapi()["paths"])
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=int(settings.max_request_body_bytes))
     if settings.api_key is not None and settings.api_key.get_secret_value():
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value())

@@ -45,16 +45,15 @@ class ApiMetrics:
             registry=self.registry,
         )
 
-    def start_series(self, routes: Iterable[object]) -> None:
-        """Create each route's duration histogram and its successful-requests counter at 0."""
-        for route in routes:
-            path = getattr(route, "path", None)
-            if path is None:
-                continue
+    def start_series(self, routes: dict[str, Iterable[str]]) -> None:
+        """Create each route's duration histogram and its successful-requests counter at 0.
+
+        `routes`: route template -> its methods, as the OpenAPI document's `paths` lists them.
+        """
+        for path, methods in routes.items():
             self.duration.labels(path)
-            for method in sorted(getattr(route, "methods", None) or ()):
-                if method != "HEAD":
-                    self.requests.labels(path, method, "200")
+            for method in methods:
+                self.requests.labels(path, method.upper(), "200")
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,6 +22,15 @@ ERROR_DESCRIPTIONS = {
     500: "The generation failed on the server",
     503: "No model available: the scheduler is unreachable or not ready",
 }
+# OpenAPI 3.1 (as Schemathesis reads it): the schema of a text/event-stream describes one event.
+SSE_EVENT_SCHEMA = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string", "description": "A chunk as JSON, an error object, or `[DONE]` (the last event)"},
+    },
+}
 SSE_DESCRIPTION = (
     "The whole result as JSON; with `stream: true`, server-sent events instead: one `data: <chunk JSON>` "
     'line per chunk, an `{"error": ...}` event if it fails after the start, then `data: [DONE]`.'
@@ -34,7 +43,7 @@ def errors(*status_codes: int) -> dict[int | str, dict[str, Any]]:
 
 def generation_responses() -> dict[int | str, dict[str, Any]]:
     """A completion route: JSON or an SSE stream, and every error it can answer."""
-    streamed = {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": SSE_DESCRIPTION}
+    streamed = {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}, "description": SSE_DESCRIPTION}
     return {200: streamed, **errors(400, 401, 404, 413, 500, 503)}
 
 

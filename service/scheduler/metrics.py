@@ -156,8 +156,12 @@ class SchedulerMetrics:
         self._live = _LiveCollector(get_scheduler, stats, get_model_name, labels)
         self.registry.register(self._live)
 
+        self._model_histograms: list[Histogram] = []
+
         def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+            family = Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+            self._model_histograms.append(family)
+            return family
 
         self.ttft = histogram(
             "blockserve_time_to_first_token_seconds",
@@ -187,6 +191,11 @@ class SchedulerMetrics:
     def add_settings_info(self, info: dict[str, str]) -> None:
         """More labels of blockserve_settings_info, e.g. what the registered worker computes with."""
         self._live.settings_info.update({key.lower(): str(value) for key, value in info.items()})
+
+    def start_series(self, model: str) -> None:
+        """Show every histogram of `model` at 0 from the start, so dashboards never see "No data"."""
+        for family in self._model_histograms:
+            family.labels(model)
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)

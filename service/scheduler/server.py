@@ -203,6 +203,7 @@ class SchedulerServer:
         num_blocks = min(hello.num_kv_blocks, self.settings.num_kv_blocks or hello.num_kv_blocks)
         max_model_len = min(hello.model.max_model_len, self.settings.max_model_len or hello.model.max_model_len)
         self.model = msgspec.structs.replace(hello.model, max_model_len=max_model_len)
+        self.metrics.start_series(self.model.name)
         self.metrics.add_settings_info({f"worker_{key}": value for key, value in hello.kernels.items()})
         self.scheduler = build_scheduler(
             stats=self.stats,

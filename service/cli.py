@@ -8,14 +8,12 @@ import logging
 import math
 import os
 import signal
-import subprocess
 import sys
 import time
 
 from service.config import Settings, SettingsError, load_settings
 
 log = logging.getLogger("blockserve")
-ROLES_IN_START_ORDER = ("scheduler", "worker", "api")
 
 
 def _configure_logging(role: str) -> None:
@@ -49,13 +47,12 @@ def _role(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """Run scheduler, worker and api as child processes; stop them in order on SIGINT/SIGTERM."""
+    """Run scheduler, worker and api as child processes (see service/supervisor.py) until SIGINT/SIGTERM."""
+    from service.supervisor import Supervisor, role_environments
+
     settings = load_settings()
     _configure_logging("serve")
-    children = {
-        role: subprocess.Popen([sys.executable, "-m", "service.cli", role], env=os.environ.copy())
-        for role in ROLES_IN_START_ORDER
-    }
+    supervisor = Supervisor(role_environments(os.environ, settings.scheduler_addr, settings.worker_addr))
     stop_requested = False
 
     def request_stop(*_: object) -> None:
@@ -64,32 +61,23 @@ def _serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    supervisor.start()
     log.info("serving on http://%s:%d (metrics on :%d)", settings.host, settings.port, settings.metrics_port)
-    exit_code = 0
-    worker_exit_logged = False
     while not stop_requested:
         time.sleep(0.2)
-        for role in ("api", "scheduler"):
-            if children[role].poll() is not None:
-                log.error("the %s process exited with code %s; stopping", role, children[role].returncode)
-                stop_requested, exit_code = True, 1
-        if children["worker"].poll() is not None and not worker_exit_logged:
-            log.error("the worker exited with code %s; the api reports not ready", children["worker"].returncode)
-            worker_exit_logged = True  # the scheduler has already failed its requests
-    for role in ("api", "scheduler", "worker"):  # the api drains first, the worker goes last
-        _stop_child(role, children[role], settings.drain_timeout_s + 5)
-    return exit_code
+        supervisor.check(time.monotonic())
+    log.info("stopping: in-flight requests get %.0f s to finish", settings.drain_timeout_s)
+    supervisor.stop(settings.drain_timeout_s)
+    return 0
 
 
-def _stop_child(role: str, child: subprocess.Popen, timeout_s: float) -> None:
-    if child.poll() is None:
-        child.send_signal(signal.SIGTERM)
-    try:
-        child.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        log.warning("the %s process did not stop within %.0f s; killing it", role, timeout_s)
-        child.kill()
-        child.wait()
+def _keys(args: argparse.Namespace) -> int:
+    """Print a new set of CURVE key pairs as the entries of the chart's keys Secret."""
+    from service.curve import KEY_OWNERS, new_key_pair, secret_entries
+
+    for name, value in secret_entries({owner: new_key_pair() for owner in KEY_OWNERS}).items():
+        print(f"{name}={value}")
+    return 0
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -137,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     commands.add_parser("serve", help="run scheduler, worker and api on this machine").set_defaults(handler=_serve)
+    commands.add_parser(
+        "keys",
+        help="print new CURVE keys for the scheduler, api and worker "
+        "(kubectl create secret generic NAME --from-env-file=<that output>)",
+    ).set_defaults(handler=_keys)
     for role, description in (
         ("api", "the OpenAI-compatible HTTP service (stateless; run as many as you like)"),
         ("scheduler", "the sidecar that owns the KV-cache block table"),

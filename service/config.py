@@ -95,6 +95,20 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(default=None, description="If set, requests need Authorization: Bearer <key>")
     worker_timeout_s: float = Field(default=30.0, gt=0, description="A step unanswered this long marks the worker dead")
     drain_timeout_s: float = Field(default=30.0, ge=0, description="On SIGTERM, wait this long for in-flight requests")
+
+    # Internal sockets: CURVE keys (Z85, e.g. from `blockserve keys`); see service/curve.py
+    secrets_dir: str = Field(
+        default="", description="Folder of files named like settings (a mounted Secret); a set variable wins"
+    )
+    curve_server_key: str = Field(default="", description="api and worker: the scheduler's CURVE public key")
+    curve_server_secret_key: SecretStr | None = Field(
+        default=None, description="scheduler: its CURVE secret key; set = CURVE on both its sockets"
+    )
+    curve_client_secret_key: SecretStr | None = Field(
+        default=None, description="api or worker: its own CURVE secret key"
+    )
+    curve_api_client_keys: str = Field(default="", description="scheduler: api replicas' public keys (comma-separated)")
+    curve_worker_client_keys: str = Field(default="", description="scheduler: workers' public keys (comma-separated)")
     max_request_body_bytes: ByteSize = Field(
         default=ByteSize(4 * 1024**2), gt=0, description="api: largest request body accepted (413 above), e.g. 4MiB"
     )
@@ -127,7 +141,12 @@ def env_name(field_name: str) -> str:
 def load_settings(**overrides: object) -> Settings:
     """Read settings from the environment; raise SettingsError naming the bad variable."""
     try:
-        return Settings(**overrides)
+        settings = Settings(**overrides)
+        if not settings.secrets_dir:
+            return settings
+        if not Path(settings.secrets_dir).is_dir():
+            raise SettingsError(f"BLOCKSERVE_SECRETS_DIR: {settings.secrets_dir} is not a directory")
+        return Settings(_secrets_dir=settings.secrets_dir, **overrides)
     except ValidationError as exc:
         problems = []
         for error in exc.errors():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import uuid
@@ -12,8 +13,6 @@ import uvicorn
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-
-from service.api import chat, completions
 from service.api.auth import ApiKeyMiddleware
 from service.api.body_limit import BodyLimitMiddleware
 from service.api.context import ApiContext, get_context
@@ -21,6 +20,9 @@ from service.api.errors import ApiError, install_error_handlers
 from service.api.metrics import ApiMetrics, MetricsMiddleware
 from service.api.openapi import errors, install_openapi
 from service.api.protocol import Health, ModelCard, ModelList, Readiness
+
+from service import curve
+from service.api import chat, completions
 from service.api.scheduler_client import SchedulerClient
 from service.config import Settings
 
@@ -34,6 +36,7 @@ def replica_id() -> str:
 def create_app(settings: Settings) -> FastAPI:
     """An api replica for `settings`; it connects to the scheduler when the server starts."""
     metrics = ApiMetrics()
+    client_keys = curve.client_keys(settings)  # before serving: a bad key fails the start
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -42,6 +45,7 @@ def create_app(settings: Settings) -> FastAPI:
             replica_id(),
             idle_check_s=settings.worker_timeout_s,
             on_malformed_frame=metrics.malformed_frames.inc,
+            client_keys=client_keys,
         )
         await client.start()
         app.state.context = ApiContext(client)
@@ -101,11 +105,27 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn that, told to stop, gives open requests `drain_timeout_s` and then ends them with an
+    error (a stream: an error event and [DONE]) rather than cutting their connections."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout_s: float):
+        super().__init__(config)
+        self.app = app
+        self.drain_timeout_s = drain_timeout_s
+
+    async def shutdown(self, sockets=None) -> None:
+        client = self.app.state.context.client
+        reason = f"The server is shutting down: the request did not finish within {self.drain_timeout_s:g} s."
+        asyncio.get_running_loop().call_later(self.drain_timeout_s, client.fail_open_requests, reason)
+        await super().shutdown(sockets)
+
+
 def run_api(settings: Settings) -> None:
     """Serve the api on settings.host:settings.port until SIGINT/SIGTERM."""
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        timeout_graceful_shutdown=settings.drain_timeout_s,
+    app = create_app(settings)
+    # uvicorn's own limit is a backstop past the drain: by then every request has ended.
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, timeout_graceful_shutdown=settings.drain_timeout_s + 5
     )
+    DrainingServer(config, app, settings.drain_timeout_s).run()

@@ -9,10 +9,9 @@ from __future__ import annotations
 from typing import Callable
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
-
 from service.scheduler.outcome import StepOutcome
 from service.scheduler.request import Request
 from service.scheduler.scheduler import Scheduler
@@ -187,6 +186,14 @@ class SchedulerMetrics:
             "blockserve_schedule_duration_seconds", "Time the scheduler takes to decide one step.", STEP_BUCKETS_S
         )
         self.batch_tokens = histogram("blockserve_batch_tokens", "Tokens computed in one step.", BATCH_TOKEN_BUCKETS)
+        self.auth_failures = Counter(
+            "blockserve_auth_failures",
+            "CURVE handshakes refused (unknown client key), by socket: api or worker.",
+            ["socket"],
+            registry=self.registry,
+        )
+        for socket in ("api", "worker"):
+            self.auth_failures.labels(socket)  # shown as 0 before the first refusal
 
     def add_settings_info(self, info: dict[str, str]) -> None:
         """More labels of blockserve_settings_info, e.g. what the registered worker computes with."""

@@ -17,16 +17,16 @@ import time
 
 import msgspec
 import zmq
-from zmq.utils.monitor import parse_monitor_message
-
-from service import wire
-from service.config import Settings
 from service.scheduler.legacy import build_scheduler, legacy_config_from
-from service.scheduler.metrics import SchedulerMetrics
 from service.scheduler.outcome import StepOutcome
 from service.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from service.scheduler.stats import SchedulerStats
 from service.scheduler.step_loop import StepLoop
+from zmq.utils.monitor import parse_monitor_message
+
+from service import curve, wire
+from service.config import Settings
+from service.scheduler.metrics import SchedulerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,9 @@ class SchedulerServer:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.context = zmq.Context()
+        self.curve = curve.CurveServer(
+            settings, self.context, lambda socket: self.metrics.auth_failures.labels(socket).inc()
+        )
         self.api_socket = self._router(settings.scheduler_addr)
         self.worker_socket = self._router(settings.worker_addr)
         self.worker_monitor = self.worker_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -65,6 +68,7 @@ class SchedulerServer:
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.HEARTBEAT_IVL, 2000)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+        self.curve.secure(socket, addr)
         socket.bind(addr)
         return socket
 
@@ -110,6 +114,7 @@ class SchedulerServer:
         if self.scheduler is not None:
             self._deliver(self.scheduler.fail_all("the scheduler is shutting down", time.monotonic()))
         self.worker_socket.disable_monitor()
+        self.curve.stop()
         self.context.destroy(linger=CLOSE_LINGER_MS)  # let the last deltas of drained requests leave
 
     def _poll_once(self, socket: zmq.Socket, handler) -> bool:

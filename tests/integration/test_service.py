@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import re
 import signal
+import threading
 import time
 
 import httpx
 import openai
 import pytest
-
 from tests.processes import loopback_env, scrape, start, stop, stop_all, wait_ready
 
 # 16 blocks of 16 tokens: about 8 requests of a short prompt and 24 output tokens at once.
@@ -296,31 +299,86 @@ def test_killed_worker_ends_in_flight_requests_with_an_error_and_not_ready(tmp_p
         stop_all([api, worker, scheduler])
 
 
-def test_serve_runs_every_role_and_sigterm_drains_in_flight_requests(tmp_path):
-    env = loopback_env()
-    serve = start(["-m", "service.cli", "serve"], env, tmp_path / "serve.log")
+SERVE_DRAIN_S = 8
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`blockserve serve` as one process with a short drain: (process, url, its log file)."""
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    env = loopback_env(BLOCKSERVE_DRAIN_TIMEOUT_S=str(SERVE_DRAIN_S))
+    serve = start(["-m", "service.cli", "serve"], env, log_path)
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
     try:
         wait_ready(url, timeout_s=180)
-        client = client_for(url)
-        chunks = iter(
-            client.completions.create(
-                model=model_name(url),
-                prompt=PROMPTS[0],
-                max_tokens=40,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
-            )
-        )
-        assert next(chunks).choices[0].text is not None
-        serve.send_signal(signal.SIGTERM)
-        rest = list(chunks)
-        # The stream in flight was drained, not cut: all its tokens came, and it ended normally.
-        assert [c.usage.completion_tokens for c in rest if c.usage] == [40]
-        assert [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason] == ["length"]
-        assert serve.wait(60) == 0
-        with pytest.raises(httpx.HTTPError):
-            httpx.get(f"{url}/health", timeout=2)
+        yield serve, url, log_path
     finally:
-        stop(serve)
+        stop(serve, timeout_s=SERVE_DRAIN_S + 10)
+
+
+def child_pid(log_path, role: str) -> int:
+    """The pid of the last `role` process that serve started, from its log."""
+    pids = re.findall(rf"(?:started|restarted) the {role} process \(pid (\d+)\)", log_path.read_text())
+    assert pids, f"serve did not log a {role} start"
+    return int(pids[-1])
+
+
+def test_serve_restarts_a_killed_role_and_serves_again(served):
+    serve, url, log_path = served
+    scheduler_pid, worker_pid = child_pid(log_path, "scheduler"), child_pid(log_path, "worker")
+
+    os.kill(scheduler_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+        assert time.monotonic() < deadline, "the api stayed ready with its scheduler killed"
+        time.sleep(0.1)
+    wait_ready(url, timeout_s=30)
+
+    log = log_path.read_text()
+    assert f"the scheduler process (pid {scheduler_pid}) exited with code -9; restarting it" in log
+    assert child_pid(log_path, "scheduler") != scheduler_pid
+    assert child_pid(log_path, "worker") == worker_pid and serve.poll() is None  # the others kept running
+    completion = client_for(url).completions.create(model=model_name(url), prompt=PROMPTS[0], max_tokens=4)
+    assert completion.usage.completion_tokens == 4
+
+
+def test_sigterm_to_serve_drains_streams_and_ends_the_rest_with_an_error_and_done(served):
+    serve, url, log_path = served
+    model = model_name(url)
+    max_tokens = [12, 12, 12, 4000, 4000, 4000]  # the long ones cannot finish within the drain
+    streams: list[list[str]] = [[] for _ in max_tokens]
+    started = threading.Barrier(len(max_tokens) + 1, timeout=60)
+
+    def stream(index: int) -> None:
+        body = {"model": model, "prompt": PROMPTS[index], "max_tokens": max_tokens[index], "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "ignore_eos": True}, timeout=60) as response:
+            for line in response.iter_lines():
+                if line:
+                    streams[index].append(line)
+                    if len(streams[index]) == 1:
+                        started.wait()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(max_tokens))]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    serve.send_signal(signal.SIGTERM)
+    terminated_at = time.monotonic()
+    for thread in threads:
+        thread.join(SERVE_DRAIN_S + 10)
+    assert serve.wait(SERVE_DRAIN_S + 10) == 0
+    stopped_after_s = time.monotonic() - terminated_at
+
+    for lines, limit in zip(streams, max_tokens):
+        assert lines[-1] == "data: [DONE]", lines[-3:]  # not a cut connection
+        events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+        errors = [event["error"] for event in events if "error" in event]
+        finish_reasons = [event["choices"][0]["finish_reason"] for event in events if event.get("choices")]
+        if limit == 12:  # drained: every token came
+            assert errors == [] and finish_reasons[-1] == "length", lines[-3:]
+        else:
+            assert len(errors) == 1 and "shutting down" in errors[0]["message"], lines[-3:]
+    assert stopped_after_s <= SERVE_DRAIN_S + 5
+    assert "Traceback" not in log_path.read_text()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/health", timeout=2)

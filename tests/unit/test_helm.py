@@ -7,6 +7,7 @@ dockerfile from the `test` extra. A missing tool fails these tests: CI installs 
 
 from __future__ import annotations
 
+import base64
 import functools
 import http.server
 import json
@@ -34,7 +35,16 @@ DOCKERFILE = ROOT / "Dockerfile"
 # Kubernetes versions the chart supports (Chart.yaml kubeVersion) and the newest one known.
 KUBERNETES_VERSIONS = ("1.25.0", "1.37.0")
 # Set by the chart per container instead of from `config`.
-CHART_MANAGED_SETTINGS = {"BLOCKSERVE_SCHEDULER_ADDR", "BLOCKSERVE_API_KEY"}
+CHART_MANAGED_SETTINGS = {
+    "BLOCKSERVE_SCHEDULER_ADDR",
+    "BLOCKSERVE_API_KEY",
+    "BLOCKSERVE_SECRETS_DIR",
+    "BLOCKSERVE_CURVE_SERVER_KEY",
+    "BLOCKSERVE_CURVE_SERVER_SECRET_KEY",
+    "BLOCKSERVE_CURVE_CLIENT_SECRET_KEY",
+    "BLOCKSERVE_CURVE_API_CLIENT_KEYS",
+    "BLOCKSERVE_CURVE_WORKER_CLIENT_KEYS",
+}
 # Not blockserve settings, but read by what runs inside: Paddle's CPU thread count.
 RUNTIME_ENV = {"OMP_NUM_THREADS"}
 SETTING_NAMES = {env_name(field) for field in Settings.model_fields}
@@ -154,6 +164,7 @@ def test_every_option_renders_every_kind():
             "ConfigMap",
             "ConfigMap",
             "Secret",
+            "Secret",
             "Service",
             "Service",
             "Deployment",
@@ -223,7 +234,12 @@ def test_every_container_starts_with_valid_settings_on_its_ports(values, monkeyp
     resources = helm_template(*values)
     config_map = find(resources, "ConfigMap", "-config")
     by_name = containers(resources)
-    settings = {name: settings_from(env_of(c, config_map), monkeypatch) for name, c in by_name.items()}
+    # Without the mounted keys Secret (see test_each_container_gets_only_its_own_curve_keys_and_they_work).
+    envs = {
+        name: {k: v for k, v in env_of(c, config_map).items() if k != "BLOCKSERVE_SECRETS_DIR"}
+        for name, c in by_name.items()
+    }
+    settings = {name: settings_from(env, monkeypatch) for name, env in envs.items()}
     ports = {name: {p["name"]: p["containerPort"] for p in c.get("ports", [])} for name, c in by_name.items()}
     assert ports["api"] == {"http": settings["api"].port}
     assert ports["scheduler"] == {
@@ -298,11 +314,111 @@ def test_api_key_comes_from_a_secret_and_reaches_only_the_api():
         {"name": "BLOCKSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "team-keys", "key": "blockserve"}}}
     ]
     resources = helm_template(*RENDERINGS["every option on"])
-    secret = find(resources, "Secret")
+    secret = find(resources, "Secret", "-api-key")
     (entry,) = api_key_env(resources)["api"]
     assert entry["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "api-key"}
     assert api_key_env(resources)["scheduler"] == api_key_env(resources)["worker"] == []
     assert "checksum/api-key" in find(resources, "Deployment", "-api")["spec"]["template"]["metadata"]["annotations"]
+
+
+def curve_mounts(resources: list[dict]) -> dict[str, dict[str, str]]:
+    """For each container: the settings its CURVE files set, mapped to the Secret entries they hold."""
+    mounted = {}
+    for deployment in (r for r in resources if r["kind"] == "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for container in pod["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            mounts = [m for m in container["volumeMounts"] if m["name"].startswith("curve-")]
+            if not mounts:
+                assert "BLOCKSERVE_SECRETS_DIR" not in env
+                continue
+            (mount,) = mounts
+            assert mount["readOnly"] is True and env["BLOCKSERVE_SECRETS_DIR"] == mount["mountPath"]
+            secret = volumes[mount["name"]]["secret"]
+            mounted[container["name"]] = {item["path"]: item["key"] for item in secret["items"]}
+            mounted[container["name"]]["(secret)"] = secret["secretName"]
+    return mounted
+
+
+def test_curve_is_off_by_default():
+    resources = helm_template()
+    assert curve_mounts(resources) == {}
+    assert not [r for r in resources if r["kind"] == "Secret"]
+
+
+def test_each_container_gets_only_its_own_curve_keys_and_they_work(tmp_path, monkeypatch):
+    from service import curve
+
+    resources = helm_template("--set", "curve.enabled=true", "--set", "curve.existingSecret=team-curve")
+    assert not [r for r in resources if r["kind"] == "Secret"]
+    mounted = curve_mounts(resources)
+    assert {name: files.pop("(secret)") for name, files in mounted.items()} == dict.fromkeys(
+        ("api", "scheduler", "worker"), "team-curve"
+    )
+    assert mounted == {
+        "scheduler": {
+            "BLOCKSERVE_CURVE_SERVER_SECRET_KEY": "server-secret-key",
+            "BLOCKSERVE_CURVE_API_CLIENT_KEYS": "api-public-key",
+            "BLOCKSERVE_CURVE_WORKER_CLIENT_KEYS": "worker-public-key",
+        },
+        "api": {
+            "BLOCKSERVE_CURVE_SERVER_KEY": "server-public-key",
+            "BLOCKSERVE_CURVE_CLIENT_SECRET_KEY": "api-secret-key",
+        },
+        "worker": {
+            "BLOCKSERVE_CURVE_SERVER_KEY": "server-public-key",
+            "BLOCKSERVE_CURVE_CLIENT_SECRET_KEY": "worker-secret-key",
+        },
+    }
+    # The Secret of `blockserve keys`, mounted as each pod would see it, gives settings that fit together.
+    cli = subprocess.run([sys.executable, "-m", "service.cli", "keys"], capture_output=True, text=True, check=True)
+    secret = dict(line.split("=", 1) for line in cli.stdout.splitlines())
+    settings = {}
+    for name, files in mounted.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        for setting, key in files.items():
+            (folder / setting).write_text(secret[key])
+        settings[name] = settings_from({"BLOCKSERVE_SECRETS_DIR": str(folder)}, monkeypatch)
+    api, worker = curve.client_keys(settings["api"]), curve.client_keys(settings["worker"])
+    server_secret = settings["scheduler"].curve_server_secret_key.get_secret_value()
+    assert api.server_public_key == worker.server_public_key == curve.key_pair_from_secret(server_secret, "").public_key
+    assert settings["scheduler"].curve_api_client_keys == api.own.public_key.decode()
+    assert settings["scheduler"].curve_worker_client_keys == worker.own.public_key.decode()
+
+
+def test_the_chart_makes_the_curve_secret_from_values_and_a_new_key_rolls_the_pods(tmp_path):
+    from service import curve
+
+    def render(pairs: dict) -> list[dict]:
+        values = tmp_path / f"curve-{len(list(tmp_path.iterdir()))}.yaml"  # a new name: renderings are cached
+        values.write_text(yaml.safe_dump({"curve": {"enabled": True, "keys": curve.secret_entries(pairs)}}))
+        return helm_template("--values", str(values))
+
+    pairs = {owner: curve.new_key_pair() for owner in curve.KEY_OWNERS}
+    resources = render(pairs)
+    secret = find(resources, "Secret", "-curve")
+    assert {k: base64.b64decode(v).decode() for k, v in secret["data"].items()} == curve.secret_entries(pairs)
+    assert set(curve_mounts(resources)) == {"api", "scheduler", "worker"}
+
+    def checksums(resources: list[dict]) -> dict[str, str]:
+        return {
+            d["metadata"]["name"]: d["spec"]["template"]["metadata"]["annotations"]["checksum/curve"]
+            for d in resources
+            if d["kind"] == "Deployment"
+        }
+
+    before = checksums(resources)
+    after = checksums(render({**pairs, "api": curve.new_key_pair()}))
+    assert all(after[name] != before[name] for name in before) and len(before) == 2
+
+
+def test_curve_without_keys_or_with_keys_in_config_is_refused():
+    with pytest.raises(HelmError, match="blockserve keys"):
+        helm_template("--set", "curve.enabled=true")
+    with pytest.raises(HelmError, match="curve.existingSecret"):
+        helm_template("--set", "config.BLOCKSERVE_CURVE_SERVER_KEY=x")
 
 
 # ---------------------------------------------------------------------------- pods

@@ -85,6 +85,9 @@ which print as 5.36870912e+08; whole numbers are printed as integers instead.
 {{- if has $name (list "BLOCKSERVE_API_KEY" "BLOCKSERVE_SCHEDULER_ADDR") }}
 {{- fail (printf "config.%s is set by the chart: use %s instead" $name (ternary "apiKey.value or apiKey.existingSecret" "engine.schedulerPort" (eq $name "BLOCKSERVE_API_KEY"))) }}
 {{- end }}
+{{- if or (eq $name "BLOCKSERVE_SECRETS_DIR") (hasPrefix "BLOCKSERVE_CURVE_" $name) }}
+{{- fail (printf "config.%s is set by the chart: use curve.enabled and curve.existingSecret instead" $name) }}
+{{- end }}
 {{- if not (or (kindIs "invalid" $value) (eq (toString $value) "")) }}
 {{ $name }}: {{ include "blockserve.settingValue" $value | quote }}
 {{- end }}
@@ -133,4 +136,68 @@ automountServiceAccountToken: false
 enableServiceLinks: false
 securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end }}
+
+{{/* CURVE keys (see values.yaml, `curve`): the Secret's name; the chart makes it unless existingSecret. */}}
+{{- define "blockserve.curveSecretName" -}}
+{{ .Values.curve.existingSecret | default (printf "%s-curve" (include "blockserve.fullname" .)) }}
+{{- end }}
+
+{{- define "blockserve.curveSecretCreated" -}}
+{{- if and .Values.curve.enabled (not .Values.curve.existingSecret) }}
+{{- range $key := list "server-public-key" "server-secret-key" "api-public-key" "api-secret-key" "worker-public-key" "worker-secret-key" }}
+{{- if not (get $.Values.curve.keys $key) }}
+{{- fail (printf "curve.enabled needs curve.existingSecret or curve.keys.%s (make the keys with `blockserve keys`)" $key) }}
+{{- end }}
+{{- end }}true
+{{- end }}
+{{- end }}
+
+{{/*
+A container's CURVE keys, when curve.enabled: (dict "root" $ "role" "scheduler"|"api"|"worker"). The env
+entry and the volume mount go in the container, the volume in the pod; each file is named after the
+setting it sets.
+*/}}
+{{- define "blockserve.curveFiles" -}}
+{{- if eq .role "scheduler" }}
+- key: server-secret-key
+  path: BLOCKSERVE_CURVE_SERVER_SECRET_KEY
+- key: api-public-key
+  path: BLOCKSERVE_CURVE_API_CLIENT_KEYS
+- key: worker-public-key
+  path: BLOCKSERVE_CURVE_WORKER_CLIENT_KEYS
+{{- else }}
+- key: server-public-key
+  path: BLOCKSERVE_CURVE_SERVER_KEY
+- key: {{ .role }}-secret-key
+  path: BLOCKSERVE_CURVE_CLIENT_SECRET_KEY
+{{- end }}
+{{- end }}
+
+{{- define "blockserve.curveEnv" -}}
+- name: BLOCKSERVE_SECRETS_DIR
+  value: {{ .root.Values.curve.mountPath | quote }}
+{{- end }}
+
+{{- define "blockserve.curveVolumeMount" -}}
+- name: curve-{{ .role }}
+  mountPath: {{ .root.Values.curve.mountPath }}
+  readOnly: true
+{{- end }}
+
+{{- define "blockserve.curveVolume" -}}
+- name: curve-{{ .role }}
+  secret:
+    secretName: {{ include "blockserve.curveSecretName" .root }}
+    # Owner and group (fsGroup) may read: the containers run as a non-root user.
+    defaultMode: 0440
+    items:
+      {{- include "blockserve.curveFiles" . | trim | nindent 6 }}
+{{- end }}
+
+{{/* Changed chart-made keys roll the pods. */}}
+{{- define "blockserve.curveChecksum" -}}
+{{- if include "blockserve.curveSecretCreated" . }}
+checksum/curve: {{ toJson .Values.curve.keys | sha256sum }}
+{{- end }}
 {{- end }}

@@ -1,0 +1,159 @@
+"""The scheduler-worker link over real sockets: who counts as the worker, and a worker that answers while it computes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from service import wire
+from service.scheduler.fake_worker import FakeWorker
+from tests.integration.test_scheduler_process import ApiPeer
+from tests.processes import loopback_env, start, stop_all
+from tests.unit.fake_scheduler import tiny_model_info
+
+NUM_BLOCKS = 24
+BLOCK_SIZE = 4
+
+
+def link_env(**overrides: str) -> dict[str, str]:
+    return loopback_env(
+        BLOCKSERVE_NUM_KV_BLOCKS=str(NUM_BLOCKS),
+        BLOCKSERVE_BLOCK_SIZE=str(BLOCK_SIZE),
+        BLOCKSERVE_WORKER_TIMEOUT_S="2",
+        **overrides,
+    )
+
+
+class ScriptedWorker:
+    """A worker played from the test: says hello when told, answers steps (FakeWorker) and pings."""
+
+    def __init__(self, addr: str):
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, b"worker-scripted")
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(addr)
+        self.fake = FakeWorker(NUM_BLOCKS, BLOCK_SIZE, tiny_model_info().vocab_size)
+        self.num_steps = 0
+
+    def hello(self) -> None:
+        hello = wire.WorkerHello(
+            worker_id="worker-scripted", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, model=tiny_model_info()
+        )
+        self.socket.send(wire.encode(hello))
+
+    def answer(self) -> bool:
+        """Answer every frame that has come; False, so it can sit in a wait_until condition."""
+        while self.socket.poll(0):
+            message = wire.decode(self.socket.recv())
+            if isinstance(message, wire.Ping):
+                self.socket.send(wire.encode(wire.Pong()))
+            elif isinstance(message, wire.SchedulerOutput):
+                result = self.fake.execute(message)
+                if not message.is_empty:
+                    self.socket.send(wire.encode(result))
+                    self.num_steps += 1
+        return False
+
+    def close(self) -> None:
+        self.context.destroy(linger=0)
+
+
+@pytest.fixture
+def scripted(tmp_path):
+    """Scheduler process + scripted worker + api peer; yields (env, worker, peer)."""
+    env = link_env()
+    scheduler = start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")
+    worker = ScriptedWorker(env["BLOCKSERVE_WORKER_ADDR"])
+    peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
+    worker.hello()
+    peer.wait_until(lambda: worker.answer() or peer.status().ready, 30)
+    yield env, worker, peer
+    peer.close()
+    worker.close()
+    stop_all([scheduler])
+
+
+def test_a_live_workers_repeated_hello_is_not_taken_as_a_restart(scripted):
+    _, worker, peer = scripted
+    request_id = peer.submit([1, 2, 3], max_tokens=8)
+    peer.wait_until(lambda: worker.answer() or worker.num_steps >= 2, 10)
+    worker.hello()  # what a worker says after a silence (a long step, a stalled scheduler)
+    peer.wait_until(lambda: worker.answer() or request_id in peer.finished, 10)
+    assert peer.finished[request_id].finish_reason == "length", peer.finished[request_id].error
+    assert len(peer.outputs[request_id]) == 8
+    assert peer.status().num_free_blocks == NUM_BLOCKS  # the same table: nothing rebuilt, nothing leaked
+
+
+def test_status_names_the_asked_request_ids_the_scheduler_does_not_hold(scripted):
+    _, worker, peer = scripted
+    held = peer.submit([1, 2, 3], max_tokens=60)
+    peer.wait_until(lambda: worker.answer() or bool(peer.outputs[held]), 10)
+    seen = len(peer.statuses)
+    peer.send(wire.StatusQuery(request_ids=[held, "never-sent"]))
+    peer.wait_until(lambda: worker.answer() or len(peer.statuses) > seen, 5)
+    assert peer.statuses[-1].unknown_request_ids == ["never-sent"]
+    assert peer.statuses[-1].num_running == 1
+
+
+def test_another_connection_closing_on_the_worker_socket_leaves_the_worker_registered(tmp_path):
+    env = link_env(FAKE_STEP_DELAY_S="0.01")
+    processes = [
+        start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
+        start(["-m", "tests.fake_worker_process"], env, tmp_path / "worker.log"),
+    ]
+    peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
+    context = zmq.Context()
+    try:
+        peer.wait_until(lambda: peer.status().ready, 30)
+        stray = context.socket(zmq.DEALER)  # a probe, or a worker that gave up before its hello
+        monitor = stray.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        stray.connect(env["BLOCKSERVE_WORKER_ADDR"])
+        assert monitor.poll(5000), "the stray connection never got through"
+        stray.disable_monitor()
+        stray.close(linger=0)
+        time.sleep(0.5)  # its disconnect event reaches the scheduler
+        assert peer.status().ready
+        request_id = peer.submit([1, 2, 3], max_tokens=5)
+        peer.wait_until(lambda: request_id in peer.finished, 10)
+        assert peer.finished[request_id].finish_reason == "length"
+    finally:
+        context.destroy(linger=0)
+        peer.close()
+        stop_all(processes)
+
+
+def test_the_worker_answers_pings_while_a_step_computes(tmp_path):
+    env = link_env(FAKE_STEP_DELAY_S="1.5")
+    context = zmq.Context()
+    scheduler_side = context.socket(zmq.ROUTER)  # the test plays the scheduler
+    scheduler_side.setsockopt(zmq.LINGER, 0)
+    scheduler_side.bind(env["BLOCKSERVE_WORKER_ADDR"])
+    worker = start(["-m", "tests.fake_worker_process"], env, tmp_path / "worker.log")
+    try:
+        assert scheduler_side.poll(30_000), "no hello"
+        identity, hello = scheduler_side.recv_multipart()
+        assert isinstance(wire.decode(hello), wire.WorkerHello)
+        new = wire.NewRequest(
+            request_id="r1",
+            token_ids=[1, 2, 3],
+            num_prompt_tokens=3,
+            sampling=wire.SamplingParams(max_tokens=4),
+            block_ids=[0],
+            num_computed_tokens=0,
+            num_scheduled_tokens=3,
+        )
+        scheduler_side.send_multipart([identity, wire.encode(wire.SchedulerOutput(step_id=1, new_requests=[new]))])
+        time.sleep(0.3)  # the step is computing now
+        pinged_at = time.monotonic()
+        scheduler_side.send_multipart([identity, wire.encode(wire.Ping())])
+        answers = []
+        while len(answers) < 2 and scheduler_side.poll(10_000):
+            answers.append((type(wire.decode(scheduler_side.recv_multipart()[1])), time.monotonic() - pinged_at))
+        assert [kind for kind, _ in answers] == [wire.Pong, wire.StepResult]
+        assert answers[0][1] < 0.5  # not after the step's 1.5 s
+    finally:
+        context.destroy(linger=0)
+        stop_all([worker])

@@ -6,7 +6,8 @@ results). The step loop is serial (one step in flight) or, with `async_schedulin
 (the next step is decided and sent while the worker computes one; see step_loop.py). Each
 step's deltas go to each api replica as one `DeltaBatch`. A worker that disconnects, or leaves a
 step unanswered for `worker_timeout_s`, is dead: readiness turns false and every request in
-flight ends with an error. A worker that says hello again is taken as a fresh one.
+flight ends with an error; only its own connection's disconnect counts (matched by fd). A hello
+from another worker replaces it; its own repeated hello changes nothing.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ import time
 
 import msgspec
 import zmq
-from service.scheduler.legacy import build_scheduler, legacy_config_from
-from service.scheduler.outcome import StepOutcome
-from service.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
-from service.scheduler.stats import SchedulerStats
-from service.scheduler.step_loop import StepLoop
 from zmq.utils.monitor import parse_monitor_message
 
 from service import curve, wire
 from service.config import Settings
+from service.scheduler.legacy import build_scheduler, legacy_config_from
 from service.scheduler.metrics import SchedulerMetrics
+from service.scheduler.outcome import StepOutcome
+from service.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from service.scheduler.stats import SchedulerStats
+from service.scheduler.step_loop import StepLoop
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class SchedulerServer:
         self.loop: StepLoop | None = None
         self.model: wire.ModelInfo | None = None
         self.worker_id: bytes | None = None
+        self.worker_fd: int | None = None  # its connection: a disconnect of any other is not its loss
+        self.frame_fd: int | None = None  # the connection of the frame being handled
         self.stats = SchedulerStats()  # outlives any one Scheduler, so counters never go back
         self.metrics = SchedulerMetrics(
             lambda: self.scheduler, self.stats, lambda: self.model.name if self.model else "", settings.redacted()
@@ -90,8 +93,8 @@ class SchedulerServer:
             poller.register(socket, zmq.POLLIN)
         drain_deadline = None
         while not self.stopping:
-            events = dict(poller.poll(IDLE_POLL_MS))
-            if self.worker_monitor in events:
+            poller.poll(IDLE_POLL_MS)
+            while self.worker_monitor.poll(0):  # all of them before any frame: a reused fd's old events first
                 self._on_worker_event(parse_monitor_message(self.worker_monitor.recv_multipart()))
             while self._poll_once(self.worker_socket, self._on_worker_frame):
                 pass
@@ -119,14 +122,15 @@ class SchedulerServer:
 
     def _poll_once(self, socket: zmq.Socket, handler) -> bool:
         try:
-            frames = socket.recv_multipart(zmq.NOBLOCK)
+            frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
-        identity, payload = frames[0], frames[1:]
+        identity, payload = frames[0].bytes, frames[1:]
+        self.frame_fd = frames[0].get(zmq.SRCFD)
         try:
             if len(payload) != 1:
                 raise wire.WireError(f"{len(payload)} payload frames")
-            handler(identity, wire.decode(payload[0]))
+            handler(identity, wire.decode(payload[0].buffer))
         except wire.WireError as exc:
             self.num_malformed_frames += 1
             log.warning("dropped a malformed frame: %s", exc)
@@ -145,7 +149,7 @@ class SchedulerServer:
             if self.model is not None:
                 self._send(self.api_socket, identity, wire.ApiWelcome(model=self.model, ready=self.ready))
         elif isinstance(message, wire.StatusQuery):
-            self._send(self.api_socket, identity, self._status())
+            self._send(self.api_socket, identity, self._status(message.request_ids))
         else:
             raise wire.WireError(f"unexpected {type(message).__name__} on the api socket")
 
@@ -161,8 +165,9 @@ class SchedulerServer:
         except RequestRejected as exc:
             self._send(self.api_socket, identity, self._error_delta(request_id, str(exc), exc.status))
 
-    def _status(self) -> wire.SchedulerStatus:
+    def _status(self, request_ids: list[str]) -> wire.SchedulerStatus:
         scheduler = self.scheduler
+        held = scheduler.requests if scheduler else {}
         return wire.SchedulerStatus(
             ready=self.ready,
             num_workers=int(self.worker_id is not None),
@@ -170,6 +175,7 @@ class SchedulerServer:
             num_waiting=len(scheduler.waiting) if scheduler else 0,
             num_free_blocks=scheduler.pool.num_free_blocks if scheduler else 0,
             num_total_blocks=scheduler.pool.num_blocks if scheduler else 0,
+            unknown_request_ids=[request_id for request_id in request_ids if request_id not in held],
         )
 
     def _deliver(self, outcome: StepOutcome) -> None:
@@ -196,6 +202,7 @@ class SchedulerServer:
         elif identity != self.worker_id:
             log.warning("ignored %s from an unregistered worker", type(message).__name__)
             return
+        self.worker_fd = self.frame_fd  # a reconnect of the same worker comes on a new connection
         self.last_heard_at = time.monotonic()
         if isinstance(message, wire.StepResult):
             self._on_step_result(message)
@@ -203,8 +210,10 @@ class SchedulerServer:
             raise wire.WireError(f"unexpected {type(message).__name__} on the worker socket")
 
     def _register_worker(self, identity: bytes, hello: wire.WorkerHello) -> None:
+        if identity == self.worker_id:
+            return  # the live worker repeats its hello after a silence: nothing restarted
         if self.worker_id is not None:
-            self._worker_lost("the worker restarted")
+            self._worker_lost("another worker registered")
         num_blocks = min(hello.num_kv_blocks, self.settings.num_kv_blocks or hello.num_kv_blocks)
         max_model_len = min(hello.model.max_model_len, self.settings.max_model_len or hello.model.max_model_len)
         self.model = msgspec.structs.replace(hello.model, max_model_len=max_model_len)
@@ -274,7 +283,7 @@ class SchedulerServer:
             self.last_ping_at = now
 
     def _on_worker_event(self, event: dict) -> None:
-        if event["event"] == zmq.EVENT_DISCONNECTED and self.worker_id is not None:
+        if event["event"] == zmq.EVENT_DISCONNECTED and self.worker_id is not None and event["value"] == self.worker_fd:
             self._worker_lost("the worker disconnected")
 
     def _worker_lost(self, reason: str) -> None:

@@ -129,13 +129,19 @@ static inline void accumulate_values(float* acc, const float* probs, const float
   }
 }
 
-// One online-softmax update of row `scores[0..visible)`; returns the new running max.
+// One online-softmax update of row `scores[0..visible)`: scores become probabilities, the running max,
+// sum and the row's accumulator are rescaled when the max grows.
 static inline void softmax_update(float* scores, int64_t visible, float* running_max, float* running_sum, float* acc,
                                   int64_t head_dim) {
-  float span_max = scores[0];
-  for (int64_t j = 1; j < visible; ++j) span_max = scores[j] > span_max ? scores[j] : span_max;
-  const float new_max = span_max > *running_max ? span_max : *running_max;
   const int64_t full = visible - visible % W;
+  float new_max = *running_max;
+  if (full > 0) {
+    reg maxes = Vec::load(scores);
+    for (int64_t j = W; j < full; j += W) maxes = Vec::max(maxes, Vec::load(scores + j));
+    const float vector_max = Vec::reduce_max(maxes);
+    new_max = vector_max > new_max ? vector_max : new_max;
+  }
+  for (int64_t j = full; j < visible; ++j) new_max = scores[j] > new_max ? scores[j] : new_max;
   const reg shift = Vec::set1(new_max);
   reg sums = Vec::zero();
   for (int64_t j = 0; j < full; j += W) {

@@ -7,7 +7,7 @@
 namespace bs {
 
 // Keys scored together in one online-softmax update of attend_tile.
-constexpr int64_t kKeySpan = 32;
+constexpr int64_t kKeySpan = 64;
 
 // Queries of one request sharing one kv head, at consecutive positions (a query tile).
 struct AttentionTile {

@@ -20,6 +20,7 @@ struct Vec {
     __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_castsi512_ps(bits);
   }
+  static inline float reduce_max(reg v) { return _mm512_reduce_max_ps(v); }
   static inline float reduce_add(reg v) { return _mm512_reduce_add_ps(v); }
   static inline __m256 halves_added(reg v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));

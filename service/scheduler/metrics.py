@@ -12,6 +12,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
+
 from service.scheduler.outcome import StepOutcome
 from service.scheduler.request import Request
 from service.scheduler.scheduler import Scheduler
@@ -24,6 +25,7 @@ STEP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.
 BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PREEMPTION_BUCKETS = (0, 1, 2, 3, 5, 8, 13, 21)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+STEP_LOOP_PARTS = ("schedule", "update", "fanout", "encode", "decode")
 
 
 class _LiveCollector(Collector):
@@ -194,6 +196,14 @@ class SchedulerMetrics:
         )
         for socket in ("api", "worker"):
             self.auth_failures.labels(socket)  # shown as 0 before the first refusal
+        step_loop = Counter(
+            "blockserve_step_loop_seconds",
+            "Scheduler time per part of the step loop: schedule, update (results into the core), fanout (deltas "
+            "to the api replicas), encode (steps to the worker, sent), decode (every frame in).",
+            ["part"],
+            registry=self.registry,
+        )
+        self.step_loop_seconds = {part: step_loop.labels(part) for part in STEP_LOOP_PARTS}
 
     def add_settings_info(self, info: dict[str, str]) -> None:
         """More labels of blockserve_settings_info, e.g. what the registered worker computes with."""

@@ -130,7 +130,10 @@ class SchedulerServer:
         try:
             if len(payload) != 1:
                 raise wire.WireError(f"{len(payload)} payload frames")
-            handler(identity, wire.decode(payload[0].buffer))
+            started = time.perf_counter()
+            message = wire.decode(payload[0].buffer)
+            self.metrics.step_loop_seconds["decode"].inc(time.perf_counter() - started)
+            handler(identity, message)
         except wire.WireError as exc:
             self.num_malformed_frames += 1
             log.warning("dropped a malformed frame: %s", exc)
@@ -180,9 +183,11 @@ class SchedulerServer:
 
     def _deliver(self, outcome: StepOutcome) -> None:
         """Send each api replica its deltas in one frame; observe the latencies."""
+        started = time.perf_counter()
         for owner, deltas in outcome.deltas.items():
             self._send(self.api_socket, owner, wire.DeltaBatch(deltas=deltas))
         self.metrics.on_outcome(outcome)
+        self.metrics.step_loop_seconds["fanout"].inc(time.perf_counter() - started)
 
     @staticmethod
     def _error_delta(request_id: str, reason: str, status: int) -> wire.RequestDelta:
@@ -244,7 +249,9 @@ class SchedulerServer:
 
     def _on_step_result(self, result: wire.StepResult) -> None:
         now = time.monotonic()
+        started = time.perf_counter()
         outcome = self.loop.complete(result, now) if self.loop else None
+        self.metrics.step_loop_seconds["update"].inc(time.perf_counter() - started)
         if outcome is None:
             log.warning("ignored a result for step %d", result.step_id)
             return
@@ -260,9 +267,12 @@ class SchedulerServer:
             started = time.perf_counter()
             step = self.loop.schedule(now)
             schedule_s = time.perf_counter() - started
+            self.metrics.step_loop_seconds["schedule"].inc(schedule_s)
             output = step.output
             if not output.is_empty or output.finished_request_ids or output.preempted_request_ids:
+                started = time.perf_counter()
                 self._send(self.worker_socket, self.worker_id, output)
+                self.metrics.step_loop_seconds["encode"].inc(time.perf_counter() - started)
             self._deliver(step.outcome)
             if not step.needs_result:
                 return  # nothing to compute (at most state to drop): no answer expected

@@ -13,6 +13,9 @@ import uvicorn
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+
+from service import curve
+from service.api import chat, completions
 from service.api.auth import ApiKeyMiddleware
 from service.api.body_limit import BodyLimitMiddleware
 from service.api.context import ApiContext, get_context
@@ -20,9 +23,6 @@ from service.api.errors import ApiError, install_error_handlers
 from service.api.metrics import ApiMetrics, MetricsMiddleware
 from service.api.openapi import errors, install_openapi
 from service.api.protocol import Health, ModelCard, ModelList, Readiness
-
-from service import curve
-from service.api import chat, completions
 from service.api.scheduler_client import SchedulerClient
 from service.config import Settings
 

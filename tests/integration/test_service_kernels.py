@@ -1,0 +1,53 @@
+"""The whole service (`blockserve serve`: real processes, the real model, the openai client) on the
+custom kernels and on pure Paddle: the same greedy text, and the metrics say which kernels ran."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.processes import loopback_env, start, stop, wait_ready
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+MAX_TOKENS = 24
+
+
+def settings_info(metrics_port: str) -> dict[str, str]:
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "blockserve_settings_info"]
+    return family.samples[0].labels
+
+
+def greedy_texts(kernels: str, logs) -> tuple[list[str], dict[str, str]]:
+    env = loopback_env(BLOCKSERVE_KERNELS=kernels, BLOCKSERVE_MAX_MODEL_LEN="256", OMP_NUM_THREADS="2")
+    serve = start(["-m", "service.cli", "serve"], env, logs / f"serve-{kernels}.log")
+    url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
+    try:
+        wait_ready(url, timeout_s=180)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        texts = [
+            client.completions.create(
+                model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+            for prompt in PROMPTS
+        ]
+        return texts, settings_info(env["BLOCKSERVE_METRICS_PORT"])
+    finally:
+        stop(serve, timeout_s=60)
+
+
+def test_service_on_custom_kernels_generates_the_greedy_text_of_pure_paddle(tmp_path):
+    custom_texts, custom_info = greedy_texts("custom", tmp_path)
+    paddle_texts, paddle_info = greedy_texts("paddle", tmp_path)
+
+    assert custom_texts == paddle_texts and all(custom_texts)
+    assert custom_info["worker_kernels"] == "custom" and custom_info["worker_kernels_isa"] in ("avx2", "avx512")
+    assert paddle_info["worker_kernels"] == "paddle"
+    assert "avx2" in custom_info["worker_cpu_features"]

@@ -9,31 +9,48 @@ typedef Vec UnalignedVec __attribute__((aligned(4)));
 static inline Vec load(const float* from) { return *reinterpret_cast<const UnalignedVec*>(from); }
 static inline void store(float* to, Vec value) { *reinterpret_cast<UnalignedVec*>(to) = value; }
 
+// acc[rows] += x[rows, k] * panel[k, 0:16]
+template <int kRows>
+static inline void multiply_add(Vec (&acc)[kRows][kVecs], const float* x, int64_t ldx, const float* panel, int64_t k) {
+  Vec weights[kVecs];
+  for (int v = 0; v < kVecs; ++v) weights[v] = load(panel + k * kPanelWidth + v * kLanes);
+#pragma GCC unroll 16
+  for (int r = 0; r < kRows; ++r) {
+    const float scalar = x[r * ldx + k];
+    for (int v = 0; v < kVecs; ++v) acc[r][v] += weights[v] * scalar;
+  }
+}
+
 // y[rows, 0:cols] (+)= x[rows, k0:k0+depth] @ panel[k0:k0+depth, 0:16] for one 16-column weight panel.
 // `start` (bias or zeros, 16 floats) seeds the sum when `accumulate` is false.
 template <int kRows>
 static inline void tile(const float* x, int64_t ldx, const float* panel, int64_t depth, const float* start,
                         bool accumulate, float* y, int64_t ldy, int cols) {
-  Vec acc[kRows][kVecs];
+  // A short tile has too few accumulators to cover the FMA latency: it keeps kSplit independent sums
+  // over alternating k and adds them at the end (8 chains of FMAs in flight in all).
+  constexpr int kSplit = kRows * kVecs >= 8 ? 1 : 8 / (kRows * kVecs);
+  Vec acc[kSplit][kRows][kVecs] = {};
   for (int r = 0; r < kRows; ++r) {
     float partial[kPanelWidth] = {};
     const float* from = !accumulate ? start : cols == kPanelWidth ? y + r * ldy : partial;
     if (accumulate && cols < kPanelWidth) std::memcpy(partial, y + r * ldy, cols * sizeof(float));
-    for (int v = 0; v < kVecs; ++v) acc[r][v] = load(from + v * kLanes);
+    for (int v = 0; v < kVecs; ++v) acc[0][r][v] = load(from + v * kLanes);
   }
-  for (int64_t k = 0; k < depth; ++k) {
-    Vec weights[kVecs];
-    for (int v = 0; v < kVecs; ++v) weights[v] = load(panel + k * kPanelWidth + v * kLanes);
-#pragma GCC unroll 16
+  int64_t k = 0;
+  for (; k + kSplit <= depth; k += kSplit) {
+#pragma GCC unroll 8
+    for (int s = 0; s < kSplit; ++s) multiply_add<kRows>(acc[s], x, ldx, panel, k + s);
+  }
+  for (; k < depth; ++k) multiply_add<kRows>(acc[0], x, ldx, panel, k);
+  for (int s = 1; s < kSplit; ++s) {
     for (int r = 0; r < kRows; ++r) {
-      const float scalar = x[r * ldx + k];
-      for (int v = 0; v < kVecs; ++v) acc[r][v] += weights[v] * scalar;
+      for (int v = 0; v < kVecs; ++v) acc[0][r][v] += acc[s][r][v];
     }
   }
   for (int r = 0; r < kRows; ++r) {
     float partial[kPanelWidth];
     float* to = cols == kPanelWidth ? y + r * ldy : partial;
-    for (int v = 0; v < kVecs; ++v) store(to + v * kLanes, acc[r][v]);
+    for (int v = 0; v < kVecs; ++v) store(to + v * kLanes, acc[0][r][v]);
     if (cols < kPanelWidth) std::memcpy(y + r * ldy, partial, cols * sizeof(float));
   }
 }

@@ -1,0 +1,144 @@
+"""fp32 GEMM rate (GFLOP/s) of the libraries the worker could use, on SmolLM2-135M's linear layers.
+
+Run: OMP_NUM_THREADS=2 python benchmarks/bench_gemm.py [--trials N]
+
+y[M, N] = x[M, K] @ W[K, N] for M tokens (decode batches 1-64, a 512-token prefill) against the
+fused q|k|v, o, gate|up, down and lm_head weights. Weights are constant, so every candidate that can
+pack or reorder them does so once per (M, weight), outside the timing:
+- paddle: paddle.matmul (the pure-Paddle path's F.linear);
+- torch: torch.matmul (the issue's "matmul floor");
+- torch oneDNN packed: torch's oneDNN matmul over weights reordered into oneDNN's blocked layout
+  (mkldnn._reorder_linear_weight + _linear_pointwise). Paddle's wheel ships libdnnl.so.3 (3.6.2) but
+  only forwarding headers for it (dnnl.h includes oneapi/dnnl/dnnl.h, which the wheel lacks), so
+  torch's oneDNN stands in for "oneDNN with packed weights";
+- torch MKL packed: MKL's packed sgemm through torch (mkl._mkl_reorder_linear_weight + _mkl_linear);
+- paddle mklml packed: cblas_sgemm_pack/compute of the MKL that Paddle's wheel ships (libmklml_intel.so);
+- bs_linear: blockserve's own op (custom_ops/cpu/linear*), AVX2 forced.
+Each figure is the best of --trials timed runs, the candidates taking turns (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+
+import numpy as np  # noqa: E402
+import paddle  # noqa: E402
+import torch  # noqa: E402
+
+from gpu_worker.kernels import select_kernels  # noqa: E402
+from gpu_worker.linear import linear  # noqa: E402
+
+ROWS = (1, 8, 16, 32, 64, 512)
+WEIGHTS = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
+TRIAL_SECONDS = 0.02
+
+
+class PaddleMklml:
+    """MKL's packed sgemm from the libmklml_intel.so in Paddle's wheel, through ctypes."""
+
+    ROW_MAJOR, NO_TRANS, B_MATRIX, PACKED = 101, 111, 162, 151
+
+    def __init__(self):
+        libs = Path(paddle.__file__).parent / "libs"
+        ctypes.CDLL(str(libs / "libiomp5.so"), mode=ctypes.RTLD_GLOBAL)
+        self.mkl = ctypes.CDLL(str(libs / "libmklml_intel.so"))
+        self.mkl.cblas_sgemm_pack_get_size.restype = ctypes.c_size_t
+
+    def prepare(self, x: np.ndarray, weight: np.ndarray):
+        (m, k), n = x.shape, weight.shape[1]
+        size = self.mkl.cblas_sgemm_pack_get_size(self.B_MATRIX, m, n, k)
+        packed = np.empty(size // 4 + 1, np.float32)
+        one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.mkl.cblas_sgemm_pack(
+            self.ROW_MAJOR, self.B_MATRIX, self.NO_TRANS, m, n, k, one, pointer(weight), n, pointer(packed)
+        )
+        y = np.empty((m, n), np.float32)
+        args = (self.ROW_MAJOR, self.NO_TRANS, self.PACKED, m, n, k, pointer(x), k, pointer(packed), n, zero)
+        return lambda: self.mkl.cblas_sgemm_compute(*args, pointer(y), n), lambda: y
+
+
+def pointer(array: np.ndarray):
+    return array.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+
+
+def candidates(x: np.ndarray, weight: np.ndarray, custom, mklml: PaddleMklml) -> dict:
+    """name -> (run, result) with everything packed; result() gives the last run's y as NumPy."""
+    m = x.shape[0]
+    px, pw = paddle.to_tensor(x), paddle.to_tensor(weight)
+    tx, tw = torch.from_numpy(x), torch.from_numpy(weight)
+    tw_t = tw.T.contiguous()  # [N, K], torch's linear layout
+    dnnl_weight = torch.ops.mkldnn._reorder_linear_weight(tw_t, m)
+    mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(tw_t, m)
+    layer = linear(custom, weight, None)
+    out = {}
+
+    def keep(name, function, to_numpy):
+        last = {}
+        out[name] = (lambda: last.__setitem__("y", function()), lambda: to_numpy(last["y"]))
+
+    keep("paddle", lambda: paddle.matmul(px, pw), lambda y: y.numpy())
+    keep("torch", lambda: torch.matmul(tx, tw), lambda y: y.numpy())
+    keep(
+        "torch oneDNN packed",
+        lambda: torch.ops.mkldnn._linear_pointwise(tx, dnnl_weight, None, "none", [], ""),
+        lambda y: y.numpy(),
+    )
+    keep("torch MKL packed", lambda: torch.ops.mkl._mkl_linear(tx, mkl_weight, tw_t, None, m), lambda y: y.numpy())
+    out["paddle mklml packed"] = mklml.prepare(x, weight)
+    keep("bs_linear", lambda: layer(px), lambda y: y.numpy())
+    return out
+
+
+def best_seconds(runs: dict, trials: int) -> dict[str, float]:
+    """Best seconds per call of each run, the runs taking turns trial by trial."""
+    repeats = {}
+    for name, run in runs.items():
+        run()
+        started = time.perf_counter()
+        run()
+        repeats[name] = max(1, int(TRIAL_SECONDS / max(time.perf_counter() - started, 1e-6)))
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(trials):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            for _ in range(repeats[name]):
+                run()
+            best[name] = min(best[name], (time.perf_counter() - started) / repeats[name])
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    custom = select_kernels("custom", force_avx2=True).kernels
+    mklml = PaddleMklml()
+    rng = np.random.default_rng(0)
+    names = None
+    for weight_name, (k, n) in WEIGHTS.items():
+        weight = rng.standard_normal((k, n), dtype=np.float32)
+        for m in ROWS:
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            runs = candidates(x, weight, custom, mklml)
+            expected = x.astype(np.float64) @ weight
+            for name, (run, result) in runs.items():
+                run()
+                np.testing.assert_allclose(result(), expected, rtol=1e-3, atol=1e-3 * np.sqrt(k), err_msg=name)
+            seconds = best_seconds({name: run for name, (run, _) in runs.items()}, args.trials)
+            if names is None:
+                names = list(runs)
+                print(f"GFLOP/s, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, best of {args.trials}")
+                print(f"{'weight':<9}{'M x K x N':>18}" + "".join(f"{name:>21}" for name in names))
+            rates = [2 * m * k * n / seconds[name] / 1e9 for name in names]
+            print(f"{weight_name:<9}{f'{m} x {k} x {n}':>18}" + "".join(f"{rate:>21.1f}" for rate in rates), flush=True)
+
+
+if __name__ == "__main__":
+    main()

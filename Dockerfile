@@ -64,10 +64,13 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 # the way Paddle documents custom operators) or a build.sh that installs into the active venv;
 # otherwise nothing. The [s] lets the COPY match nothing instead of failing when git has no
 # custom_ops/ folder (BuildKit allows an empty wildcard).
+# The worker imports the installed extension (blockserve_ops) when it finds no custom_ops/ sources
+# beside it. Paddle's cpp_extension needs setuptools, which a Python 3.12 venv lacks.
 COPY custom_op[s] custom_ops/
 WORKDIR /src/custom_ops
-RUN if [ -f setup.py ]; then \
-      python setup.py install; \
+RUN --mount=type=cache,target=/root/.cache/pip \
+    if [ -f setup.py ]; then \
+      pip install "setuptools==84.2.1" && python setup.py install; \
     elif [ -f build.sh ]; then \
       bash build.sh; \
     else \

@@ -4,6 +4,10 @@ and the fallback to pure Paddle where they cannot build or run."""
 from __future__ import annotations
 
 import logging
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import paddle
@@ -106,6 +110,29 @@ def test_rope_cache_write_and_paged_attention_match_the_paddle_backend(
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
     written = inputs.slot_mapping
     assert not np.allclose(results["custom"][1].reshape(-1, num_kv_heads, head_dim)[written], 0)
+
+
+def test_vector_instructions_appear_only_in_functions_built_for_their_instruction_set():
+    """No -march=native or global -mavx*: the dispatch and Paddle glue are baseline x86-64, AVX
+    instructions live only in the avx2/avx512 kernels, zmm registers only in the avx512 ones."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump (binutils) is not installed")
+    (library,) = Path(load_ops().__file__).parent.glob("*.so")
+    listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", "-C", str(library)], capture_output=True, text=True)
+    function, vector_functions, zmm_functions = "", set(), set()
+    for line in listing.stdout.splitlines():
+        if header := re.match(r"^[0-9a-f]+ <(.*)>:$", line):
+            function = header.group(1)
+        elif "\t" in line and (instruction := line.split("\t", 1)[1].split()):
+            if instruction[0].startswith("v") or "%ymm" in line or "%zmm" in line:  # VEX/EVEX-encoded
+                vector_functions.add(function)
+            if "%zmm" in line:
+                zmm_functions.add(function)
+
+    assert any("avx2::" in f for f in vector_functions) and any("avx512::" in f for f in zmm_functions)
+    assert [f for f in vector_functions if "avx2::" not in f and "avx512::" not in f] == []
+    assert [f for f in zmm_functions if "avx512::" not in f] == []
 
 
 def test_a_failing_build_serves_with_paddle_and_says_so_in_one_line(tmp_path, monkeypatch, caplog):

@@ -22,7 +22,7 @@ from service.api.context import ApiContext, get_context
 from service.api.errors import ApiError, install_error_handlers
 from service.api.metrics import ApiMetrics, MetricsMiddleware
 from service.api.openapi import errors, install_openapi
-from service.api.protocol import Health, ModelCard, ModelList, Readiness
+from service.api.protocol import ChatCompletionChunk, CompletionResponse, Health, ModelCard, ModelList, Readiness
 from service.api.scheduler_client import SchedulerClient
 from service.config import Settings
 
@@ -96,7 +96,7 @@ def create_app(settings: Settings) -> FastAPI:
         """The api's own metrics in Prometheus' text format (the scheduler serves its own)."""
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    install_openapi(app)
+    install_openapi(app, stream_chunks=[CompletionResponse, ChatCompletionChunk])
     metrics.start_series(app.openapi()["paths"])
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=int(settings.max_request_body_bytes))
     if settings.api_key is not None and settings.api_key.get_secret_value():

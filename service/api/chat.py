@@ -30,7 +30,9 @@ from service.api.sse import sse_event, sse_response
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=generation_responses())
+@router.post(
+    "/v1/chat/completions", response_model=ChatCompletionResponse, responses=generation_responses(ChatCompletionChunk)
+)
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, context: ApiContext = Depends(get_context)
 ):

@@ -23,7 +23,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 router = APIRouter()
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, responses=generation_responses())
+@router.post("/v1/completions", response_model=CompletionResponse, responses=generation_responses(CompletionResponse))
 async def create_completion(body: CompletionRequest, request: Request, context: ApiContext = Depends(get_context)):
     model = context.served_model()
     model.check_name(body.model)

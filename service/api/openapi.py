@@ -11,8 +11,13 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
 from service.api.protocol import ErrorResponse
+from service.api.sse import DONE_EVENT
+
+COMPONENTS = "#/components/schemas/"
 
 ERROR_DESCRIPTIONS = {
     400: "Invalid request: OpenAI-style error body naming the parameter",
@@ -21,15 +26,6 @@ ERROR_DESCRIPTIONS = {
     413: "Request body over BLOCKSERVE_MAX_REQUEST_BODY_BYTES",
     500: "The generation failed on the server",
     503: "No model available: the scheduler is unreachable or not ready",
-}
-# OpenAPI 3.1 (as Schemathesis reads it): the schema of a text/event-stream describes one event.
-SSE_EVENT_SCHEMA = {
-    "type": "object",
-    "required": ["data"],
-    "properties": {
-        "event": {"type": "string"},
-        "data": {"type": "string", "description": "A chunk as JSON, an error object, or `[DONE]` (the last event)"},
-    },
 }
 SSE_DESCRIPTION = (
     "The whole result as JSON; with `stream: true`, server-sent events instead: one `data: <chunk JSON>` "
@@ -41,14 +37,34 @@ def errors(*status_codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[code]} for code in status_codes}
 
 
-def generation_responses() -> dict[int | str, dict[str, Any]]:
-    """A completion route: JSON or an SSE stream, and every error it can answer."""
-    streamed = {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}, "description": SSE_DESCRIPTION}
+def sse_event_schema(chunk: type[BaseModel]) -> dict[str, Any]:
+    """One event of the stream (in OpenAPI 3.1 the schema of a text/event-stream describes one event)."""
+    payload = {"anyOf": [{"$ref": COMPONENTS + chunk.__name__}, {"$ref": COMPONENTS + ErrorResponse.__name__}]}
+    done = DONE_EVENT.removeprefix("data: ").strip()
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {
+                "anyOf": [
+                    {"const": done},
+                    {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
+                ],
+                "description": f"A chunk, or an error object if the stream fails after its start; `{done}` last",
+            },
+        },
+    }
+
+
+def generation_responses(chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """A completion route: JSON or an SSE stream of `chunk`s, and every error it can answer."""
+    streamed = {"content": {"text/event-stream": {"schema": sse_event_schema(chunk)}}, "description": SSE_DESCRIPTION}
     return {200: streamed, **errors(400, 401, 404, 413, 500, 503)}
 
 
-def install_openapi(app: FastAPI) -> None:
-    """Generate the document once, without FastAPI's 422 answers and their schemas."""
+def install_openapi(app: FastAPI, stream_chunks: list[type[BaseModel]]) -> None:
+    """Generate the document once, without FastAPI's 422 answers and their schemas, with the chunk schemas."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -62,8 +78,14 @@ def install_openapi(app: FastAPI) -> None:
             for operations in schema["paths"].values():
                 for operation in operations.values():
                     operation["responses"].pop("422", None)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
             for unused in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(unused, None)
+                components.pop(unused, None)
+            _, chunk_schemas = models_json_schema(
+                [(chunk, "serialization") for chunk in stream_chunks], ref_template=COMPONENTS + "{model}"
+            )
+            for name, definition in chunk_schemas["$defs"].items():
+                components.setdefault(name, definition)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -5,6 +5,7 @@ import msgspec
 import pytest
 
 from service.api.errors import ApiError
+from service.api.protocol import ChatCompletionChunk
 from service.api.served_model import ServedModel
 
 from .fake_scheduler import MODEL_NAME, ApiServer, FakeScheduler, tiny_model_info
@@ -56,6 +57,20 @@ def test_metrics_are_documented_as_text(spec, http):
 def test_a_stream_answers_with_the_documented_event_stream_type(http):
     response = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "stream": True})
     assert response.headers["content-type"].startswith("text/event-stream")
+
+
+def test_the_documented_event_payloads_are_the_chunks_the_server_streams(spec, http):
+    event = spec["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    done, payload = event["properties"]["data"]["anyOf"]
+    chunk_ref = payload["contentSchema"]["anyOf"][0]["$ref"]
+    assert chunk_ref == "#/components/schemas/ChatCompletionChunk"
+    assert "ChatCompletionChunk" in spec["components"]["schemas"]
+
+    messages = [{"role": "user", "content": "hi"}]
+    response = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": messages, "stream": True})
+    data = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+    assert data[-1] == done["const"]
+    assert all(ChatCompletionChunk.model_validate_json(item).object == "chat.completion.chunk" for item in data[:-1])
 
 
 @pytest.mark.parametrize(

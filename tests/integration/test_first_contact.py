@@ -27,7 +27,7 @@ README = ROOT / "README.md"
 README_ADDRESS = "localhost:8000"  # the default port of `blockserve serve`, as the README's examples use it
 MODEL_NAME = "SmolLM2-135M-Instruct"
 CONFORMANCE_CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
-CONFORMANCE_BUDGET_S = 100
+CONFORMANCE_BUDGET_S = 85
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
+from service.scheduler.batch_histogram import BatchHistogram
 from service.scheduler.outcome import StepOutcome
 from service.scheduler.request import Request
 from service.scheduler.scheduler import Scheduler
@@ -169,9 +170,13 @@ class SchedulerMetrics:
             "Time from arrival at the scheduler to the first token.",
             LATENCY_BUCKETS_S,
         )
-        self.itl = histogram(
-            "blockserve_inter_token_latency_seconds", "Time between consecutive tokens of a request.", LATENCY_BUCKETS_S
+        self.itl = BatchHistogram(
+            "blockserve_inter_token_latency_seconds",
+            "Time between consecutive tokens of a request.",
+            LATENCY_BUCKETS_S,
+            get_model_name,
         )
+        self.registry.register(self.itl)
         self.e2e = histogram(
             "blockserve_e2e_request_latency_seconds", "Time from arrival to the last token.", LATENCY_BUCKETS_S
         )
@@ -227,12 +232,14 @@ class SchedulerMetrics:
     def on_tokens(self, requests: list[Request]) -> None:
         """Each request just got a token: its first (TTFT) or its next (inter-token latency)."""
         model = self.get_model_name()
-        ttft, itl = self.ttft.labels(model), self.itl.labels(model)
-        for request in requests:
-            if request.num_output_tokens == 1:
-                ttft.observe(request.first_token_time - request.arrival_time)
-            else:
-                itl.observe(request.last_token_gap_s)
+        gaps = [request.last_token_gap_s for request in requests if request.num_output_tokens > 1]
+        if gaps:
+            self.itl.observe_many(model, gaps)
+        if len(gaps) < len(requests):
+            ttft = self.ttft.labels(model)
+            for request in requests:
+                if request.num_output_tokens == 1:
+                    ttft.observe(request.first_token_time - request.arrival_time)
 
     def on_finished(self, requests: list[Request]) -> None:
         model = self.get_model_name()

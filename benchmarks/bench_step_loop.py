@@ -330,6 +330,9 @@ def main() -> None:
     worker.add_argument("--timings", required=True)
     parser.add_argument("--mode", choices=["serial", "async", "both"], default="both")
     parser.add_argument("--quick", action="store_true", help="two small cases, for tests")
+    parser.add_argument(
+        "--case", action="append", metavar="STEP_MS:RUNNING:WAITING", help="run only these cases (repeatable)"
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="PNG of busy fraction against running requests")
     args = parser.parse_args()
@@ -339,7 +342,8 @@ def main() -> None:
     modes = ["serial", "async"] if args.mode == "both" else [args.mode]
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-step-loop-") as log_dir:
-        for step_ms, running, waiting in QUICK_CASES if args.quick else FULL_CASES:
+        chosen = [tuple(map(int, case.split(":"))) for case in args.case] if args.case else None
+        for step_ms, running, waiting in chosen or (QUICK_CASES if args.quick else FULL_CASES):
             for mode in modes:
                 max_tokens = max_tokens_for(step_ms, waiting, args.quick)
                 results.append(run_case(mode, step_ms, running, waiting, max_tokens, Path(log_dir)))

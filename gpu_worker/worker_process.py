@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5
 REHELLO_AFTER_S = 5.0
 CLOSE = b""  # on the results pipe: the link thread stops
+# How long the main thread may keep the GIL from the link thread. Python's default (5 ms) held a
+# finished step's result back while the main thread built the next step's inputs.
+GIL_SWITCH_INTERVAL_S = 0.0001
 
 
 class Runner(Protocol):
@@ -138,6 +142,7 @@ def serve_worker(runner: Runner, settings: Settings) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     hello = wire.WorkerHello(
         worker_id=f"worker-{uuid.uuid4().hex[:8]}",
         num_kv_blocks=runner.num_kv_blocks,

@@ -1,8 +1,7 @@
 """Llama-family decoder (Llama, SmolLM2, Qwen2) over a flat batch of tokens with a paged KV cache.
 
-Written for Paddle's CPU kernels: every projection is its own matmul so its output is
-contiguous (elementwise ops on strided slices, and broadcasting over middle axes, are many
-times slower there), and residual adds are fused into the RMS norms.
+Projections that read the same input are one GEMM (q|k|v, gate|up: gpu_worker/linear.py), and
+residual adds are fused into the RMS norms.
 """
 
 from __future__ import annotations

@@ -115,9 +115,10 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
 
     async def shutdown(self, sockets=None) -> None:
-        client = self.app.state.context.client
-        reason = f"The server is shutting down: the request did not finish within {self.drain_timeout_s:g} s."
-        asyncio.get_running_loop().call_later(self.drain_timeout_s, client.fail_open_requests, reason)
+        context = getattr(self.app.state, "context", None)  # None: stopped before the lifespan started
+        if context is not None:
+            reason = f"The server is shutting down: the request did not finish within {self.drain_timeout_s:g} s."
+            asyncio.get_running_loop().call_later(self.drain_timeout_s, context.client.fail_open_requests, reason)
         await super().shutdown(sockets)
 
 

@@ -302,7 +302,7 @@ def plot(results: list[dict], path: Path) -> None:
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for mode in sorted({r["mode"] for r in results}):
-        for step_ms in sorted({r["step_ms"] for r in results}):
+        for color, step_ms in enumerate(sorted({r["step_ms"] for r in results})):
             points = sorted(
                 (r["running"], r["busy_fraction"])
                 for r in results
@@ -310,7 +310,7 @@ def plot(results: list[dict], path: Path) -> None:
             )
             if points:
                 style = "-" if mode == "async" else "--"
-                axes.plot(*zip(*points), style, marker="o", label=f"{mode}, {step_ms} ms steps")
+                axes.plot(*zip(*points), style, color=f"C{color}", marker="o", label=f"{mode}, {step_ms} ms steps")
     axes.set_xscale("log", base=2)
     axes.set_xlabel("running requests")
     axes.set_ylabel("worker busy fraction")

@@ -1,17 +1,21 @@
-"""Worker throughput on SmolLM2 beside the time its matrix multiplications alone take in Paddle.
+"""Worker step time on SmolLM2, custom kernels against pure Paddle and against the "matmul floor".
 
-Run: python benchmarks/bench_worker.py [--steps N]
+Run: OMP_NUM_THREADS=2 python benchmarks/bench_worker.py [--steps N]
 
 Decode: B requests with a 128-token context each, one token per request per step.
 Prefill: fresh prompts computed in one step (the step samples each request's first token).
-"matmul only" runs the same model's matmuls with the same shapes (paddle.matmul only, the same
-weight tensors): the ceiling this framework reaches on this machine. The breakdown times the
-parts of the step with wall-clock timers (Paddle on CPU runs ops synchronously).
+Both kernel paths (BLOCKSERVE_KERNELS=custom and =paddle) run every case in the same run.
+"matmul floor" is the time torch's fp32 matmuls of the same shapes take (every layer's fused q|k|v,
+o, gate|up and down, then the lm_head rows that sample), on weights of the model's sizes. For decode
+B=1 the weight-read line gives the time to read every weight once at the read bandwidth measured in
+this run (torch's sum over a 1 GiB array). The breakdown times the parts of the median step with
+wall-clock timers (Paddle on CPU runs ops synchronously).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from collections import defaultdict
@@ -21,10 +25,11 @@ os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
+import torch  # noqa: E402
 
 import gpu_worker.model_runner as model_runner_module  # noqa: E402
-import gpu_worker.models.llama as llama_module  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
+from gpu_worker.step_inputs import build_step_inputs  # noqa: E402
 from service import wire  # noqa: E402
 from service.config import load_settings  # noqa: E402
 
@@ -56,23 +61,17 @@ class Timers:
         return timed
 
 
-class TimedFunctional:
-    """paddle.nn.functional with `linear` timed, for the model module's `F`."""
-
-    def __init__(self, timers: Timers):
-        self.linear = timers.wrap("linear matmuls", paddle.nn.functional.linear)
-
-    def __getattr__(self, name):
-        return getattr(paddle.nn.functional, name)
-
-
 def instrument(runner: ModelRunner, timers: Timers) -> None:
-    llama_module.F = TimedFunctional(timers)
-    runner.attention.write_kv = timers.wrap("attention", runner.attention.write_kv)
-    runner.attention.attend = timers.wrap("attention", runner.attention.attend)
+    model = runner.model
+    linears = ("qkv", "o", "gate_up", "down")
+    model.layers = [
+        dataclasses.replace(layer, **{name: timers.wrap("linear matmuls", getattr(layer, name)) for name in linears})
+        for layer in model.layers
+    ]
+    runner.attention.attend_qkv = timers.wrap("attention", runner.attention.attend_qkv)  # rope, KV write, attention
     runner.attention.prepare = timers.wrap("input building", runner.attention.prepare)
-    model_runner_module.build_step_inputs = timers.wrap("input building", model_runner_module.build_step_inputs)
-    runner.model.compute_logits = timers.wrap("lm_head", runner.model.compute_logits)
+    model_runner_module.build_step_inputs = timers.wrap("input building", build_step_inputs)
+    model.compute_logits = timers.wrap("lm_head", model.compute_logits)
     runner.sampler.sample = timers.wrap("sampling", runner.sampler.sample)
 
 
@@ -146,24 +145,53 @@ def time_prefill(workload: Workload, count: int, prompt_len: int, steps: int, ti
     return seconds - parts.pop("untimed"), parts
 
 
-def matmul_only(runner: ModelRunner, num_tokens: int, num_samples: int, repeats: int) -> float:
-    """Median seconds of one step's matmuls alone: every layer's projections, then the lm_head rows."""
-    model = runner.model
-    inputs = {}  # one random input per input width
-    for layer in model.layers:
-        for linear in layer.projections.values():
-            width = linear.weight.shape[0]
-            inputs.setdefault(width, paddle.randn([num_tokens, width]))
-    last = paddle.randn([num_samples, model.config.hidden_size])
+class MatmulFloor:
+    """torch fp32 matmuls with the shapes of one step's linear layers, on weights of the model's sizes."""
 
-    def run():
-        for layer in model.layers:
-            for linear in layer.projections.values():
-                paddle.matmul(inputs[linear.weight.shape[0]], linear.weight)
-        paddle.matmul(last, model.lm_head, transpose_y=True)
+    def __init__(self, runner: ModelRunner):
+        config = runner.model.config
+        qkv_width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        shapes = [
+            (config.hidden_size, qkv_width),
+            (config.num_heads * config.head_dim, config.hidden_size),
+            (config.hidden_size, 2 * config.intermediate_size),
+            (config.intermediate_size, config.hidden_size),
+        ]
+        # Each layer its own weights, so decode reads them all from memory as the model does.
+        self.layers = [[torch.randn(shape) for shape in shapes] for _ in range(config.num_layers)]
+        self.lm_head = torch.randn(config.hidden_size, config.vocab_size)
 
-    run()
-    return median_seconds(run, repeats)
+    @property
+    def weight_bytes(self) -> int:
+        weights = [w for layer in self.layers for w in layer] + [self.lm_head]
+        return sum(w.numel() * w.element_size() for w in weights)
+
+    def seconds(self, num_tokens: int, num_samples: int, repeats: int) -> float:
+        inputs = {w.shape[0]: torch.randn(num_tokens, w.shape[0]) for w in self.layers[0]}
+        last = torch.randn(num_samples, self.lm_head.shape[0])
+
+        def run():
+            for layer in self.layers:
+                for weight in layer:
+                    torch.matmul(inputs[weight.shape[0]], weight)
+            torch.matmul(last, self.lm_head)
+
+        run()
+        return median_seconds(run, repeats)
+
+
+def read_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second torch reads (sums) a 1 GiB array at: the best of a few runs."""
+    array = torch.ones(2**28)
+    array.sum()
+    best = min(timed(array.sum) for _ in range(repeats))
+    return array.numel() * array.element_size() / best
+
+
+def timed(function) -> float:
+    started = time.perf_counter()
+    function()
+    return time.perf_counter() - started
 
 
 def median_seconds(function, repeats: int) -> float:
@@ -175,36 +203,59 @@ def median_seconds(function, repeats: int) -> float:
     return float(np.median(times))
 
 
+def run_cases(kernels: str, steps: int) -> tuple[ModelRunner, list]:
+    """(runner, [(case, tokens per step, samples per step, median step seconds, seconds per part)])."""
+    runner = ModelRunner(load_settings(num_kv_blocks=1024, kernels=kernels))
+    assert runner.kernels["kernels"] == kernels, runner.kernels
+    timers = Timers()
+    instrument(runner, timers)
+    workload = Workload(runner)
+    cases = []
+    for batch in DECODE_BATCHES:
+        cases.append((f"decode B={batch}", batch, batch, *time_decode(workload, batch, steps, timers)))
+    for count, prompt_len in PREFILLS:
+        record = time_prefill(workload, count, prompt_len, max(3, steps // 3), timers)
+        cases.append((f"prefill {count}x{prompt_len}", count * prompt_len, count, *record))
+    return runner, cases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=9, help="timed steps per decode case (the median is shown)")
     args = parser.parse_args()
-    runner = ModelRunner(load_settings(num_kv_blocks=1024))
-    timers = Timers()
-    instrument(runner, timers)
-    workload = Workload(runner)
-    prefill_steps = max(3, args.steps // 3)
-    cases = []
-    for batch in DECODE_BATCHES:
-        cases.append((f"decode B={batch}", batch, batch, *time_decode(workload, batch, args.steps, timers)))
-    for count, prompt_len in PREFILLS:
-        record = time_prefill(workload, count, prompt_len, prefill_steps, timers)
-        cases.append((f"prefill {count}x{prompt_len}", count * prompt_len, count, *record))
-    print_tables(runner, cases, args.steps)
-
-
-def print_tables(runner: ModelRunner, cases: list, steps: int) -> None:
-    print(f"\nSmolLM2-135M fp32, Paddle {paddle.__version__} CPU, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
-    titles = ("tokens/step", "step ms", "tokens/s", "matmul ms", "ceiling tok/s", "ratio")
-    print(f"{'case':<17}" + "".join(f"{title:>{width}}" for title, width in zip(titles, (12, 10, 10, 11, 15, 7))))
-    for name, num_tokens, num_samples, step_s, _ in cases:
-        matmul_s = matmul_only(runner, num_tokens, num_samples, steps)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    custom_runner, custom = run_cases("custom", args.steps)
+    kernels = custom_runner.kernels
+    del custom_runner
+    paddle_runner, paddle_cases = run_cases("paddle", args.steps)
+    floor = MatmulFloor(paddle_runner)
+    floors = [floor.seconds(num_tokens, num_samples, args.steps) for _, num_tokens, num_samples, _, _ in custom]
+    print(
+        f"\nSmolLM2-135M fp32, Paddle {paddle.__version__} / torch {torch.__version__} CPU, "
+        f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, custom kernels: {kernels}"
+    )
+    titles = ("tokens/step", "step ms", "tokens/s", "paddle ms", "vs paddle", "floor ms", "vs floor")
+    widths = (12, 10, 10, 11, 11, 10, 10)
+    print(f"{'case':<17}" + "".join(f"{title:>{width}}" for title, width in zip(titles, widths)))
+    for (name, num_tokens, _, step_s, _), (_, _, _, paddle_s, _), floor_s in zip(custom, paddle_cases, floors):
         print(
-            f"{name:<17}{num_tokens:>12}{step_s * 1e3:>10.1f}{num_tokens / step_s:>10.0f}{matmul_s * 1e3:>11.1f}"
-            f"{num_tokens / matmul_s:>15.0f}{matmul_s / step_s:>7.2f}"
+            f"{name:<17}{num_tokens:>12}{step_s * 1e3:>10.1f}{num_tokens / step_s:>10.0f}{paddle_s * 1e3:>11.1f}"
+            f"{step_s / paddle_s:>11.2f}{floor_s * 1e3:>10.1f}{step_s / floor_s:>10.2f}"
         )
+    bandwidth = read_bandwidth()
+    read_s = floor.weight_bytes / bandwidth
+    decode_1 = custom[0][3]
+    print(
+        f"\ndecode B=1: weights {floor.weight_bytes / 2**20:.0f} MiB, read at {bandwidth / 1e9:.1f} GB/s "
+        f"in {read_s * 1e3:.1f} ms; the step takes {decode_1 * 1e3:.1f} ms = {decode_1 / read_s:.2f}x that"
+    )
+    for title, cases in (("custom", custom), ("paddle", paddle_cases)):
+        print_breakdown(title, cases)
+
+
+def print_breakdown(title: str, cases: list) -> None:
     parts = ["linear matmuls", "lm_head", "attention", "input building", "sampling"]
-    print("\nWhere the median step's time goes (ms; rest = norms, rope, activations, residual adds, python)")
+    print(f"\n{title}: where the median step's time goes (ms; rest = norms, activation, residual adds, python)")
     print(f"{'case':<17}" + "".join(f"{p:>16}" for p in parts) + f"{'rest':>9}")
     for name, _, _, step_s, seconds in cases:
         per_step = {part: seconds.get(part, 0.0) for part in parts}

@@ -7,10 +7,9 @@
 namespace bs::linear {
 namespace {
 
-// x rows per block (a multiple of every kMaxRows) and depth per block: a block of x
-// (96 x 256 floats, 96 KiB) stays in L2 while a panel slice (16 KiB) streams through L1.
-constexpr int64_t kBlockRows = 96;
-constexpr int64_t kBlockDepth = 256;
+// Bytes of x rows a block holds: with the current weight panel (up to 96 KiB at depth 1536) it stays
+// in a 512 KiB L2.
+constexpr int64_t kBlockBytes = 256 << 10;
 
 namespace avx2 {
 #pragma GCC push_options

@@ -21,20 +21,17 @@ static inline void multiply_add(Vec (&acc)[kRows][kVecs], const float* x, int64_
   }
 }
 
-// y[rows, 0:cols] (+)= x[rows, k0:k0+depth] @ panel[k0:k0+depth, 0:16] for one 16-column weight panel.
-// `start` (bias or zeros, 16 floats) seeds the sum when `accumulate` is false.
+// y[rows, 0:cols] = start + x[rows, 0:depth] @ panel[0:depth, 0:16] for one 16-column weight panel;
+// `start` holds the bias (or zeros) of the panel's 16 columns.
 template <int kRows>
-static inline void tile(const float* x, int64_t ldx, const float* panel, int64_t depth, const float* start,
-                        bool accumulate, float* y, int64_t ldy, int cols) {
+static inline void tile(const float* x, int64_t ldx, const float* panel, int64_t depth, const float* start, float* y,
+                        int64_t ldy, int cols) {
   // A short tile has too few accumulators to cover the FMA latency: it keeps kSplit independent sums
   // over alternating k and adds them at the end (8 chains of FMAs in flight in all).
   constexpr int kSplit = kRows * kVecs >= 8 ? 1 : 8 / (kRows * kVecs);
   Vec acc[kSplit][kRows][kVecs] = {};
   for (int r = 0; r < kRows; ++r) {
-    float partial[kPanelWidth] = {};
-    const float* from = !accumulate ? start : cols == kPanelWidth ? y + r * ldy : partial;
-    if (accumulate && cols < kPanelWidth) std::memcpy(partial, y + r * ldy, cols * sizeof(float));
-    for (int v = 0; v < kVecs; ++v) acc[0][r][v] = load(from + v * kLanes);
+    for (int v = 0; v < kVecs; ++v) acc[0][r][v] = load(start + v * kLanes);
   }
   int64_t k = 0;
   for (; k + kSplit <= depth; k += kSplit) {
@@ -57,31 +54,29 @@ static inline void tile(const float* x, int64_t ldx, const float* panel, int64_t
 
 template <int... kRows>
 static inline void tile_of(int rows, std::integer_sequence<int, kRows...>, const float* x, int64_t ldx,
-                           const float* panel, int64_t depth, const float* start, bool accumulate, float* y,
-                           int64_t ldy, int cols) {
-  ((rows == kRows + 1 ? tile<kRows + 1>(x, ldx, panel, depth, start, accumulate, y, ldy, cols) : void()), ...);
+                           const float* panel, int64_t depth, const float* start, float* y, int64_t ldy, int cols) {
+  ((rows == kRows + 1 ? tile<kRows + 1>(x, ldx, panel, depth, start, y, ldy, cols) : void()), ...);
 }
 
-// y[m, n] = x[m, k] @ W (+ bias) with W packed by pack_weight. Threads split the weight panels; the
-// static schedule gives a thread the same panels in every depth block, so no barrier is needed between.
+// y[m, n] = x[m, k] @ W (+ bias) with W packed by pack_weight. Threads split the weight panels; each
+// panel meets a block of x rows small enough to stay in L2 (block_rows) over the whole depth, so every
+// output tile is summed in registers and written once.
 static void gemm(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias, float* y) {
   const int64_t panels = num_panels(n);
+  const int64_t block_rows = std::max<int64_t>(kMaxRows, kBlockBytes / (k * sizeof(float)) / kMaxRows * kMaxRows);
 #pragma omp parallel
-  for (int64_t m0 = 0; m0 < m; m0 += kBlockRows) {
-    const int64_t m_end = std::min(m, m0 + kBlockRows);
-    for (int64_t k0 = 0; k0 < k; k0 += kBlockDepth) {
-      const int64_t depth = std::min(kBlockDepth, k - k0);
+  for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
+    const int64_t m_end = std::min(m, m0 + block_rows);
 #pragma omp for schedule(static) nowait
-      for (int64_t p = 0; p < panels; ++p) {
-        const int cols = static_cast<int>(std::min<int64_t>(kPanelWidth, n - p * kPanelWidth));
-        float start[kPanelWidth] = {};
-        if (bias != nullptr) std::memcpy(start, bias + p * kPanelWidth, cols * sizeof(float));
-        const float* panel = packed + (p * k + k0) * kPanelWidth;
-        for (int64_t r0 = m0; r0 < m_end; r0 += kMaxRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m_end - r0));
-          tile_of(rows, std::make_integer_sequence<int, kMaxRows>{}, x + r0 * k + k0, k, panel, depth, start,
-                  k0 > 0, y + r0 * n + p * kPanelWidth, n, cols);
-        }
+    for (int64_t p = 0; p < panels; ++p) {
+      const int cols = static_cast<int>(std::min<int64_t>(kPanelWidth, n - p * kPanelWidth));
+      float start[kPanelWidth] = {};
+      if (bias != nullptr) std::memcpy(start, bias + p * kPanelWidth, cols * sizeof(float));
+      const float* panel = packed + p * k * kPanelWidth;
+      for (int64_t r0 = m0; r0 < m_end; r0 += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m_end - r0));
+        tile_of(rows, std::make_integer_sequence<int, kMaxRows>{}, x + r0 * k, k, panel, k, start,
+                y + r0 * n + p * kPanelWidth, n, cols);
       }
     }
   }

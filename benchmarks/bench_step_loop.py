@@ -3,8 +3,9 @@
 Run: python benchmarks/bench_step_loop.py [--mode serial|async|both] [--quick] [--json PATH] [--plot PATH]
 
 Each case starts the real `blockserve scheduler` process on loopback sockets and a model-free
-worker process whose step sleeps a fixed time (the CPU is free meanwhile, as under a blocking
-device sync) around the FakeWorker's per-request bookkeeping and deterministic tokens. This
+worker process whose step takes a fixed time: the FakeWorker's deterministic tokens (the fake
+model) and then a sleep for the rest (the CPU is free meanwhile, as under a blocking device sync).
+Taking the step's deltas into the per-request state comes before, as the worker's input building. This
 process plays an api replica: it submits every request as token ids on the api socket at once
 and drains their deltas. The worker's busy fraction is its sleeping time over the span from the
 first step's start to the last step's end; the gap is the time between one step's end and the
@@ -59,7 +60,7 @@ def max_tokens_for(step_ms: int, waiting: int, quick: bool) -> int:
 
 
 class FixedStepRunner:
-    """A FakeWorker whose every step also takes `step_s` of "device" time, with its timings kept."""
+    """A FakeWorker whose every step takes `step_s` of "device" time (its tokens included), with its timings kept."""
 
     def __init__(self, num_kv_blocks: int, step_s: float):
         self.model_info = wire.ModelInfo(
@@ -80,8 +81,9 @@ class FixedStepRunner:
 
     def execute(self, step: wire.SchedulerOutput) -> wire.StepResult:
         started = time.perf_counter()
-        result = self.worker.execute(step)
+        work = self.worker.apply(step)  # the worker's input building: host time between steps
         device_started = time.perf_counter()
+        result = self.worker.compute(step.step_id, work)  # the fake model: part of the step's fixed time
         if not step.is_empty:
             frame = wire.encode(step)  # timed while the device "computes": the CPU is free then
             codec_started = time.perf_counter()

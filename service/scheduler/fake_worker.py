@@ -48,6 +48,11 @@ class FakeWorker:
         self.requests: dict[str, _FakeRequest] = {}
 
     def execute(self, step: wire.SchedulerOutput) -> wire.StepResult:
+        return self.compute(step.step_id, self.apply(step))
+
+    def apply(self, step: wire.SchedulerOutput) -> list[tuple[str, int]]:
+        """Take the step's deltas into the per-request state (the worker's input building);
+        return (request id, tokens to compute) of each scheduled request."""
         for request_id in step.finished_request_ids + step.preempted_request_ids:
             self.requests.pop(request_id, None)
         work: list[tuple[str, int]] = []
@@ -60,8 +65,12 @@ class FakeWorker:
         for running in step.running_requests:
             self.requests[running.request_id].block_ids.extend(running.new_block_ids)
             work.append((running.request_id, running.num_scheduled_tokens))
+        return work
+
+    def compute(self, step_id: int, work: list[tuple[str, int]]) -> wire.StepResult:
+        """The fake model: compute the scheduled tokens and sample where a request reaches its end."""
         sampled = [token for request_id, num in work if (token := self._compute(request_id, num)) is not None]
-        return wire.StepResult(step_id=step.step_id, sampled=sampled)
+        return wire.StepResult(step_id=step_id, sampled=sampled)
 
     def _compute(self, request_id: str, num_scheduled: int) -> wire.SampledToken | None:
         request = self.requests[request_id]

@@ -92,9 +92,8 @@ class FakeStack:
     """scheduler + model-free worker + api as processes on loopback ports (a context manager)."""
 
     def __init__(self, log_dir: Path, **env_overrides: str):
-        self.env = loopback_env(
-            BLOCKSERVE_NUM_KV_BLOCKS="24", BLOCKSERVE_BLOCK_SIZE="4", FAKE_STEP_DELAY_S="0.005", **env_overrides
-        )
+        defaults = {"BLOCKSERVE_NUM_KV_BLOCKS": "24", "BLOCKSERVE_BLOCK_SIZE": "4", "FAKE_STEP_DELAY_S": "0.005"}
+        self.env = loopback_env(**{**defaults, **env_overrides})  # overrides win
         self.url = f"http://127.0.0.1:{self.env['BLOCKSERVE_PORT']}"
         self.metrics_port = self.env["BLOCKSERVE_METRICS_PORT"]
         self.log_dir = log_dir

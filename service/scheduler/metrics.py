@@ -201,6 +201,14 @@ class SchedulerMetrics:
         )
         for socket in ("api", "worker"):
             self.auth_failures.labels(socket)  # shown as 0 before the first refusal
+        self.dropped_frames = Counter(
+            "blockserve_dropped_frames",
+            "Frames dropped by the scheduler, by socket (api, worker) and reason: malformed (not a message of "
+            "this protocol), unexpected (a message that socket does not take), invalid (a nonsense hello), "
+            "unknown_worker (from a worker that is not registered), handler_error (handling it raised).",
+            ["socket", "reason"],
+            registry=self.registry,
+        )
         step_loop = Counter(
             "blockserve_step_loop_seconds",
             "Scheduler time per part of the step loop: schedule, update (results into the core), fanout (deltas "

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from service import wire
+from service.limits import request_id_problem, sampling_problem
 from service.scheduler.admission import AdmissionReserve
 from service.scheduler.block_pool import BlockPool, extend_block_hashes
 from service.scheduler.outcome import StepOutcome
@@ -141,8 +142,8 @@ class Scheduler:
             raise RequestRejected("the prompt is empty")
         if cfg.vocab_size is not None and not all(0 <= token_id < cfg.vocab_size for token_id in prompt_token_ids):
             raise RequestRejected(f"prompt token ids must lie in [0, {cfg.vocab_size})")
-        if sampling.max_tokens < 1:
-            raise RequestRejected("max_tokens must be at least 1")
+        if problem := request_id_problem(request_id) or sampling_problem(sampling, cfg.vocab_size):
+            raise RequestRejected(problem)
         if len(prompt_token_ids) >= cfg.max_model_len:
             raise RequestRejected(
                 f"the prompt has {len(prompt_token_ids)} tokens; the maximum context length "

@@ -4,10 +4,14 @@ Two ROUTER sockets: api replicas connect to `scheduler_addr` (requests, aborts, 
 deltas go back to the replica that sent each request), workers to `worker_addr` (hello, step
 results). The step loop is serial (one step in flight) or, with `async_scheduling`, overlapped
 (the next step is decided and sent while the worker computes one; see step_loop.py). Each
-step's deltas go to each api replica as one `DeltaBatch`. A worker that disconnects, or leaves a
-step unanswered for `worker_timeout_s`, is dead: readiness turns false and every request in
-flight ends with an error; only its own connection's disconnect counts (matched by fd). A hello
-from another worker replaces it; its own repeated hello changes nothing.
+step's deltas go to each api replica as one `DeltaBatch`. The worker is pinged every second,
+computing or not (its link thread answers mid-step): a worker that disconnects, or leaves pings
+unanswered for `worker_timeout_s`, is dead, however long a step takes: readiness turns false and
+every request in flight ends with an error; only its own connection's disconnect counts (matched
+by fd). A hello from another worker replaces it; its own repeated hello changes nothing. An api
+replica whose connection closes (or falls silent past the zmq heartbeat timeout, which closes
+it) has its requests aborted. A frame that is malformed, unexpected or nonsense is dropped and
+counted in blockserve_dropped_frames_total; no frame handler's exception ends the process.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from service import curve, wire
+from service import curve, limits, wire
 from service.config import Settings
 from service.scheduler.legacy import build_scheduler, legacy_config_from
 from service.scheduler.metrics import SchedulerMetrics
@@ -34,6 +38,17 @@ log = logging.getLogger(__name__)
 IDLE_POLL_MS = 20
 PING_INTERVAL_S = 1.0
 CLOSE_LINGER_MS = 2000
+ZMQ_HEARTBEAT_TIMEOUT_MS = 6000  # a peer silent this long is disconnected (an api replica: its requests aborted)
+# A plain (or otherwise broken) peer fails inside libzmq, before ZAP: counted as an auth failure with CURVE on.
+HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+
+
+class DroppedFrame(Exception):
+    """A frame the scheduler refuses; `reason` is its label in blockserve_dropped_frames_total."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 class SchedulerServer:
@@ -45,7 +60,9 @@ class SchedulerServer:
         )
         self.api_socket = self._router(settings.scheduler_addr)
         self.worker_socket = self._router(settings.worker_addr)
-        self.worker_monitor = self.worker_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.worker_monitor = self.worker_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
+        self.api_monitor = self.api_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
+        self.api_fds: dict[int, bytes] = {}  # connection fd -> the api replica that sends on it
         self.scheduler: Scheduler | None = None
         self.loop: StepLoop | None = None
         self.model: wire.ModelInfo | None = None
@@ -59,7 +76,6 @@ class SchedulerServer:
         self.step_sent_at: dict[int, float] = {}  # step id -> when it went to the worker, while in flight
         self.last_ping_at = 0.0
         self.last_heard_at = 0.0
-        self.num_malformed_frames = 0
         self.draining = False
         self.stopping = False
 
@@ -70,7 +86,7 @@ class SchedulerServer:
         socket.setsockopt(zmq.SNDHWM, 0)  # a ROUTER at its high-water mark drops silently: no limit
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
         self.curve.secure(socket, addr)
         socket.bind(addr)
         return socket
@@ -89,17 +105,17 @@ class SchedulerServer:
         signal.signal(signal.SIGTERM, lambda *_: self.begin_drain())
         signal.signal(signal.SIGINT, lambda *_: self.begin_drain())
         poller = zmq.Poller()
-        for socket in (self.api_socket, self.worker_socket, self.worker_monitor):
+        for socket in (self.api_socket, self.worker_socket, self.worker_monitor, self.api_monitor):
             poller.register(socket, zmq.POLLIN)
         drain_deadline = None
         while not self.stopping:
             poller.poll(IDLE_POLL_MS)
-            while self.worker_monitor.poll(0):  # all of them before any frame: a reused fd's old events first
-                self._on_worker_event(parse_monitor_message(self.worker_monitor.recv_multipart()))
-            while self._poll_once(self.worker_socket, self._on_worker_frame):
-                pass
-            while self._poll_once(self.api_socket, self._on_api_frame):
-                pass
+            # Connection events before each frame: a closed connection's fd, reused, must not be its successor's.
+            self._drain_events()
+            while self._poll_once(self.worker_socket, "worker", self._on_worker_frame):
+                self._drain_events()
+            while self._poll_once(self.api_socket, "api", self._on_api_frame):
+                self._drain_events()
             now = time.monotonic()
             self._check_worker(now)
             self._maybe_step(now)
@@ -117,10 +133,11 @@ class SchedulerServer:
         if self.scheduler is not None:
             self._deliver(self.scheduler.fail_all("the scheduler is shutting down", time.monotonic()))
         self.worker_socket.disable_monitor()
+        self.api_socket.disable_monitor()
         self.curve.stop()
         self.context.destroy(linger=CLOSE_LINGER_MS)  # let the last deltas of drained requests leave
 
-    def _poll_once(self, socket: zmq.Socket, handler) -> bool:
+    def _poll_once(self, socket: zmq.Socket, socket_name: str, handler) -> bool:
         try:
             frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -129,19 +146,43 @@ class SchedulerServer:
         self.frame_fd = frames[0].get(zmq.SRCFD)
         try:
             if len(payload) != 1:
-                raise wire.WireError(f"{len(payload)} payload frames")
+                raise DroppedFrame("malformed", f"{len(payload)} payload frames")
             started = time.perf_counter()
-            message = wire.decode(payload[0].buffer)
+            try:
+                message = wire.decode(payload[0].buffer)
+            except wire.WireError as exc:
+                raise DroppedFrame("malformed", str(exc)) from None
             self.metrics.step_loop_seconds["decode"].inc(time.perf_counter() - started)
             handler(identity, message)
-        except wire.WireError as exc:
-            self.num_malformed_frames += 1
-            log.warning("dropped a malformed frame: %s", exc)
+        except DroppedFrame as exc:
+            self.metrics.dropped_frames.labels(socket_name, exc.reason).inc()
+            log.warning("dropped a frame on the %s socket (%s): %s", socket_name, exc.reason, exc)
+        except Exception:
+            self.metrics.dropped_frames.labels(socket_name, "handler_error").inc()
+            log.exception("handling a frame on the %s socket failed; dropped it", socket_name)
         return True
+
+    def _drain_events(self) -> None:
+        while self.worker_monitor.poll(0):
+            self._on_connection_event("worker", parse_monitor_message(self.worker_monitor.recv_multipart()))
+        while self.api_monitor.poll(0):
+            self._on_connection_event("api", parse_monitor_message(self.api_monitor.recv_multipart()))
+
+    def _on_connection_event(self, socket_name: str, event: dict) -> None:
+        if event["event"] & HANDSHAKE_FAILURES:
+            if self.curve.enabled:
+                log.warning("refused a %s peer: its handshake failed (no CURVE, or broken)", socket_name)
+                self.metrics.auth_failures.labels(socket_name).inc()
+        elif socket_name == "worker":
+            if self.worker_id is not None and event["value"] == self.worker_fd:
+                self._worker_lost("the worker disconnected")
+        elif (replica := self.api_fds.pop(event["value"], None)) is not None:
+            self._api_replica_lost(replica)
 
     # ------------------------------------------------------------------ api side
 
     def _on_api_frame(self, identity: bytes, message: wire.AnyMessage) -> None:
+        self.api_fds[self.frame_fd] = identity
         if isinstance(message, wire.GenerateRequest):
             self._on_generate(identity, message)
         elif isinstance(message, wire.AbortRequest):
@@ -154,7 +195,18 @@ class SchedulerServer:
         elif isinstance(message, wire.StatusQuery):
             self._send(self.api_socket, identity, self._status(message.request_ids))
         else:
-            raise wire.WireError(f"unexpected {type(message).__name__} on the api socket")
+            raise DroppedFrame("unexpected", f"{type(message).__name__} on the api socket")
+
+    def _api_replica_lost(self, identity: bytes) -> None:
+        """Its connection closed: nobody reads its requests' tokens any more; abort them, free their blocks."""
+        if self.scheduler is None:
+            return
+        orphans = [request_id for request_id, request in self.scheduler.requests.items() if request.owner == identity]
+        if orphans:
+            log.warning("an api replica disconnected: aborting its %d requests", len(orphans))
+        now = time.monotonic()
+        for request_id in orphans:
+            self._deliver(self.scheduler.abort_request(request_id, now))
 
     def _on_generate(self, identity: bytes, message: wire.GenerateRequest) -> None:
         request_id = message.request_id
@@ -205,17 +257,20 @@ class SchedulerServer:
         if isinstance(message, wire.WorkerHello):
             self._register_worker(identity, message)
         elif identity != self.worker_id:
-            log.warning("ignored %s from an unregistered worker", type(message).__name__)
-            return
+            raise DroppedFrame("unknown_worker", f"{type(message).__name__} from an unregistered worker")
         self.worker_fd = self.frame_fd  # a reconnect of the same worker comes on a new connection
         self.last_heard_at = time.monotonic()
         if isinstance(message, wire.StepResult):
             self._on_step_result(message)
         elif not isinstance(message, (wire.Pong, wire.WorkerHello)):
-            raise wire.WireError(f"unexpected {type(message).__name__} on the worker socket")
+            raise DroppedFrame("unexpected", f"{type(message).__name__} on the worker socket")
 
     def _register_worker(self, identity: bytes, hello: wire.WorkerHello) -> None:
+        if problem := limits.hello_problem(hello):
+            raise DroppedFrame("invalid", f"worker hello: {problem}")
         if identity == self.worker_id:
+            if hello.block_size != self.scheduler.config.block_size:
+                raise DroppedFrame("invalid", f"worker hello: block_size {hello.block_size} disagrees with the table")
             return  # the live worker repeats its hello after a silence: nothing restarted
         if self.worker_id is not None:
             self._worker_lost("another worker registered")
@@ -253,8 +308,7 @@ class SchedulerServer:
         outcome = self.loop.complete(result, now) if self.loop else None
         self.metrics.step_loop_seconds["update"].inc(time.perf_counter() - started)
         if outcome is None:
-            log.warning("ignored a result for step %d", result.step_id)
-            return
+            raise DroppedFrame("unexpected", f"a result for step {result.step_id}, which is not the oldest in flight")
         self.metrics.on_step(now - self.step_sent_at.pop(result.step_id))
         self._maybe_step(now)  # the next step first: the worker must not wait for the fan-out
         self._deliver(outcome)
@@ -281,20 +335,14 @@ class SchedulerServer:
             now = time.monotonic()
 
     def _check_worker(self, now: float) -> None:
+        """Ping while steps compute too: a long step is answered by pongs, a hung or dead worker is not."""
         if self.worker_id is None:
             return
-        oldest_sent_at = min(self.step_sent_at.values(), default=None)
-        if oldest_sent_at is not None and now - oldest_sent_at > self.settings.worker_timeout_s:
-            self._worker_lost(f"the worker did not answer a step within {self.settings.worker_timeout_s:.0f} s")
-        elif oldest_sent_at is None and self.last_ping_at - self.last_heard_at > self.settings.worker_timeout_s:
+        if self.last_ping_at - self.last_heard_at > self.settings.worker_timeout_s:
             self._worker_lost(f"the worker did not answer pings for {self.settings.worker_timeout_s:.0f} s")
-        elif oldest_sent_at is None and now - self.last_ping_at > PING_INTERVAL_S:
+        elif now - self.last_ping_at > PING_INTERVAL_S:
             self._send(self.worker_socket, self.worker_id, wire.Ping())
             self.last_ping_at = now
-
-    def _on_worker_event(self, event: dict) -> None:
-        if event["event"] == zmq.EVENT_DISCONNECTED and self.worker_id is not None and event["value"] == self.worker_fd:
-            self._worker_lost("the worker disconnected")
 
     def _worker_lost(self, reason: str) -> None:
         log.error("%s: failing %d requests", reason, self.num_requests)

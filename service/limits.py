@@ -1,0 +1,73 @@
+"""What the scheduler and the worker accept from a peer: sampling ranges, request ids, worker hellos.
+
+The api checks the same ranges at HTTP (its pydantic bounds are these constants), so a request
+the api let through is never refused here; these checks are for peers that bypass the api.
+Each check returns what is wrong in a sentence, or None.
+"""
+
+from __future__ import annotations
+
+import math
+
+from service import wire
+
+MAX_TEMPERATURE = 2.0
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
+MAX_REPETITION_PENALTY = 2.0  # in (0, MAX_REPETITION_PENALTY]
+MAX_TOP_K = 2**31 - 1
+MAX_TOP_LOGPROBS = 20
+MAX_SEED = 2**63 - 1
+MAX_REQUEST_ID_CHARS = 256
+MAX_BLOCK_SIZE = 1024
+
+
+def _in_range(value: float, low: float, high: float, low_open: bool) -> bool:
+    """Finite and in [low, high] ((low, high] with `low_open`): NaN fails every comparison."""
+    return math.isfinite(value) and (low < value if low_open else low <= value) and value <= high
+
+
+def sampling_problem(sampling: wire.SamplingParams, vocab_size: int | None) -> str | None:
+    """What is wrong with `sampling`, or None; token ids are checked against `vocab_size` if given."""
+    checks = (
+        ("temperature", sampling.temperature, 0.0, MAX_TEMPERATURE, False),
+        ("top_p", sampling.top_p, 0.0, 1.0, True),
+        ("min_p", sampling.min_p, 0.0, 1.0, False),
+        ("presence_penalty", sampling.presence_penalty, -MAX_PENALTY, MAX_PENALTY, False),
+        ("frequency_penalty", sampling.frequency_penalty, -MAX_PENALTY, MAX_PENALTY, False),
+        ("repetition_penalty", sampling.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, True),
+    )
+    for name, value, low, high, low_open in checks:
+        if not _in_range(value, low, high, low_open):
+            bracket = "(" if low_open else "["
+            return f"{name} must be a finite number in {bracket}{low:g}, {high:g}]; got {value!r}"
+    if not 0 <= sampling.top_k <= MAX_TOP_K:
+        return f"top_k must lie in [0, {MAX_TOP_K}] (0 = off); got {sampling.top_k}"
+    if sampling.max_tokens < 1:
+        return "max_tokens must be at least 1"
+    if sampling.seed is not None and not 0 <= sampling.seed <= MAX_SEED:
+        return f"seed must lie in [0, {MAX_SEED}]"
+    if sampling.logprobs is not None and not 0 <= sampling.logprobs <= MAX_TOP_LOGPROBS:
+        return f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}]; got {sampling.logprobs}"
+    if vocab_size is not None and not all(0 <= token_id < vocab_size for token_id in sampling.stop_token_ids):
+        return f"stop token ids must lie in [0, {vocab_size})"
+    return None
+
+
+def request_id_problem(request_id: str) -> str | None:
+    if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        return f"a request id has 1 to {MAX_REQUEST_ID_CHARS} characters"
+    return None
+
+
+def hello_problem(hello: wire.WorkerHello) -> str | None:
+    """What makes a worker's hello nonsense (a table no request fits in, a model without tokens), or None."""
+    if hello.num_kv_blocks < 1:
+        return f"num_kv_blocks {hello.num_kv_blocks}: a worker needs at least one KV-cache block"
+    if not 1 <= hello.block_size <= MAX_BLOCK_SIZE:
+        return f"block_size {hello.block_size} is not in [1, {MAX_BLOCK_SIZE}]"
+    model = hello.model
+    if model.vocab_size < 1 or model.max_model_len < 2:
+        return f"model {model.name!r}: vocab_size {model.vocab_size}, max_model_len {model.max_model_len}"
+    if not all(0 <= token_id < model.vocab_size for token_id in model.eos_token_ids):
+        return f"model {model.name!r}: EOS token ids outside the vocabulary"
+    return None

@@ -1,0 +1,172 @@
+"""No single request, peer or slow step takes the scheduler down: real processes over real sockets."""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from service import wire
+from tests.integration.test_scheduler_process import ApiPeer, metric_samples
+from tests.processes import FakeStack, loopback_env, start, stop_all
+from tests.unit.fake_scheduler import tiny_model_info
+
+NUM_BLOCKS = 24
+
+
+def start_cluster(tmp_path, **overrides: str):
+    """Scheduler + fake worker process; returns (env, peer, processes) once the scheduler is ready."""
+    env = loopback_env(BLOCKSERVE_NUM_KV_BLOCKS=str(NUM_BLOCKS), BLOCKSERVE_BLOCK_SIZE="4", **overrides)
+    processes = {
+        "scheduler": start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
+        "worker": start(["-m", "tests.fake_worker_process"], env, tmp_path / "worker.log"),
+    }
+    peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
+    try:
+        peer.wait_until(lambda: peer.status().ready, 30)
+    except BaseException:
+        stop_all(list(processes.values()))
+        raise
+    return env, peer, processes
+
+
+@pytest.fixture
+def slow_cluster(tmp_path):
+    """Every step takes 2.5 s, the worker timeout is 1 s."""
+    env, peer, processes = start_cluster(tmp_path, BLOCKSERVE_WORKER_TIMEOUT_S="1", FAKE_STEP_DELAY_S="2.5")
+    yield env, peer, processes
+    peer.close()
+    stop_all(list(processes.values()))
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    env, peer, processes = start_cluster(tmp_path, BLOCKSERVE_WORKER_TIMEOUT_S="2", FAKE_STEP_DELAY_S="0.02")
+    yield env, peer, processes
+    peer.close()
+    stop_all(list(processes.values()))
+
+
+def dropped_frames(env) -> dict[tuple[str, str], float]:
+    samples = metric_samples(env, "blockserve_dropped_frames_total")
+    return {(s.labels["socket"], s.labels["reason"]): s.value for s in samples}
+
+
+def test_a_step_longer_than_the_worker_timeout_fails_nobody(slow_cluster):
+    _, peer, processes = slow_cluster
+    request_id = peer.submit([1, 2, 3], max_tokens=2)
+    peer.wait_until(lambda: request_id in peer.finished, 15)
+    assert peer.finished[request_id].finish_reason == "length" and len(peer.outputs[request_id]) == 2
+    assert peer.status().ready
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_worker_lost_during_a_long_step_is_detected_within_seconds(slow_cluster, how):
+    env, peer, processes = slow_cluster
+    request_id = peer.submit([1, 2, 3], max_tokens=4)
+    time.sleep(0.5)  # the first step computes
+    processes["worker"].send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    elapsed = peer.wait_until(lambda: request_id in peer.finished, 10)
+    assert peer.finished[request_id].error_status == 503
+    assert elapsed < (1.0 if how == "killed" else 1 + 2)  # a disconnect at once; silent pings after the timeout
+    if how == "hung":
+        processes["worker"].send_signal(signal.SIGCONT)
+
+
+def test_nonsense_sampling_on_the_zmq_path_gets_400_and_an_honest_request_completes(cluster):
+    _, peer, processes = cluster
+    honest = peer.submit([1, 2, 3], max_tokens=30)
+    vocab_size = tiny_model_info().vocab_size
+    nonsense = {
+        "temperature": {"temperature": math.nan},
+        "temperature ": {"temperature": -1.0},
+        "top_p": {"top_p": math.inf},
+        "top_k": {"top_k": -5},
+        "repetition_penalty": {"repetition_penalty": 0.0},
+        "presence_penalty": {"presence_penalty": math.nan},
+        "logprobs": {"logprobs": 100000},
+        "stop token ids": {"stop_token_ids": [vocab_size]},
+        "max_tokens": {"max_tokens": 0},
+    }
+    bad_ids = {}
+    for field, overrides in nonsense.items():
+        sampling = wire.SamplingParams(**{"max_tokens": 5, **overrides})
+        request_id = f"bad-{len(bad_ids)}"
+        peer.outputs[request_id] = []
+        peer.send(wire.GenerateRequest(request_id=request_id, prompt_token_ids=[1, 2], sampling=sampling))
+        bad_ids[request_id] = field.strip()
+    long_id = "x" * 1000
+    peer.outputs[long_id] = []
+    peer.send(wire.GenerateRequest(request_id=long_id, prompt_token_ids=[1], sampling=wire.SamplingParams()))
+    bad_ids[long_id] = "request id"
+    peer.wait_until(lambda: honest in peer.finished and all(i in peer.finished for i in bad_ids), 20)
+    for request_id, field in bad_ids.items():
+        delta = peer.finished[request_id]
+        assert delta.finish_reason == "error" and delta.error_status == 400, (field, delta)
+        assert field in delta.error, (field, delta.error)
+    assert peer.finished[honest].finish_reason == "length" and len(peer.outputs[honest]) == 30
+    assert processes["scheduler"].poll() is None
+
+
+def test_nonsense_hellos_and_frames_are_dropped_counted_and_the_scheduler_lives(cluster):
+    env, peer, processes = cluster
+    model = tiny_model_info()
+    hellos = [
+        wire.WorkerHello(worker_id="zero", num_kv_blocks=0, block_size=4, model=model),
+        wire.WorkerHello(worker_id="negative", num_kv_blocks=-3, block_size=4, model=model),
+        wire.WorkerHello(worker_id="no-block-size", num_kv_blocks=8, block_size=0, model=model),
+        wire.WorkerHello(
+            worker_id="no-vocab", num_kv_blocks=8, block_size=4, model=msgspec.structs.replace(model, vocab_size=0)
+        ),
+    ]
+    context = zmq.Context()
+    intruder = context.socket(zmq.DEALER)
+    intruder.linger = 0
+    intruder.connect(env["BLOCKSERVE_WORKER_ADDR"])
+    for hello in hellos:
+        intruder.send(wire.encode(hello))
+    intruder.send(wire.encode(wire.StepResult(step_id=1)))  # not the registered worker
+    peer.send(wire.Pong())  # not a message the api socket takes
+    try:
+        request_id = peer.submit([1, 2, 3], max_tokens=5)
+        peer.wait_until(lambda: request_id in peer.finished, 20)
+        assert len(peer.outputs[request_id]) == 5
+        status = peer.status()
+        assert status.ready and status.num_total_blocks == NUM_BLOCKS  # the honest worker's table stands
+        assert processes["scheduler"].poll() is None
+        dropped = dropped_frames(env)
+        assert dropped[("worker", "invalid")] == len(hellos)
+        assert dropped[("worker", "unknown_worker")] == 1
+        assert dropped[("api", "unexpected")] == 1
+    finally:
+        context.destroy(linger=0)
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_an_api_replica_lost_mid_stream_has_its_requests_aborted_and_blocks_freed(tmp_path, how):
+    with FakeStack(tmp_path, FAKE_STEP_DELAY_S="0.2") as stack:
+        api = stack.processes[2]
+        model = httpx.get(f"{stack.url}/v1/models", timeout=5).json()["data"][0]["id"]
+        body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 80, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=10) as response:
+            next(response.iter_lines())  # streaming: the scheduler holds its blocks
+            api.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        lost_at = time.monotonic()
+        peer = ApiPeer(stack.env["BLOCKSERVE_SCHEDULER_ADDR"])
+        try:
+            # 80 tokens take 16 s; a kill closes the connection at once, a hung replica's after the zmq heartbeat.
+            peer.wait_until(lambda: peer.status().num_free_blocks == NUM_BLOCKS, 10)  # once its step is back
+            assert time.monotonic() - lost_at < (2 if how == "killed" else 9)
+            status = peer.status()
+            assert status.num_running == status.num_waiting == 0 and status.num_total_blocks == NUM_BLOCKS
+            finished = metric_samples(stack.env, "blockserve_requests_finished_total")
+            assert {s.labels["reason"]: s.value for s in finished if s.value}.keys() == {"abort"}
+        finally:
+            peer.close()
+            if how == "hung":
+                api.send_signal(signal.SIGCONT)

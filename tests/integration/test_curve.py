@@ -141,3 +141,11 @@ def test_a_refused_worker_peer_leaves_the_registered_worker_serving(stack):
     # A refused handshake ends in a disconnect on the worker socket: not the registered worker's.
     answers(env["BLOCKSERVE_WORKER_ADDR"], None, pairs["server"].public_key, wire.Pong())
     assert httpx.get(f"{url}/ready", timeout=5).status_code == 200
+
+
+def test_plain_peers_fail_the_handshake_and_are_counted_on_both_sockets(stack):
+    env, pairs, _ = stack
+    for socket_name, addr in (("api", env["BLOCKSERVE_SCHEDULER_ADDR"]), ("worker", env["BLOCKSERVE_WORKER_ADDR"])):
+        before = auth_failures(env, socket_name)
+        assert answers(addr, None, pairs["server"].public_key, wire.StatusQuery()) == []
+        assert auth_failures(env, socket_name) > before, socket_name  # refused inside libzmq, before ZAP

@@ -15,6 +15,7 @@ from gpu_worker.step_inputs import RequestState, StepError, StepInputs, build_st
 from gpu_worker.tensor_ops import take_rows
 from service import wire
 from service.config import Settings
+from service.limits import sampling_problem
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,9 @@ class ModelRunner:
         self.attention = choice.kernels.attention(config, self.block_size, self.model.rotary)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+        # Requests refused for their own parameters: never computed (no token: the scheduler ends them alone),
+        # skipped in later steps until the scheduler says they are finished.
+        self.refused_request_ids: set[str] = set()
         log.info(
             "KV cache on %s: %d blocks of %d tokens, %.1f MiB",
             paddle.get_device(),
@@ -81,8 +85,13 @@ class ModelRunner:
         """Apply the step's deltas; return (state, tokens to compute) of every scheduled request."""
         for request_id in (*step.finished_request_ids, *step.preempted_request_ids):
             self.requests.pop(request_id, None)
+            self.refused_request_ids.discard(request_id)
         scheduled = []
         for new in step.new_requests:
+            if problem := sampling_problem(new.sampling, self.model_info.vocab_size):
+                log.warning("refused request %s: %s", new.request_id, problem)
+                self.refused_request_ids.add(new.request_id)
+                continue
             state = RequestState(
                 request_id=new.request_id,
                 token_ids=list(new.token_ids),
@@ -95,6 +104,8 @@ class ModelRunner:
             scheduled.append((state, new.num_scheduled_tokens))
         for running in step.running_requests:
             state = self.requests.get(running.request_id)
+            if state is None and running.request_id in self.refused_request_ids:
+                continue
             if state is None:
                 raise StepError(f"request {running.request_id} is unknown to this worker")
             state.block_ids.extend(running.new_block_ids)

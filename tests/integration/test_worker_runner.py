@@ -104,3 +104,23 @@ def test_kv_cache_is_sized_from_memory_unless_a_block_count_is_set(runner):
     assert num_blocks_for(config, 16, 100 * per_block + 1, None) == 100
     assert num_blocks_for(config, 16, 100 * per_block, 7) == 7
     assert runner.num_kv_blocks == 64 and runner.kv_cache.key_caches[0].shape == [64, 16, 3, 64]
+
+
+def test_a_request_with_nonsense_sampling_is_refused_alone_and_its_batch_mates_are_computed(runner):
+    greedy = wire.SamplingParams(temperature=0.0)
+    first = wire.SchedulerOutput(
+        step_id=20,
+        new_requests=[
+            new_request("nonsense", wire.SamplingParams(logprobs=100000), [10]),
+            new_request("honest", greedy, [11]),
+        ],
+    )
+    result = runner.execute(first)
+    assert result.error is None and [t.request_id for t in result.sampled] == ["honest"]  # no token: ended alone
+
+    # The scheduler may have scheduled it again before it learnt: still not computed, not an unknown request.
+    again = [wire.RunningRequest("nonsense", [], 1), wire.RunningRequest("honest", [], 1)]
+    result = runner.execute(wire.SchedulerOutput(step_id=21, running_requests=again))
+    assert result.error is None and [t.request_id for t in result.sampled] == ["honest"]
+    runner.execute(wire.SchedulerOutput(step_id=22, finished_request_ids=["nonsense", "honest"]))
+    assert "nonsense" not in runner.refused_request_ids

@@ -129,6 +129,9 @@ class SchedulerLink:
         except wire.WireError as exc:
             self.num_malformed_frames += 1
             log.warning("dropped frame #%d: %s", self.num_malformed_frames, exc)
+        except Exception:  # no frame may end the link thread (the worker would go deaf)
+            self.num_malformed_frames += 1
+            log.exception("handling frame #%d failed; dropped it", self.num_malformed_frames)
         return 0
 
 

@@ -158,6 +158,9 @@ class SchedulerClient:
             except wire.WireError as exc:
                 self._on_malformed_frame()
                 log.warning("dropped a frame from the scheduler: %s", exc)
+            except Exception:  # no frame may end the reader: every stream of this replica would hang
+                self._on_malformed_frame()
+                log.exception("handling a frame from the scheduler failed; dropped it")
 
     def _dispatch(self, message: wire.AnyMessage) -> None:
         if isinstance(message, wire.DeltaBatch):

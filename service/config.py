@@ -93,7 +93,9 @@ class Settings(BaseSettings):
     worker_addr: str = Field(default="tcp://127.0.0.1:5561", description="ZMQ address of the scheduler's worker socket")
     metrics_port: int = Field(default=9400, gt=0, lt=65536, description="Port of the scheduler's /metrics")
     api_key: SecretStr | None = Field(default=None, description="If set, requests need Authorization: Bearer <key>")
-    worker_timeout_s: float = Field(default=30.0, gt=0, description="A step unanswered this long marks the worker dead")
+    worker_timeout_s: float = Field(
+        default=30.0, gt=0, description="Pings unanswered this long mark the worker dead (a long step does not)"
+    )
     drain_timeout_s: float = Field(default=30.0, ge=0, description="On SIGTERM, wait this long for in-flight requests")
 
     # Internal sockets: CURVE keys (Z85, e.g. from `blockserve keys`); see service/curve.py

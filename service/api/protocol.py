@@ -14,11 +14,12 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
+from service import limits
+from service.limits import MAX_TOP_LOGPROBS
 from service.wire import SamplingParams
 
 MAX_CHOICES = 128
-MAX_TOP_LOGPROBS = 20
-MAX_SEED = 2**63 - 1 - MAX_CHOICES  # choice i samples with seed + i
+MAX_SEED = limits.MAX_SEED - MAX_CHOICES  # choice i samples with seed + i
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
@@ -59,14 +60,14 @@ class GenerationRequest(StrictRequest):
 
     model: str | None = Field(None, description="Served model name (or an alias); empty = the one model served")
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="Independent choices to generate")
-    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1")
+    temperature: float | None = Field(None, ge=0.0, le=limits.MAX_TEMPERATURE, description="0 = greedy; default 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=2**31 - 1, description="0 or -1 = off")
+    top_k: int | None = Field(None, ge=-1, le=limits.MAX_TOP_K, description="0 or -1 = off")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-limits.MAX_PENALTY, le=limits.MAX_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-limits.MAX_PENALTY, le=limits.MAX_PENALTY)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=limits.MAX_REPETITION_PENALTY)
     stop: NonEmptyText | list[NonEmptyText] | None = Field(None, description="Text that ends a choice; never returned")
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False

@@ -13,7 +13,7 @@ EXTENSION_NAME = "blockserve_ops"
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 
 # Baseline x86-64 code only: AVX2/FMA and AVX-512 live in functions with target attributes
-# (see cpu/cpu_isa.h) chosen at run time, so never -march=native or a global -mavx*.
+# (see cpu/cpu_isa.h) chosen at run time, so no "build for this machine" arch flag and no global -mavx*.
 CXX_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
 # Extra headers and libraries (e.g. oneDNN's under paddle/include/third_party/install/onednn/include
 # and -L<paddle/libs> -l:libdnnl.so.3): add them here, every build path reads these lists.

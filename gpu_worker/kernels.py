@@ -28,7 +28,7 @@ REPORTED_CPU_FEATURES = ("avx2", "fma", "avx512f")
 
 
 class PaddleKernels:
-    """Plain Paddle ops (never paddle's fused_rms_norm: its CPU kernel is AVX-512 code, SIGILL elsewhere)."""
+    """Plain Paddle ops (never paddle's fused RMSNorm op: its CPU kernel is AVX-512 code, SIGILL elsewhere)."""
 
     name = "paddle"
     avx512 = False

@@ -113,7 +113,7 @@ def test_rope_cache_write_and_paged_attention_match_the_paddle_backend(
 
 
 def test_vector_instructions_appear_only_in_functions_built_for_their_instruction_set():
-    """No -march=native or global -mavx*: the dispatch and Paddle glue are baseline x86-64, AVX
+    """No build-machine arch flag or global -mavx*: the dispatch and Paddle glue are baseline x86-64, AVX
     instructions live only in the avx2/avx512 kernels, zmm registers only in the avx512 ones."""
     objdump = shutil.which("objdump")
     if objdump is None:

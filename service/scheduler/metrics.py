@@ -27,6 +27,7 @@ BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 
 PREEMPTION_BUCKETS = (0, 1, 2, 3, 5, 8, 13, 21)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 STEP_LOOP_PARTS = ("schedule", "update", "fanout", "encode", "decode")
+DROP_REASONS = ("malformed", "unexpected", "invalid", "unknown_worker", "handler_error")  # server.py DroppedFrame
 
 
 class _LiveCollector(Collector):
@@ -209,6 +210,9 @@ class SchedulerMetrics:
             ["socket", "reason"],
             registry=self.registry,
         )
+        for socket in ("api", "worker"):
+            for reason in DROP_REASONS:
+                self.dropped_frames.labels(socket, reason)  # shown as 0 before the first drop
         step_loop = Counter(
             "blockserve_step_loop_seconds",
             "Scheduler time per part of the step loop: schedule, update (results into the core), fanout (deltas "

@@ -46,7 +46,8 @@ def test_a_client_that_leaves_a_stream_aborts_its_request(fake, api):
 
 
 def test_a_client_that_leaves_before_a_whole_response_aborts_its_request(fake, api):
-    fake.reply_text, fake.token_delay_s = LONG_REPLY, 0.05
+    # Slow tokens: the reply must still be running when a loaded api notices the client has gone.
+    fake.reply_text, fake.token_delay_s = LONG_REPLY, 0.25
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{api.base_url}/v1/completions", json=COMPLETION, timeout=0.3)
     request_id = fake.generated[-1].request_id

@@ -21,7 +21,7 @@ NUM_BLOCKS = 24
 
 def start_cluster(tmp_path, **overrides: str):
     """Scheduler + fake worker process; returns (env, peer, processes) once the scheduler is ready."""
-    env = loopback_env(BLOCKSERVE_NUM_KV_BLOCKS=str(NUM_BLOCKS), BLOCKSERVE_BLOCK_SIZE="4", **overrides)
+    env = loopback_env(**{"BLOCKSERVE_NUM_KV_BLOCKS": str(NUM_BLOCKS), "BLOCKSERVE_BLOCK_SIZE": "4", **overrides})
     processes = {
         "scheduler": start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
         "worker": start(["-m", "tests.fake_worker_process"], env, tmp_path / "worker.log"),
@@ -175,20 +175,15 @@ def test_an_api_replica_lost_mid_stream_has_its_requests_aborted_and_blocks_free
 @pytest.mark.parametrize("overlapped", ["0", "1"])
 def test_streams_keep_receiving_tokens_while_a_maximal_prompt_prefills(tmp_path, overlapped):
     budget, num_streams = 8, 3
-    env = loopback_env(
+    _, peer, processes = start_cluster(
+        tmp_path,
         BLOCKSERVE_NUM_KV_BLOCKS="64",
         BLOCKSERVE_BLOCK_SIZE="16",
         BLOCKSERVE_MAX_NUM_BATCHED_TOKENS=str(budget),
         BLOCKSERVE_ASYNC_SCHEDULING=overlapped,
         FAKE_STEP_DELAY_S="0.01",
     )
-    processes = [
-        start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
-        start(["-m", "tests.fake_worker_process"], env, tmp_path / "worker.log"),
-    ]
-    peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
     try:
-        peer.wait_until(lambda: peer.status().ready, 30)
         max_model_len = tiny_model_info().max_model_len
         streams = [peer.submit([1, 2, 3], max_tokens=max_model_len - 4) for _ in range(num_streams)]
         peer.wait_until(lambda: all(len(peer.outputs[s]) >= 2 for s in streams), 15)
@@ -202,4 +197,4 @@ def test_streams_keep_receiving_tokens_while_a_maximal_prompt_prefills(tmp_path,
         assert all(count >= prefill_steps - 2 for count in received.values()), (received, prefill_steps)
     finally:
         peer.close()
-        stop_all(processes)
+        stop_all(list(processes.values()))

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 20
 PING_INTERVAL_S = 1.0
+API_FRAMES_PER_TURN = 64  # api frames handled between two worker frames (a burst of requests waits its turn)
 CLOSE_LINGER_MS = 2000
 GC_GEN0_THRESHOLD = 50_000
 ZMQ_HEARTBEAT_TIMEOUT_MS = 6000  # a peer silent this long is disconnected (an api replica: its requests aborted)
@@ -114,10 +115,7 @@ class SchedulerServer:
             poller.poll(IDLE_POLL_MS)
             # Connection events before each frame: a closed connection's fd, reused, must not be its successor's.
             self._drain_events()
-            while self._poll_once(self.worker_socket, "worker", self._on_worker_frame):
-                self._drain_events()
-            while self._poll_once(self.api_socket, "api", self._on_api_frame):
-                self._drain_events()
+            self._take_frames()
             now = time.monotonic()
             self._check_worker(now)
             self._maybe_step(now)
@@ -126,6 +124,21 @@ class SchedulerServer:
                 if self.num_requests == 0 or now >= drain_deadline:
                     self.stopping = True
         self.close()
+
+    def _take_frames(self) -> None:
+        """Handle every frame that has come, taking turns: one worker frame, then up to
+        API_FRAMES_PER_TURN api frames. A fast worker's results, each answered by the next step,
+        can keep the worker socket full for a whole request's life; the api must not wait for that."""
+        while True:
+            took = self._poll_once(self.worker_socket, "worker", self._on_worker_frame)
+            self._drain_events()
+            for _ in range(API_FRAMES_PER_TURN):
+                if not self._poll_once(self.api_socket, "api", self._on_api_frame):
+                    break
+                self._drain_events()
+                took = True
+            if not took:
+                return
 
     def begin_drain(self) -> None:
         log.info("draining: no new requests; %d in flight", self.num_requests)

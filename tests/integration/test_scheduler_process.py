@@ -28,6 +28,7 @@ class ApiPeer:
         self.finished: dict[str, wire.RequestDelta] = {}
         self.statuses: list[wire.SchedulerStatus] = []
         self.batch_sizes: list[int] = []  # deltas per DeltaBatch frame
+        self.on_message = lambda message: None  # sees every message, in arrival order
 
     def send(self, message: wire.Message) -> None:
         self.socket.send(wire.encode(message))
@@ -44,6 +45,7 @@ class ApiPeer:
             return
         while self.socket.poll(0):
             message = wire.decode(self.socket.recv())
+            self.on_message(message)
             if isinstance(message, wire.DeltaBatch):
                 self.batch_sizes.append(len(message.deltas))
                 for delta in message.deltas:

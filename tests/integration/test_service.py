@@ -223,8 +223,10 @@ def test_client_disconnect_aborts_the_request_and_frees_its_blocks(either_stack)
     while scrape_reason(metrics_port, "abort") == aborted_before:
         assert time.monotonic() < deadline, "the disconnected request was not aborted"
         time.sleep(0.1)
-    samples = scrape(metrics_port)
-    assert samples["blockserve_kv_blocks_free"] == samples["blockserve_kv_blocks_capacity"]
+    # Overlapped, the aborted request's blocks come back when the step still computing it returns.
+    while (samples := scrape(metrics_port))["blockserve_kv_blocks_free"] != samples["blockserve_kv_blocks_capacity"]:
+        assert time.monotonic() < deadline, f"{samples['blockserve_kv_blocks_free']} blocks free after the abort"
+        time.sleep(0.05)
 
 
 def scrape_reason(port: str, reason: str) -> float:

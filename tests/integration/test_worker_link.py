@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -15,13 +17,14 @@ from tests.unit.fake_scheduler import tiny_model_info
 
 NUM_BLOCKS = 24
 BLOCK_SIZE = 4
+MAX_OUTPUT_TOKENS = 90  # 3 prompt tokens + 90 fit the 24 blocks of 4 and the tiny model's context
 
 
 def link_env(**overrides: str) -> dict[str, str]:
     return loopback_env(
         BLOCKSERVE_NUM_KV_BLOCKS=str(NUM_BLOCKS),
         BLOCKSERVE_BLOCK_SIZE=str(BLOCK_SIZE),
-        BLOCKSERVE_WORKER_TIMEOUT_S="2",
+        BLOCKSERVE_WORKER_TIMEOUT_S="10",  # the scripted worker answers pings only between its waits
         **overrides,
     )
 
@@ -57,8 +60,31 @@ class ScriptedWorker:
                     self.num_steps += 1
         return False
 
+    def hold(self, num_steps: int, timeout_s: float = 5) -> list[wire.SchedulerOutput]:
+        """Receive (answering pings) until `num_steps` steps wait here unanswered."""
+        held: list[wire.SchedulerOutput] = []
+        deadline = time.monotonic() + timeout_s
+        while len(held) < num_steps:
+            assert self.socket.poll(max(1, int((deadline - time.monotonic()) * 1000))), f"{len(held)} steps came"
+            message = wire.decode(self.socket.recv())
+            if isinstance(message, wire.Ping):
+                self.socket.send(wire.encode(wire.Pong()))
+            elif isinstance(message, wire.SchedulerOutput):
+                if message.is_empty:
+                    self.fake.execute(message)  # state to drop; no answer expected
+                else:
+                    held.append(message)
+        return held
+
+    def send_result(self, step: wire.SchedulerOutput) -> None:
+        self.socket.send(wire.encode(self.fake.execute(step)))
+        self.num_steps += 1
+
     def close(self) -> None:
         self.context.destroy(linger=0)
+
+
+scripted_processes: list = []  # the scripted fixture's scheduler process, for a test that pauses it
 
 
 @pytest.fixture
@@ -70,6 +96,7 @@ def scripted(tmp_path):
     peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
     worker.hello()
     peer.wait_until(lambda: worker.answer() or peer.status().ready, 30)
+    scripted_processes[:] = [scheduler]
     yield env, worker, peer
     peer.close()
     worker.close()
@@ -94,7 +121,7 @@ def test_status_names_the_asked_request_ids_the_scheduler_does_not_hold(scripted
     seen = len(peer.statuses)
     peer.send(wire.StatusQuery(request_ids=[held, "never-sent"]))
     peer.wait_until(lambda: worker.answer() or len(peer.statuses) > seen, 5)
-    assert peer.statuses[-1].unknown_request_ids == ["never-sent"]
+    assert peer.statuses[-1].unknown_request_ids == ["never-sent"], peer.finished.get(held)
     assert peer.statuses[-1].num_running == 1
 
 
@@ -157,3 +184,29 @@ def test_the_worker_answers_pings_while_a_step_computes(tmp_path):
     finally:
         context.destroy(linger=0)
         stop_all([worker])
+
+
+def test_a_worker_whose_results_keep_coming_does_not_starve_the_api_socket(scripted):
+    """Each result is answered by the next step, so a fast worker can keep the worker socket full
+    for a request's whole life. The scheduler takes turns: with two results and a status query
+    waiting, the query is answered before the second result's deltas, not after both."""
+    env, worker, peer = scripted
+    scheduler = scripted_processes[0]
+    held = peer.submit([1, 2, 3], max_tokens=60)
+    peer.wait_until(lambda: worker.answer() or len(peer.outputs[held]) >= 2, 10)
+    steps = worker.hold(2)  # both steps the overlapped loop keeps in flight
+    time.sleep(0.2)
+    peer.pump(0.05)  # the deltas of the steps answered before
+    os.kill(scheduler.pid, signal.SIGSTOP)
+    try:
+        for step in steps:
+            worker.send_result(step)
+        peer.send(wire.StatusQuery(request_ids=[held]))
+        time.sleep(0.3)  # all three frames wait in the stopped scheduler's sockets
+    finally:
+        os.kill(scheduler.pid, signal.SIGCONT)
+    arrivals: list[str] = []
+    peer.on_message = lambda message: arrivals.append(type(message).__name__)
+    peer.wait_until(lambda: "SchedulerStatus" in arrivals, 5)
+    assert arrivals.index("SchedulerStatus") < 2, arrivals  # before the second result's deltas
+    assert peer.statuses[-1].num_running == 1

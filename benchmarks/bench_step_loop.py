@@ -158,7 +158,7 @@ class ApiPeer:
     def _on_message(self, message: wire.AnyMessage) -> None:
         if isinstance(message, wire.SchedulerStatus):
             return  # a late answer to wait_ready()
-        deltas = message.deltas if isinstance(message, wire.DeltaBatch) else [message]
+        deltas = message.all_deltas() if isinstance(message, wire.DeltaBatch) else [message]
         now = time.perf_counter()
         for delta in deltas:
             if delta.token_ids:

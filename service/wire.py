@@ -9,7 +9,8 @@ drop. Nothing is ever unpickled.
 
 Scheduler -> worker traffic is deltas: a request is sent in full once (`NewRequest`), after
 that only its newly added block ids and how many tokens to compute (`RunningRequest`).
-Scheduler -> api traffic is one `DeltaBatch` per replica per step, not a frame per request.
+Scheduler -> api traffic is one `DeltaBatch` per replica per step, not a frame per request, with
+the step's plain tokens as two columns (request ids, token ids) rather than a struct each.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class WireError(ValueError):
@@ -104,9 +105,25 @@ class RequestDelta(Message, tag="delta", gc=False):
 
 
 class DeltaBatch(Message, tag="deltas"):
-    """Every delta one step produced for one api replica, in one frame."""
+    """Every delta one step produced for one api replica, in one frame.
 
-    deltas: list[RequestDelta]
+    A step's plain tokens (no logprobs, not a request's last) travel as two columns:
+    `token_request_ids[i]` got `token_ids[i]`. They come before `deltas`, which hold everything
+    else (tokens with logprobs, a request's last token, ends without a token).
+    """
+
+    token_request_ids: list[str] = []
+    token_ids: list[int] = []
+    deltas: list[RequestDelta] = []
+
+    def __post_init__(self) -> None:
+        if len(self.token_request_ids) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_request_ids)} request ids for {len(self.token_ids)} tokens")
+
+    def all_deltas(self) -> list[RequestDelta]:
+        """The batch as one delta per entry, in the order they apply (columns first)."""
+        plain = [RequestDelta(request_id=r, token_ids=[t]) for r, t in zip(self.token_request_ids, self.token_ids)]
+        return plain + self.deltas
 
 
 class StatusQuery(Message, tag="status_query"):

@@ -164,7 +164,7 @@ class SchedulerClient:
 
     def _dispatch(self, message: wire.AnyMessage) -> None:
         if isinstance(message, wire.DeltaBatch):
-            for delta in message.deltas:
+            for delta in message.all_deltas():
                 self._route(delta)
         elif isinstance(message, wire.RequestDelta):
             self._route(message)

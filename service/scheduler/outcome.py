@@ -12,9 +12,20 @@ from service.scheduler.request import Request
 class StepOutcome:
     """Everything a `schedule()`, `update()`, `abort_request()` or `fail_all()` call produced."""
 
-    deltas: dict[bytes, list[wire.RequestDelta]] = field(default_factory=dict)  # owner -> its deltas, in order
+    # owner -> its plain tokens (no logprobs, not a request's last) as columns: request ids, token ids
+    tokens: dict[bytes, tuple[list[str], list[int]]] = field(default_factory=dict)
+    deltas: dict[bytes, list[wire.RequestDelta]] = field(default_factory=dict)  # owner -> its other deltas, in order
     sampled: list[Request] = field(default_factory=list)  # got a token (their timings say when)
     finished: list[Request] = field(default_factory=list)  # ended, with their timings
+
+    def add_token(self, request: Request, token_id: int) -> None:
+        """A plain token. It applies before the owner's deltas: a request's own deltas only ever end it."""
+        columns = self.tokens.get(request.owner)
+        if columns is None:
+            self.tokens[request.owner] = ([request.request_id], [token_id])
+        else:
+            columns[0].append(request.request_id)
+            columns[1].append(token_id)
 
     def add(self, request: Request, delta: wire.RequestDelta) -> None:
         owned = self.deltas.get(request.owner)
@@ -24,10 +35,27 @@ class StepOutcome:
             owned.append(delta)
 
     def extend(self, other: "StepOutcome") -> None:
+        for owner, (request_ids, token_ids) in other.tokens.items():
+            columns = self.tokens.setdefault(owner, ([], []))
+            columns[0].extend(request_ids)
+            columns[1].extend(token_ids)
         for owner, deltas in other.deltas.items():
             self.deltas.setdefault(owner, []).extend(deltas)
         self.sampled.extend(other.sampled)
         self.finished.extend(other.finished)
 
+    def batches(self) -> dict[bytes, wire.DeltaBatch]:
+        """One frame's worth for each api replica."""
+        empty: tuple[list[str], list[int]] = ([], [])
+        return {
+            owner: wire.DeltaBatch(
+                token_request_ids=self.tokens.get(owner, empty)[0],
+                token_ids=self.tokens.get(owner, empty)[1],
+                deltas=self.deltas.get(owner, []),
+            )
+            for owner in self.tokens.keys() | self.deltas.keys()
+        }
+
     def all_deltas(self) -> list[wire.RequestDelta]:
-        return [delta for deltas in self.deltas.values() for delta in deltas]
+        """Every owner's batch as one delta per entry, in the order each owner applies them."""
+        return [delta for batch in self.batches().values() for delta in batch.all_deltas()]

@@ -266,6 +266,7 @@ class Scheduler:
             sampled = {token.request_id: token for token in result.sampled}
             block_size = self.config.block_size
             accept = self._accept_token
+            sampled_requests, columns_of, refresh = outcome.sampled, outcome.tokens, self.reserve.refresh_after_token
             for request, preemptions, computed_end, samples in step.scheduled:
                 if request.num_preemptions != preemptions:
                     continue  # preempted since: it is recomputed from scratch
@@ -280,8 +281,30 @@ class Scheduler:
                 token = sampled.get(request.request_id)
                 if token is None:
                     self._end(request, FinishReason.ERROR, "the worker returned no token", now, outcome)
+                    continue
+                token_id, token_ids = token.token_id, request.token_ids
+                if (
+                    token.logprob is not None
+                    or request.last_token_time is None
+                    or token_id in request.stop_token_ids
+                    or len(token_ids) + 1 >= request.max_num_tokens
+                ):
+                    accept(request, token, now, outcome)  # with logprobs, a first or a last token
+                    continue
+                # What _accept_token does for a plain next token, inline: this runs per request per step.
+                request.last_token_gap_s = now - request.last_token_time
+                request.last_token_time = now
+                token_ids.append(token_id)
+                if len(token_ids) % request.block_size == 0:
+                    extend_block_hashes(request.block_hashes, token_ids, request.block_size)
+                sampled_requests.append(request)
+                columns = columns_of.get(request.owner)
+                if columns is None:
+                    columns_of[request.owner] = ([request.request_id], [token_id])
                 else:
-                    accept(request, token, now, outcome)
+                    columns[0].append(request.request_id)
+                    columns[1].append(token_id)
+                refresh(request)
         self.stats.num_generation_tokens += len(outcome.sampled)
         for block_ids in self._releases.pop(step.step_id, ()):
             self.num_releasing_blocks -= len(block_ids)
@@ -461,10 +484,14 @@ class Scheduler:
         else:
             reason = None
         outcome.sampled.append(request)
-        outcome.add(request, token_delta(request, token, reason))
         if reason is None:
+            if token.logprob is None:
+                outcome.add_token(request, token_id)  # the common case: two column entries, no struct
+            else:
+                outcome.add(request, token_delta(request, token, reason))
             self.reserve.refresh_after_token(request)
         else:
+            outcome.add(request, token_delta(request, token, reason))
             self._finish(request, reason, now, outcome)
 
     def _end(

@@ -40,6 +40,7 @@ IDLE_POLL_MS = 20
 PING_INTERVAL_S = 1.0
 API_FRAMES_PER_TURN = 64  # api frames handled between two worker frames (a burst of requests waits its turn)
 CLOSE_LINGER_MS = 2000
+LAST_DELTAS_GRACE_S = 0.5  # between the shutdown's last deltas and closing the sockets
 GC_GEN0_THRESHOLD = 50_000
 ZMQ_HEARTBEAT_TIMEOUT_MS = 6000  # a peer silent this long is disconnected (an api replica: its requests aborted)
 # A plain (or otherwise broken) peer fails inside libzmq, before ZAP: counted as an auth failure with CURVE on.
@@ -145,8 +146,11 @@ class SchedulerServer:
         self.draining = True
 
     def close(self) -> None:
-        if self.scheduler is not None:
+        if self.scheduler is not None and self.scheduler.requests:
             self._deliver(self.scheduler.fail_all("the scheduler is shutting down", time.monotonic()))
+            # An api replica's socket drops what it has not read once the connection closes
+            # (ZMQ_IMMEDIATE): give it time to read these last deltas first.
+            time.sleep(LAST_DELTAS_GRACE_S)
         self.worker_socket.disable_monitor()
         self.api_socket.disable_monitor()
         self.curve.stop()
@@ -251,8 +255,8 @@ class SchedulerServer:
     def _deliver(self, outcome: StepOutcome) -> None:
         """Send each api replica its deltas in one frame; observe the latencies."""
         started = time.perf_counter()
-        for owner, deltas in outcome.deltas.items():
-            self._send(self.api_socket, owner, wire.DeltaBatch(deltas=deltas))
+        for owner, batch in outcome.batches().items():
+            self._send(self.api_socket, owner, batch)
         self.metrics.on_outcome(outcome)
         self.metrics.step_loop_seconds["fanout"].inc(time.perf_counter() - started)
 

@@ -47,8 +47,9 @@ class ApiPeer:
             message = wire.decode(self.socket.recv())
             self.on_message(message)
             if isinstance(message, wire.DeltaBatch):
-                self.batch_sizes.append(len(message.deltas))
-                for delta in message.deltas:
+                deltas = message.all_deltas()
+                self.batch_sizes.append(len(deltas))
+                for delta in deltas:
                     self.on_delta(delta)
             elif isinstance(message, wire.RequestDelta):
                 self.on_delta(message)

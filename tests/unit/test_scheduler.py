@@ -306,3 +306,42 @@ def test_legacy_request_ended_inside_schedule_reports_at_once_even_if_the_step_i
     assert step.output.is_empty and [d.request_id for d in ended] == ["long"]
     assert ended[0].error.startswith("incomplete") and scheduler.requests == {}
     assert scheduler.pool.num_free_blocks == 16
+
+
+def test_plain_tokens_go_to_each_replica_as_columns_and_the_rest_as_deltas():
+    from service.scheduler.scheduler import Scheduler
+
+    scheduler = Scheduler(config())
+    scheduler.add_request("plain", [1, 2, 3], greedy(3), 0.0, b"replica-a")
+    scheduler.add_request("with-logprobs", [4, 5, 6], greedy(3, logprobs=1), 0.0, b"replica-a")
+    scheduler.add_request("other-replica", [7, 8, 9], greedy(3), 0.0, b"replica-b")
+    batches_per_step = []
+    while scheduler.has_work:
+        step = scheduler.schedule(0.0)
+        if not step.needs_result:
+            continue  # only the ended requests' ids for the worker
+        sampled = [
+            wire.SampledToken(r, 11 + step.step_id, logprob=-0.5 if r == "with-logprobs" else None)
+            for r in [n.request_id for n in step.output.new_requests]
+            + [n.request_id for n in step.output.running_requests]
+        ]
+        outcome = scheduler.update(step, wire.StepResult(step_id=step.step_id, sampled=sampled), 0.0)
+        batches_per_step.append(outcome.batches())
+    first, middle, last = batches_per_step
+    # The first token of each request carries its timing: a delta; then plain tokens are columns.
+    assert middle[b"replica-a"].token_request_ids == ["plain"] and middle[b"replica-a"].token_ids == [13]
+    assert [d.request_id for d in middle[b"replica-a"].deltas] == ["with-logprobs"]
+    assert middle[b"replica-a"].deltas[0].logprobs == [-0.5]
+    assert middle[b"replica-b"].token_request_ids == ["other-replica"] and middle[b"replica-b"].deltas == []
+    # The last token ends the request: a delta with its finish reason, never a column.
+    assert all(batch.token_request_ids == [] for batch in last.values())
+    assert {d.request_id: d.finish_reason for batch in last.values() for d in batch.deltas} == {
+        "plain": "length",
+        "with-logprobs": "length",
+        "other-replica": "length",
+    }
+    outputs = {}
+    for batches in batches_per_step:
+        for batch in wire.decode(wire.encode(batches[b"replica-a"])).all_deltas():
+            outputs.setdefault(batch.request_id, []).extend(batch.token_ids)
+    assert outputs == {"plain": [12, 13, 14], "with-logprobs": [12, 13, 14]}

@@ -38,19 +38,34 @@ def test_coding_a_step_frame(benchmark, message, direction):
     benchmark.extra_info["frame_bytes"] = len(frame)
 
 
-@pytest.mark.benchmark(group="wire, one step's 1,024 deltas to one replica, encode + decode")
-@pytest.mark.parametrize("shape", ["a frame per delta", "one DeltaBatch"])
+@pytest.mark.benchmark(group="wire, one step's 1,024 deltas to one replica, build + encode + decode")
+@pytest.mark.parametrize("shape", ["a frame per delta", "one DeltaBatch of structs", "one DeltaBatch of columns"])
 def test_fanning_out_a_steps_deltas(benchmark, shape):
-    step_deltas = deltas()
+    """The scheduler's side (building what it sends, encoding it) and the api's (decoding it)."""
 
-    def frames_per_delta() -> list[wire.RequestDelta]:
-        return [wire.decode(wire.encode(delta)) for delta in step_deltas]
+    def frames_per_delta() -> list[tuple[str, list[int]]]:
+        return [(d.request_id, d.token_ids) for d in (wire.decode(wire.encode(delta)) for delta in deltas())]
 
-    def one_batch() -> list[wire.RequestDelta]:
-        return wire.decode(wire.encode(wire.DeltaBatch(deltas=step_deltas))).deltas
+    def batch_of_structs() -> list[tuple[str, list[int]]]:
+        received = wire.decode(wire.encode(wire.DeltaBatch(deltas=deltas())))
+        return [(delta.request_id, delta.token_ids) for delta in received.deltas]
 
-    received = benchmark.pedantic(frames_per_delta if shape == "a frame per delta" else one_batch, rounds=ROUNDS)
-    assert received == step_deltas
+    def batch_of_columns() -> list[tuple[str, list[int]]]:
+        batch = wire.DeltaBatch(token_request_ids=list(REQUEST_IDS), token_ids=[1234] * NUM_REQUESTS)
+        return [(delta.request_id, delta.token_ids) for delta in wire.decode(wire.encode(batch)).all_deltas()]
+
+    shapes = {"a frame per delta": frames_per_delta, "one DeltaBatch of structs": batch_of_structs}
+    received = benchmark.pedantic(shapes.get(shape, batch_of_columns), rounds=ROUNDS)
+    assert received == [(request_id, [1234]) for request_id in REQUEST_IDS]
+
+
+def test_a_batch_whose_columns_disagree_in_length_is_rejected():
+    frame = wire.encode(wire.DeltaBatch(token_request_ids=["r1", "r2"], token_ids=[5, 6]))
+    wire.decode(frame)
+    lopsided = frame.replace(b"\x92\x05\x06", b"\x91\x05")  # token ids [5, 6] -> [5]
+    assert lopsided != frame
+    with pytest.raises(wire.WireError, match="2 request ids for 1 tokens"):
+        wire.decode(lopsided)
 
 
 def test_a_frame_of_an_older_protocol_is_rejected():

@@ -5,7 +5,8 @@ Run: python benchmarks/bench_step_loop.py [--mode serial|async|both] [--quick] [
 Each case starts the real `blockserve scheduler` process on loopback sockets and a model-free
 worker process whose step takes a fixed time: the FakeWorker's deterministic tokens (the fake
 model) and then a sleep for the rest (the CPU is free meanwhile, as under a blocking device sync).
-Taking the step's deltas into the per-request state comes before, as the worker's input building. This
+Taking the step's deltas into the per-request state is the worker's input building; the worker
+loop does it for the next step while this one's "device" time runs, where that step has come. This
 process plays an api replica: it submits every request as token ids on the api socket at once
 and drains their deltas. The worker's busy fraction is its sleeping time over the span from the
 first step's start to the last step's end; the gap is the time between one step's end and the
@@ -79,22 +80,40 @@ class FixedStepRunner:
         self.worker = FakeWorker(num_kv_blocks, BLOCK_SIZE, VOCAB_SIZE)
         self.steps: list[dict[str, float]] = []
 
-    def execute(self, step: wire.SchedulerOutput) -> wire.StepResult:
+    # The worker loop's parts (gpu_worker.worker_process.PipelinedRunner): the next step's input
+    # building runs while the device "computes" this one, as on a GPU whose kernels run queued.
+
+    def prepare(self, step: wire.SchedulerOutput) -> tuple[wire.SchedulerOutput, list, float, float]:
         started = time.perf_counter()
-        work = self.worker.apply(step)  # the worker's input building: host time between steps
+        work = self.worker.apply(step)  # the worker's input building
+        return step, work, started, time.perf_counter()
+
+    def launch(self, prepared: tuple) -> dict:
+        step, work, prepare_started, prepare_ended = prepared
         device_started = time.perf_counter()
         result = self.worker.compute(step.step_id, work)  # the fake model: part of the step's fixed time
-        if not step.is_empty:
-            frame = wire.encode(step)  # timed while the device "computes": the CPU is free then
-            codec_started = time.perf_counter()
-            wire.decode(frame)
-            wire.encode(result)
-            codec_s = time.perf_counter() - codec_started
-            time.sleep(max(0.0, self.step_s - (time.perf_counter() - device_started)))
-            self.steps.append(
-                {"started": started, "device_started": device_started, "ended": time.perf_counter(), "codec_s": codec_s}
-            )
-        return result
+        frame = wire.encode(step)  # timed while the device "computes": the CPU is free then
+        codec_started = time.perf_counter()
+        wire.decode(frame)
+        wire.encode(result)
+        timings = {
+            "started": prepare_started,
+            "input_building_s": prepare_ended - prepare_started,
+            "device_started": device_started,
+            "codec_s": time.perf_counter() - codec_started,
+        }
+        return {"result": result, "device_ends": device_started + self.step_s, "timings": timings}
+
+    def remaining_s(self, launched: dict) -> float:
+        return max(0.0, launched["device_ends"] - time.perf_counter())
+
+    def finish(self, launched: dict) -> wire.StepResult:
+        time.sleep(self.remaining_s(launched))
+        self.steps.append({**launched["timings"], "ended": time.perf_counter()})
+        return launched["result"]
+
+    def execute(self, step: wire.SchedulerOutput) -> wire.StepResult:
+        return self.finish(self.launch(self.prepare(step)))
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -244,6 +263,10 @@ def run_case(mode: str, step_ms: int, running: int, waiting: int, max_tokens: in
         peer.close()
         for process in processes:  # the scheduler first: the worker serves until it has gone
             stop(process)
+    if not timings_path.exists():
+        raise RuntimeError(
+            f"the worker left no timings; its log:\n{(log_dir / f'{name}.worker.log').read_text()[-3000:]}"
+        )
     steps = json.loads(timings_path.read_text())
     return summarize(mode, step_ms, running, waiting, max_tokens, peer, steps, scheduler_parts_s(before, after))
 
@@ -254,7 +277,8 @@ def summarize(mode, step_ms, running, waiting, max_tokens, peer: ApiPeer, steps:
     gaps_s = [later["device_started"] - earlier["ended"] for earlier, later in zip(steps, steps[1:])]
     num_steps = len(steps)
     per_step_ms = {f"scheduler {part}": seconds * 1e3 / num_steps for part, seconds in sorted(parts_s.items())}
-    per_step_ms["worker input building"] = sum(s["device_started"] - s["started"] for s in steps) * 1e3 / num_steps
+    # Mostly while the step before computes (prepared ahead), so only in part a gap.
+    per_step_ms["worker input building"] = sum(s["input_building_s"] for s in steps) * 1e3 / num_steps
     per_step_ms["worker decode + encode"] = sum(s["codec_s"] for s in steps) * 1e3 / num_steps
     return {
         "mode": mode,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import paddle
 
@@ -11,13 +12,31 @@ from gpu_worker.kernels import select_kernels
 from gpu_worker.kv_cache import KVCache, num_blocks_for
 from gpu_worker.model_loader import load_model
 from gpu_worker.sampler import Sampler
-from gpu_worker.step_inputs import RequestState, StepError, StepInputs, build_step_inputs
+from gpu_worker.step_inputs import RequestState, StepError, StepInputs, build_step_inputs, fill_pending_tokens
 from gpu_worker.tensor_ops import take_rows
 from service import wire
 from service.config import Settings
 from service.limits import sampling_problem
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedStep:
+    """A step taken into the worker's state, its inputs built (the previous step's samples pending)."""
+
+    step: wire.SchedulerOutput
+    scheduled: list[tuple[RequestState, int]] = field(default_factory=list)
+    inputs: StepInputs | None = None  # None: nothing to compute
+    attention_metadata: object = None
+    error: str | None = None
+
+
+@dataclass
+class LaunchedStep:
+    prepared: PreparedStep
+    logits: paddle.Tensor | None = None  # None: nothing to sample
+    error: str | None = None
 
 
 class ModelRunner:
@@ -54,32 +73,73 @@ class ModelRunner:
 
     def execute(self, step: wire.SchedulerOutput) -> wire.StepResult:
         """Run one step; a failure becomes StepResult(error=...) rather than an exception."""
+        return self.finish(self.launch(self.prepare(step)))
+
+    # A step in three parts, so the worker loop can prepare step N+1 while step N computes:
+    # prepare (deltas into state, inputs with N's samples pending), launch (fill them in, run the
+    # forward and the logits: on a GPU these only queue kernels), finish (sample: waits for the device).
+
+    def prepare(self, step: wire.SchedulerOutput) -> PreparedStep:
         try:
-            return wire.StepResult(step_id=step.step_id, sampled=self._execute(step))
+            scheduled = self._update_states(step)
+            if not scheduled:
+                return PreparedStep(step)
+            inputs = build_step_inputs(scheduled, self.block_size, self.num_kv_blocks)
+            return PreparedStep(step, scheduled, inputs, self.attention.prepare(inputs))
         except Exception as exc:
             log.exception("step %d failed", step.step_id)
-            return wire.StepResult(step_id=step.step_id, error=f"{type(exc).__name__}: {exc}")
+            return PreparedStep(step, error=f"{type(exc).__name__}: {exc}")
 
-    def _execute(self, step: wire.SchedulerOutput) -> list[wire.SampledToken]:
-        scheduled = self._update_states(step)
-        if not scheduled:
-            return []
-        inputs = build_step_inputs(scheduled, self.block_size, self.num_kv_blocks)
-        hidden = self.forward(inputs)
-        for state, num_scheduled in scheduled:
-            state.num_computed_tokens += num_scheduled
-        if not inputs.sampling_requests:
-            return []
-        logits = self.model.compute_logits(take_rows(hidden, paddle.to_tensor(inputs.logits_indices)))
-        sampled = self.sampler.sample(logits, inputs.sampling_requests)
-        for state, token in zip(inputs.sampling_requests, sampled):
-            state.token_ids.append(token.token_id)
-        return sampled
+    def launch(self, prepared: PreparedStep) -> LaunchedStep:
+        if prepared.error is not None or prepared.inputs is None:
+            return LaunchedStep(prepared)
+        try:
+            inputs = prepared.inputs
+            fill_pending_tokens(inputs)
+            hidden = self.model.forward(
+                paddle.to_tensor(inputs.input_ids), self.kv_cache, self.attention, prepared.attention_metadata
+            )
+            for state, num_scheduled in prepared.scheduled:
+                state.num_computed_tokens += num_scheduled
+            if not inputs.sampling_requests:
+                return LaunchedStep(prepared)
+            for state in inputs.sampling_requests:
+                state.awaiting_token = True
+            logits = self.model.compute_logits(take_rows(hidden, paddle.to_tensor(inputs.logits_indices)))
+            return LaunchedStep(prepared, logits)
+        except Exception as exc:
+            log.exception("step %d failed", prepared.step.step_id)
+            return LaunchedStep(prepared, error=f"{type(exc).__name__}: {exc}")
+
+    def finish(self, launched: LaunchedStep) -> wire.StepResult:
+        prepared = launched.prepared
+        step_id = prepared.step.step_id
+        error = launched.error or prepared.error
+        sampling = prepared.inputs.sampling_requests if prepared.inputs is not None else []
+        try:
+            if error is None and launched.logits is not None:
+                sampled = self.sampler.sample(launched.logits, sampling)
+                for state, token in zip(sampling, sampled):
+                    state.token_ids.append(token.token_id)
+                return wire.StepResult(step_id=step_id, sampled=sampled)
+        except Exception as exc:
+            log.exception("step %d failed", step_id)
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            for state in sampling:
+                state.awaiting_token = False
+        return wire.StepResult(step_id=step_id, error=error) if error else wire.StepResult(step_id=step_id)
 
     def forward(self, inputs: StepInputs) -> paddle.Tensor:
         """Write the step's KV into the cache; hidden states [tokens, hidden] before the final norm."""
         metadata = self.attention.prepare(inputs)
         return self.model.forward(paddle.to_tensor(inputs.input_ids), self.kv_cache, self.attention, metadata)
+
+    @staticmethod
+    def remaining_s(launched: LaunchedStep) -> float:
+        """How long the device may still compute `launched`: unknown here, so prepare ahead only
+        what has already come (on the CPU the forward has finished when launch returns)."""
+        return 0.0
 
     def _update_states(self, step: wire.SchedulerOutput) -> list[tuple[RequestState, int]]:
         """Apply the step's deltas; return (state, tokens to compute) of every scheduled request."""

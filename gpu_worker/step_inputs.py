@@ -9,6 +9,8 @@ import numpy as np
 
 from service import wire
 
+PENDING_TOKEN = -1  # an input token the step in flight has yet to sample
+
 
 class StepError(ValueError):
     """A step that contradicts the worker's state (unknown request, too few blocks, ...)."""
@@ -24,6 +26,7 @@ class RequestState:
     sampling: wire.SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    awaiting_token: bool = False  # a step in flight samples its next token (inputs built ahead leave it pending)
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,9 @@ class StepInputs:
     block_table: np.ndarray  # [requests, max blocks], padded with block 0
     logits_indices: np.ndarray  # [samples] flat index of the last token of each sampling request
     sampling_requests: list[RequestState]
+    # Built ahead, while the step before computes: (flat index, request, position) of each input
+    # token that step samples; `fill_pending_tokens` puts them in once it has.
+    pending_tokens: list[tuple[int, RequestState, int]]
 
 
 def build_step_inputs(scheduled: list[tuple[RequestState, int]], block_size: int, num_blocks: int) -> StepInputs:
@@ -45,7 +51,7 @@ def build_step_inputs(scheduled: list[tuple[RequestState, int]], block_size: int
     states = [state for state, _ in scheduled]
     query_lens = np.array([count for _, count in scheduled], dtype=np.int64)
     num_computed = np.array([state.num_computed_tokens for state in states], dtype=np.int64)
-    num_tokens = np.array([len(state.token_ids) for state in states], dtype=np.int64)
+    num_tokens = np.array([len(state.token_ids) + state.awaiting_token for state in states], dtype=np.int64)
     context_lens = num_computed + query_lens
     query_start = np.concatenate([[0], np.cumsum(query_lens)])
     total = int(query_start[-1])
@@ -61,11 +67,13 @@ def build_step_inputs(scheduled: list[tuple[RequestState, int]], block_size: int
     slots = block_table[request_of_token, positions // block_size] * block_size + positions % block_size
     input_ids = np.fromiter(
         itertools.chain.from_iterable(
-            state.token_ids[start:end] for state, start, end in zip(states, num_computed, context_lens)
+            _known_then_pending(state.token_ids, start, end)
+            for state, start, end in zip(states, num_computed, context_lens)
         ),
         dtype=np.int64,
         count=total,
     )
+    pending = np.flatnonzero(input_ids == PENDING_TOKEN)
     samples = np.flatnonzero(context_lens == num_tokens)
     return StepInputs(
         input_ids=input_ids,
@@ -76,7 +84,21 @@ def build_step_inputs(scheduled: list[tuple[RequestState, int]], block_size: int
         block_table=block_table,
         logits_indices=query_start[samples + 1] - 1,
         sampling_requests=[states[i] for i in samples],
+        pending_tokens=[(int(i), states[request_of_token[i]], int(positions[i])) for i in pending],
     )
+
+
+def _known_then_pending(token_ids: list[int], start: int, end: int) -> list[int]:
+    known = token_ids[start:end]
+    return known if start + len(known) == end else known + [PENDING_TOKEN] * (end - start - len(known))
+
+
+def fill_pending_tokens(inputs: StepInputs) -> None:
+    """Put in the tokens the step before sampled (it has finished); a request still without one is an error."""
+    for index, state, position in inputs.pending_tokens:
+        if position >= len(state.token_ids):
+            raise StepError(f"request {state.request_id} has no token at position {position}")
+        inputs.input_ids[index] = state.token_ids[position]
 
 
 def _check(states, context_lens, num_tokens, block_table, block_size, num_blocks) -> None:

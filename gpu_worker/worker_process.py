@@ -5,7 +5,8 @@ answers every ping at once, even while a step computes, and receives and decodes
 while the current one computes, so the runner finds them ready. When it has heard nothing for a
 while and owes no step result, it says hello again, so a restarted scheduler finds it. A
 malformed frame is counted and dropped. The main thread runs the steps in order and hands each
-result to the link thread. On SIGTERM it keeps serving until the scheduler has gone (it drains
+result to the link thread; with a runner whose steps come in parts (prepare, launch, finish), it
+prepares the next step while one computes. On SIGTERM it keeps serving until the scheduler has gone (it drains
 its requests first), bounded by `drain_timeout_s`.
 """
 
@@ -18,7 +19,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Protocol
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -43,6 +44,19 @@ class Runner(Protocol):
     kernels: dict[str, str]
 
     def execute(self, step: wire.SchedulerOutput) -> wire.StepResult: ...
+
+
+@runtime_checkable
+class PipelinedRunner(Runner, Protocol):
+    """A runner whose steps come in parts, so the next step's inputs are built while one computes."""
+
+    def prepare(self, step: wire.SchedulerOutput) -> Any: ...  # state and inputs; samples of the step before pending
+
+    def launch(self, prepared: Any) -> Any: ...  # fills those in, starts the compute
+
+    def remaining_s(self, launched: Any) -> float: ...  # how long the compute may still take (0: done)
+
+    def finish(self, launched: Any) -> wire.StepResult: ...  # waits for it, samples
 
 
 class SchedulerLink:
@@ -75,7 +89,7 @@ class SchedulerLink:
 
     def next_step(self, timeout_s: float) -> wire.SchedulerOutput | None:
         try:
-            return self._steps.get(timeout=timeout_s)
+            return self._steps.get(timeout=timeout_s) if timeout_s > 0 else self._steps.get_nowait()
         except queue.Empty:
             return None
 
@@ -157,7 +171,10 @@ def serve_worker(runner: Runner, settings: Settings) -> None:
     link.start()
     log.info("%s connected to %s with %d KV blocks", hello.worker_id, settings.worker_addr, runner.num_kv_blocks)
     try:
-        while stop_deadline is None or (link.scheduler_connected and time.monotonic() < stop_deadline):
+        serving = lambda: stop_deadline is None or (link.scheduler_connected and time.monotonic() < stop_deadline)  # noqa: E731
+        if isinstance(runner, PipelinedRunner):
+            serve_pipelined(runner, link, serving)
+        while serving():
             step = link.next_step(POLL_S)
             if step is None:
                 continue
@@ -166,6 +183,27 @@ def serve_worker(runner: Runner, settings: Settings) -> None:
                 link.send(result)
     finally:
         link.close()
+
+
+def serve_pipelined(runner: PipelinedRunner, link: SchedulerLink, serving: Callable[[], bool]) -> None:
+    """Steps in order, each next one prepared while the one before computes (as vLLM's async
+    scheduling does): its deltas taken into state and its inputs built, with the tokens the step
+    in flight samples filled in when it has finished. At most one step is prepared ahead."""
+    ahead: tuple[wire.SchedulerOutput, Any] | None = None  # (step, prepared)
+    while serving():
+        if ahead is None:
+            step = link.next_step(POLL_S)
+            if step is None:
+                continue
+            ahead = step, runner.prepare(step)
+        (step, prepared), ahead = ahead, None
+        if step.is_empty:
+            continue  # state to drop only: no answer expected
+        launched = runner.launch(prepared)
+        # The device computes: take the next step in meanwhile.
+        if (following := link.next_step(runner.remaining_s(launched))) is not None:
+            ahead = following, runner.prepare(following)
+        link.send(runner.finish(launched))
 
 
 def run_worker(settings: Settings) -> None:

@@ -236,22 +236,17 @@ class SchedulerMetrics:
 
     def on_outcome(self, outcome: StepOutcome) -> None:
         """Latencies of what one scheduler call produced, from the requests' own timings."""
-        if outcome.sampled:
-            self.on_tokens(outcome.sampled)
+        if outcome.token_gaps_s:
+            self.itl.observe_many(self.get_model_name(), outcome.token_gaps_s)
+        if outcome.first_tokens:
+            self.on_first_tokens(outcome.first_tokens)
         if outcome.finished:
             self.on_finished(outcome.finished)
 
-    def on_tokens(self, requests: list[Request]) -> None:
-        """Each request just got a token: its first (TTFT) or its next (inter-token latency)."""
-        model = self.get_model_name()
-        gaps = [request.last_token_gap_s for request in requests if request.num_output_tokens > 1]
-        if gaps:
-            self.itl.observe_many(model, gaps)
-        if len(gaps) < len(requests):
-            ttft = self.ttft.labels(model)
-            for request in requests:
-                if request.num_output_tokens == 1:
-                    ttft.observe(request.first_token_time - request.arrival_time)
+    def on_first_tokens(self, requests: list[Request]) -> None:
+        ttft = self.ttft.labels(self.get_model_name())
+        for request in requests:
+            ttft.observe(request.first_token_time - request.arrival_time)
 
     def on_finished(self, requests: list[Request]) -> None:
         model = self.get_model_name()

@@ -15,7 +15,8 @@ class StepOutcome:
     # owner -> its plain tokens (no logprobs, not a request's last) as columns: request ids, token ids
     tokens: dict[bytes, tuple[list[str], list[int]]] = field(default_factory=dict)
     deltas: dict[bytes, list[wire.RequestDelta]] = field(default_factory=dict)  # owner -> its other deltas, in order
-    sampled: list[Request] = field(default_factory=list)  # got a token (their timings say when)
+    first_tokens: list[Request] = field(default_factory=list)  # got their first token (their timings say when)
+    token_gaps_s: list[float] = field(default_factory=list)  # for every other token: the time since the one before
     finished: list[Request] = field(default_factory=list)  # ended, with their timings
 
     def add_token(self, request: Request, token_id: int) -> None:
@@ -41,8 +42,13 @@ class StepOutcome:
             columns[1].extend(token_ids)
         for owner, deltas in other.deltas.items():
             self.deltas.setdefault(owner, []).extend(deltas)
-        self.sampled.extend(other.sampled)
+        self.first_tokens.extend(other.first_tokens)
+        self.token_gaps_s.extend(other.token_gaps_s)
         self.finished.extend(other.finished)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.first_tokens) + len(self.token_gaps_s)
 
     def batches(self) -> dict[bytes, wire.DeltaBatch]:
         """One frame's worth for each api replica."""

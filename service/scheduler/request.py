@@ -58,7 +58,6 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    last_token_gap_s: float = 0.0  # time between its last two tokens
     finish_time: float | None = None
 
     def __post_init__(self) -> None:

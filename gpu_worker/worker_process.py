@@ -174,15 +174,21 @@ def serve_worker(runner: Runner, settings: Settings) -> None:
         serving = lambda: stop_deadline is None or (link.scheduler_connected and time.monotonic() < stop_deadline)  # noqa: E731
         if isinstance(runner, PipelinedRunner):
             serve_pipelined(runner, link, serving)
-        while serving():
-            step = link.next_step(POLL_S)
-            if step is None:
-                continue
-            result = runner.execute(step)
-            if not step.is_empty:
-                link.send(result)
+        else:
+            serve_serially(runner, link, serving)
     finally:
         link.close()
+
+
+def serve_serially(runner: Runner, link: SchedulerLink, serving: Callable[[], bool]) -> None:
+    """Steps in order, one at a time."""
+    while serving():
+        step = link.next_step(POLL_S)
+        if step is None:
+            continue
+        result = runner.execute(step)
+        if not step.is_empty:
+            link.send(result)
 
 
 def serve_pipelined(runner: PipelinedRunner, link: SchedulerLink, serving: Callable[[], bool]) -> None:

@@ -52,15 +52,16 @@ class StepOutcome:
 
     def batches(self) -> dict[bytes, wire.DeltaBatch]:
         """One frame's worth for each api replica."""
-        empty: tuple[list[str], list[int]] = ([], [])
-        return {
-            owner: wire.DeltaBatch(
-                token_request_ids=self.tokens.get(owner, empty)[0],
-                token_ids=self.tokens.get(owner, empty)[1],
-                deltas=self.deltas.get(owner, []),
-            )
-            for owner in self.tokens.keys() | self.deltas.keys()
+        batches = {
+            owner: wire.DeltaBatch(token_request_ids=request_ids, token_ids=token_ids)
+            for owner, (request_ids, token_ids) in self.tokens.items()
         }
+        for owner, deltas in self.deltas.items():
+            if owner in batches:
+                batches[owner].deltas = deltas
+            else:
+                batches[owner] = wire.DeltaBatch(deltas=deltas)
+        return batches
 
     def all_deltas(self) -> list[wire.RequestDelta]:
         """Every owner's batch as one delta per entry, in the order each owner applies them."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from service import wire
 from service.limits import request_id_problem, sampling_problem
-from service.scheduler.admission import MAX_OUTPUT_TOKENS_CONSIDERED, AdmissionReserve
+from service.scheduler.admission import AdmissionReserve
 from service.scheduler.block_pool import BlockPool, extend_block_hashes
 from service.scheduler.outcome import StepOutcome
 from service.scheduler.outputs import closing_delta, new_request_message, stop_token_ids, token_delta
@@ -266,7 +266,7 @@ class Scheduler:
             sampled = {token.request_id: token for token in result.sampled}
             block_size = self.config.block_size
             accept = self._accept_token
-            gaps, columns_of, refresh = outcome.token_gaps_s, outcome.tokens, self.reserve.refresh
+            gaps, columns_of, refresh = outcome.token_gaps_s, outcome.tokens, self.reserve.refresh_after_token
             for request, preemptions, computed_end, samples in step.scheduled:
                 if request.num_preemptions != preemptions:
                     continue  # preempted since: it is recomputed from scratch
@@ -295,8 +295,7 @@ class Scheduler:
                 gaps.append(now - request.last_token_time)
                 request.last_token_time = now
                 token_ids.append(token_id)
-                num_tokens, into_block = len(token_ids), len(token_ids) % request.block_size
-                if into_block == 0:
+                if len(token_ids) % request.block_size == 0:
                     extend_block_hashes(request.block_hashes, token_ids, request.block_size)
                 columns = columns_of.get(request.owner)
                 if columns is None:
@@ -304,8 +303,7 @@ class Scheduler:
                 else:
                     columns[0].append(request.request_id)
                     columns[1].append(token_id)
-                if into_block == 1 or request.max_num_tokens - num_tokens > MAX_OUTPUT_TOKENS_CONSIDERED:
-                    refresh(request)  # what AdmissionReserve.refresh_after_token checks first
+                refresh(request)
         self.stats.num_generation_tokens += outcome.num_tokens
         for block_ids in self._releases.pop(step.step_id, ()):
             self.num_releasing_blocks -= len(block_ids)

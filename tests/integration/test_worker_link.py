@@ -84,20 +84,16 @@ class ScriptedWorker:
         self.context.destroy(linger=0)
 
 
-scripted_processes: list = []  # the scripted fixture's scheduler process, for a test that pauses it
-
-
 @pytest.fixture
 def scripted(tmp_path):
-    """Scheduler process + scripted worker + api peer; yields (env, worker, peer)."""
+    """Scheduler process + scripted worker + api peer; yields (scheduler process, worker, peer)."""
     env = link_env()
     scheduler = start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")
     worker = ScriptedWorker(env["BLOCKSERVE_WORKER_ADDR"])
     peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
     worker.hello()
     peer.wait_until(lambda: worker.answer() or peer.status().ready, 30)
-    scripted_processes[:] = [scheduler]
-    yield env, worker, peer
+    yield scheduler, worker, peer
     peer.close()
     worker.close()
     stop_all([scheduler])
@@ -190,8 +186,7 @@ def test_a_worker_whose_results_keep_coming_does_not_starve_the_api_socket(scrip
     """Each result is answered by the next step, so a fast worker can keep the worker socket full
     for a request's whole life. The scheduler takes turns: with two results and a status query
     waiting, the query is answered before the second result's deltas, not after both."""
-    env, worker, peer = scripted
-    scheduler = scripted_processes[0]
+    scheduler, worker, peer = scripted
     held = peer.submit([1, 2, 3], max_tokens=60)
     peer.wait_until(lambda: worker.answer() or len(peer.outputs[held]) >= 2, 10)
     steps = worker.hold(2)  # both steps the overlapped loop keeps in flight

@@ -18,6 +18,7 @@ import sys
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from schemathesis.core.warnings import SchemathesisWarning
 
 from tests.processes import ROOT, loopback_env, start, stop, wait_ready
 
@@ -28,6 +29,12 @@ README_ADDRESS = "localhost:8000"  # the default port of `blockserve serve`, as 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 CONFORMANCE_CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
 CONFORMANCE_BUDGET_S = 85
+# Warnings about the spec itself stay on (and fail the run: "No issues found" is asserted). Off:
+# the three that judge the share of generated cases the server accepted. On a 128-token context
+# most random chats are over-long or have no template (400s the schema cannot express), and how
+# many cases an operation gets in the time budget varies, so "none of them succeeded" comes and goes.
+SHARE_ACCEPTED_WARNINGS = {"validation_mismatch", "missing_test_data", "low_valid_rate"}
+SPEC_WARNINGS = ",".join(w.value for w in SchemathesisWarning if w.value not in SHARE_ACCEPTED_WARNINGS)
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +152,7 @@ def test_the_openapi_document_matches_the_server(service):
         f"{url}/openapi.json",
         f"--checks={CONFORMANCE_CHECKS}",
         f"--max-time={CONFORMANCE_BUDGET_S}",
+        f"--warnings={SPEC_WARNINGS}",
         "--request-timeout=60",
         "--workers=1",  # several workers trip a CPython 3.11 bug in hypothesis' lambda parsing
         "--seed=13",

@@ -4,9 +4,20 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 
 
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 
 LOG_TAIL_BYTES = 4000
+INTEGRATION_DIR = Path(__file__).resolve().parent / "integration"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items):
+    """Every test under tests/integration/ is an integration test: `-m "not integration"` runs the unit tests."""
+    for item in items:
+        if item.path.is_relative_to(INTEGRATION_DIR):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.hookimpl(hookwrapper=True)

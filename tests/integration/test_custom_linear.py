@@ -11,8 +11,6 @@ from gpu_worker.custom_ops import cpu_features
 from gpu_worker.kernels import PaddleKernels, select_kernels
 from gpu_worker.linear import PackedLinear, fused_linear, linear, lm_head
 
-pytestmark = pytest.mark.integration
-
 # (in_features, out_features): not multiples of the 16-column panel or of the register tile; depths past
 # one K block (256) and widths of many panels; SmolLM2's fused q|k|v for scale.
 SHAPES = [(37, 53), (5, 16), (300, 17), (1000, 100), (576, 960)]

@@ -21,8 +21,6 @@ from gpu_worker.models.rope import RotaryEmbedding
 from gpu_worker.step_inputs import RequestState, build_step_inputs
 from service import wire
 
-pytestmark = pytest.mark.integration
-
 MAX_POSITIONS = 1024
 
 
@@ -108,8 +106,25 @@ def test_rope_cache_write_and_paged_attention_match_the_paddle_backend(
         results[kernels.name] = output.numpy(), key_cache.numpy(), value_cache.numpy()
     for got, expected in zip(results["custom"], results["paddle"]):
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+    def slots(array: np.ndarray) -> np.ndarray:
+        return array.reshape(-1, num_kv_heads, head_dim)
+
+    # Each backend wrote the step's keys and values into the step's slots, and nothing else.
     written = inputs.slot_mapping
-    assert not np.allclose(results["custom"][1].reshape(-1, num_kv_heads, head_dim)[written], 0)
+    unwritten = np.setdiff1d(np.arange(num_blocks * block_size), written)
+    keys, values = (slots(part) for part in np.split(qkv[:, num_heads * head_dim :], 2, axis=1))
+    at_start = inputs.positions == 0  # position 0 is not rotated
+    for name, (_, key_cache, value_cache) in results.items():
+        for after, before in ((key_cache, cache[0]), (value_cache, cache[1])):
+            np.testing.assert_array_equal(slots(after)[unwritten], slots(before)[unwritten], err_msg=name)
+        np.testing.assert_array_equal(slots(value_cache)[written], values, err_msg=name)  # as projected
+        written_keys = slots(key_cache)[written]  # rotated by position: each head keeps its length
+        lengths = np.linalg.norm(written_keys, axis=-1)
+        np.testing.assert_allclose(lengths, np.linalg.norm(keys, axis=-1), rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(written_keys[at_start], keys[at_start], rtol=1e-6, err_msg=name)
+        turned = ~np.isclose(written_keys, keys).all(axis=(1, 2))
+        np.testing.assert_array_equal(turned, ~at_start, err_msg=name)
 
 
 def test_vector_instructions_appear_only_in_functions_built_for_their_instruction_set():

@@ -22,8 +22,6 @@ from schemathesis.core.warnings import SchemathesisWarning
 
 from tests.processes import ROOT, loopback_env, start, stop, wait_ready
 
-pytestmark = pytest.mark.integration
-
 README = ROOT / "README.md"
 README_ADDRESS = "localhost:8000"  # the default port of `blockserve serve`, as the README's examples use it
 MODEL_NAME = "SmolLM2-135M-Instruct"

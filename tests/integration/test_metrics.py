@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
+import math
 import shutil
 import subprocess
 import time
@@ -24,10 +26,9 @@ def stack(tmp_path_factory):
         yield fake.env, fake.url
 
 
-@pytest.fixture(scope="module")
-def known_workload(stack):
-    """20 completions of ~40 tokens (10 blocks each) on a cache of 24 blocks; returns the usage the api reported."""
-    _, url = stack
+def run_workload(url: str) -> int:
+    """20 completions of ~40 tokens (10 blocks each) at once on a cache of 24 blocks, so some are
+    preempted; returns the output tokens the api reported."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     model = client.models.list().data[0].id
 
@@ -42,6 +43,13 @@ def known_workload(stack):
 
     with concurrent.futures.ThreadPoolExecutor(20) as pool:
         return sum(pool.map(one, range(20)))
+
+
+@pytest.fixture(scope="module")
+def known_workload(stack):
+    """The workload run once on the module's stack; the usage the api reported."""
+    _, url = stack
+    return run_workload(url)
 
 
 def promtool_check(text: str) -> subprocess.CompletedProcess:
@@ -78,11 +86,12 @@ def dashboard_expressions() -> list[str]:
     return [target["expr"] for panel in panels for target in panel["targets"]]
 
 
-def test_real_prometheus_scrapes_both_and_every_dashboard_query_succeeds(stack, known_workload, tmp_path):
-    env, _ = stack
+@contextlib.contextmanager
+def prometheus_scraping(env: dict[str, str], data_dir: Path):
+    """Prometheus scraping the scheduler's and the api's /metrics every second; yields its query url."""
     assert shutil.which("prometheus"), "prometheus is missing: install Debian's prometheus package"
     port = free_port()
-    config = tmp_path / "prometheus.yml"
+    config = data_dir / "prometheus.yml"
     config.write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         "scrape_configs:\n"
@@ -93,7 +102,7 @@ def test_real_prometheus_scrapes_both_and_every_dashboard_query_succeeds(stack, 
         [
             "prometheus",
             f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--storage.tsdb.path={data_dir / 'data'}",
             f"--web.listen-address=127.0.0.1:{port}",
         ],
         stdout=subprocess.DEVNULL,
@@ -111,13 +120,44 @@ def test_real_prometheus_scrapes_both_and_every_dashboard_query_succeeds(stack, 
                 pass
             assert time.monotonic() < deadline, "Prometheus did not scrape both targets"
             time.sleep(0.5)
-        time.sleep(3)  # a few scrapes, so rate() has two points
-        for expr in dashboard_expressions():
-            query = expr.replace("$__rate_interval", "1m").replace("$model", ".*")
-            answer = httpx.get(f"{api}/query", params={"query": query}, timeout=10).json()
-            assert answer["status"] == "success", (expr, answer)
-        usage = httpx.get(f"{api}/query", params={"query": "blockserve_kv_blocks_capacity"}, timeout=10).json()
-        assert float(usage["data"]["result"][0]["value"][1]) == 24
+        yield api
     finally:
         prometheus.terminate()
         prometheus.wait(10)
+
+
+def query(api: str, expr: str) -> list[dict]:
+    answer = httpx.get(f"{api}/query", params={"query": expr}, timeout=10).json()
+    assert answer["status"] == "success", (expr, answer)
+    return answer["data"]["result"]
+
+
+def scraped(api: str, expr: str) -> float | None:
+    """The one value of `expr`, if it has one yet."""
+    result = query(api, expr)
+    return float(result[0]["value"][1]) if result else None
+
+
+def wait_for(condition, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"Prometheus did not {what}"
+        time.sleep(0.5)
+
+
+def test_real_prometheus_scrapes_both_and_every_dashboard_query_succeeds(tmp_path):
+    """Every dashboard query has data: a sample, with a number, for each panel line. Prometheus scrapes
+    a fresh stack before and after a workload with preemptions, so every gauge is there, every rate
+    and quantile has increases in its window and each ratio a non-zero denominator (or a clamped
+    one). A metric renamed in the service leaves its queries empty."""
+    with FakeStack(tmp_path) as fake, prometheus_scraping(fake.env, tmp_path) as api:
+        tokens = run_workload(fake.url)
+        wait_for(lambda: scraped(api, "sum(blockserve_generation_tokens_total)") == tokens, "scrape the workload")
+        scrapes = scraped(api, "sum(count_over_time(up[10m]))")
+        # Both scraped once more: a series the workload began (a finish reason) has the two samples of a rate.
+        wait_for(lambda: scraped(api, "sum(count_over_time(up[10m]))") >= scrapes + 2, "scrape both again")
+        for expr in dashboard_expressions():
+            result = query(api, expr.replace("$__rate_interval", "1m").replace("$model", ".*"))
+            assert result, f"no data: {expr}"
+            assert all(math.isfinite(float(sample["value"][1])) for sample in result), (expr, result)
+        assert scraped(api, "blockserve_kv_blocks_capacity") == 24

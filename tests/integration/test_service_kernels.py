@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import httpx
 import openai
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.processes import loopback_env, start, stop, wait_ready
-
-pytestmark = pytest.mark.integration
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 MAX_TOKENS = 24

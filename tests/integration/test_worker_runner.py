@@ -12,8 +12,6 @@ from gpu_worker.model_runner import ModelRunner
 from service import wire
 from service.config import load_settings
 
-pytestmark = pytest.mark.integration
-
 PROMPT_IDS = [504, 3575, 282, 4649, 314, 253, 1345, 1185, 28, 284, 260, 1345, 282]
 
 

@@ -10,8 +10,6 @@ from gpu_worker.tokenizer import tokenizer_from_folder
 from service.api.chat_template import ChatTemplateError, render_chat
 from service.config import load_settings
 
-pytestmark = pytest.mark.integration
-
 TEXTS = [
     "Hello world!",
     "  leading spaces, trailing  \n\nand blank lines\t\ttabs",

@@ -19,8 +19,6 @@ from gpu_worker.step_inputs import RequestState, build_step_inputs
 from service import wire
 from service.config import load_settings
 
-pytestmark = pytest.mark.integration
-
 NUM_KV_BLOCKS = 128
 TOKEN_BUDGET = 24
 NUM_GREEDY_TOKENS = 32

@@ -120,8 +120,13 @@ def test_streamed_chat_sends_role_then_text_then_finish_then_usage(fake, client)
     assert chunks[-1].usage.completion_tokens == len(fake.reply_tokens()) + 1
 
 
-def test_streamed_completion_with_two_choices_interleaves_them_by_index(fake, client):
+def test_streamed_completion_with_two_choices_interleaves_them_by_index(fake, client, monkeypatch):
+    monkeypatch.setattr(fake, "token_delay_s", 0.1)  # both choices' tokens come a step apart, side by side
     chunks = list(client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=8, n=2, stream=True))
+    indexes = [chunk.choices[0].index for chunk in chunks]
+    assert len(indexes) == 2 * (len(fake.reply_tokens()) + 1)  # a chunk per token and choice, and the EOS
+    steps = [set(indexes[i : i + 2]) for i in range(0, len(indexes), 2)]
+    assert steps == [{0, 1}] * len(steps), indexes  # each step's pieces as they come, not one choice after the other
     for index in (0, 1):
         mine = [chunk.choices[0] for chunk in chunks if chunk.choices[0].index == index]
         assert "".join(choice.text for choice in mine) == "Hello world"

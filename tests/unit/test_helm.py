@@ -65,9 +65,11 @@ def _helm_version() -> str:
     ).stdout
 
 
-def helm_template(*args: str) -> list[dict]:
-    """The chart rendered as a list of resources (release `bs`, namespace `llm`)."""
-    return [resource for resource in yaml.safe_load_all(_render(args)) if resource]
+def helm_template(*args: str, cached: bool = True) -> list[dict]:
+    """The chart rendered as a list of resources (release `bs`, namespace `llm`); with `cached`, a
+    rendering of the same arguments is reused, else helm renders anew."""
+    text = _render(args) if cached else _render.__wrapped__(args)
+    return [resource for resource in yaml.safe_load_all(text) if resource]
 
 
 @functools.cache
@@ -278,15 +280,15 @@ def test_a_config_change_rolls_both_pod_templates():
     def checksums(*args: str) -> dict[str, str]:
         return {
             d["metadata"]["name"]: d["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
-            for d in helm_template(*args)
+            for d in helm_template(*args, cached=False)
             if d["kind"] == "Deployment"
         }
 
-    before = checksums()
-    assert before == checksums()  # stable
-    after = checksums("--set", "config.BLOCKSERVE_MAX_NUM_SEQS=128")
+    change = ("--set", "config.BLOCKSERVE_MAX_NUM_SEQS=128")
+    before, after = checksums(), checksums(*change)
     assert set(after) == set(before) == {"bs-blockserve-api", "bs-blockserve-engine"}
     assert all(after[name] != before[name] for name in before)
+    assert checksums() == before and checksums(*change) == after  # the same values render anew: no roll
 
 
 def test_misspelt_or_chart_managed_settings_are_refused():
@@ -527,18 +529,26 @@ def test_engine_startup_probe_passes_once_the_worker_registered(capacity, passes
     assert (result.returncode == 0) is passes, result.stderr
 
 
+def _exec_s(command: list[str], timeout_s: float) -> float:
+    """How long `command` ran; it must succeed."""
+    started = time.monotonic()
+    result = _exec(command, timeout_s)
+    assert result.returncode == 0, result.stderr
+    return time.monotonic() - started
+
+
 def test_worker_stops_only_after_the_scheduler_has_exited():
     port = free_port()
     worker = containers(helm_template("--set", f"config.BLOCKSERVE_METRICS_PORT={port}"))["worker"]
     pre_stop = worker["lifecycle"]["preStop"]["exec"]["command"]
-    started = time.monotonic()
-    assert _exec(pre_stop, timeout_s=10).returncode == 0  # no scheduler: at once
-    assert time.monotonic() - started < 3
+    poll_s = 1.0  # the hook checks the scheduler's port once a second
+    python_s = _exec_s(["python", "-c", "import socket, time"], timeout_s=10)  # starting its interpreter, here now
+    assert _exec_s(pre_stop, timeout_s=10) < python_s + 2 * poll_s  # no scheduler: at once, not after polls
     server = _serve_metrics(port, "")
-    threading.Timer(1.5, lambda: (server.shutdown(), server.server_close())).start()
-    started = time.monotonic()
-    assert _exec(pre_stop, timeout_s=20).returncode == 0
-    assert 1.0 < time.monotonic() - started < 6
+    closed_at = []
+    threading.Timer(1.5, lambda: (server.shutdown(), closed_at.append(time.monotonic()), server.server_close())).start()
+    assert _exec_s(pre_stop, timeout_s=20) > 1.0  # it waited while the scheduler was there
+    assert time.monotonic() - closed_at[0] < 2 * (python_s + poll_s)  # and left a poll or so later, not at its deadline
 
 
 # ---------------------------------------------------------------------------- the Dockerfile
@@ -638,7 +648,6 @@ def test_dockerignore_keeps_the_context_to_what_the_image_needs():
 # ---------------------------------------------------------------------------- a rehearsal
 
 
-@pytest.mark.integration
 def test_rendered_containers_serve_and_drain_in_order(tmp_path):
     """The rendered engine and api containers as local processes (a model-free worker stands in
     for the model): the engine's startup probe waits for the worker, the api gets ready through

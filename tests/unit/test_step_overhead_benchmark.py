@@ -1,10 +1,14 @@
 """The scheduler's per-step cost and the size of what crosses to the worker (pytest-benchmark).
 
 Compare the groups' figures as ratios from one run (`pytest tests/unit/test_step_overhead_benchmark.py`):
-unified vs legacy scheduling cost per step; 256 decodes beside 100 or 10,000 waiting requests
-(the cost must follow the requests scheduled, not the queue); a delta step vs one that re-sends
-every request.
+unified vs legacy scheduling cost per step of 64 decodes, and of 256; 256 running requests, one
+ending and one admitted each step, beside 100 or 10,000 waiting (the cost must follow the
+requests scheduled, not the queue: asserted by counting the waiting requests each step reads,
+not by timing); a delta step vs one that re-sends every request.
 """
+
+import itertools
+from collections import deque
 
 import pytest
 
@@ -17,25 +21,26 @@ PROMPT_LEN = 512
 ROUNDS = 300  # steps measured: far fewer than the 4096 tokens each request may generate
 
 
-def decoding_scheduler(legacy: LegacyConfig | None, num_running: int = 64, num_waiting: int = 0):
-    """`num_running` requests past their prefill, decoding one token a step, never finishing;
-    `num_waiting` more queued behind them (`max_num_seqs` is reached: they stay queued)."""
-    # Room for all of them beside the admission reserve (output counted up to 4096 tokens each).
-    config = SchedulerConfig(
+def config_for(num_running: int) -> SchedulerConfig:
+    """`num_running` requests at most, with room for all of them beside the admission reserve
+    (output counted up to 4096 tokens each) and for their prompts in one step."""
+    return SchedulerConfig(
         num_blocks=512 * num_running,
         block_size=16,
         max_num_seqs=num_running,
         max_num_batched_tokens=PROMPT_LEN * num_running,
         max_model_len=8192,
     )
-    scheduler = build_scheduler(config, legacy)
+
+
+def decoding_scheduler(legacy: LegacyConfig | None, num_running: int = 64):
+    """`num_running` requests past their prefill, decoding one token a step, never finishing."""
+    scheduler = build_scheduler(config_for(num_running), legacy)
     sampling = wire.SamplingParams(max_tokens=4096, ignore_eos=True)
     for index in range(num_running):
         scheduler.add_request(f"r{index}", list(range(index, index + PROMPT_LEN)), sampling, 0.0)
     step = scheduler.schedule(0.0)
     scheduler.update(step, sampled_result(step), 0.0)
-    for index in range(num_waiting):
-        scheduler.add_request(f"w{index}", list(range(index, index + PROMPT_LEN)), sampling, 0.0)
     return scheduler
 
 
@@ -57,22 +62,86 @@ def measure_steps(benchmark, scheduler) -> wire.SchedulerOutput:
     return benchmark.pedantic(one_step, rounds=ROUNDS, warmup_rounds=10)
 
 
-@pytest.mark.benchmark(group="scheduler step, 64 decodes")
-@pytest.mark.parametrize("mode", ["unified", "legacy"])
-def test_one_step_of_scheduling(benchmark, mode):
-    scheduler = decoding_scheduler(None if mode == "unified" else LegacyConfig(kv_cache_ratio=0.75))
+@pytest.mark.benchmark(group="scheduler step, decodes only")
+@pytest.mark.parametrize(("mode", "num_running"), [("unified", 64), ("legacy", 64), ("unified", 256)])
+def test_one_step_of_scheduling(benchmark, mode, num_running):
+    legacy = None if mode == "unified" else LegacyConfig(kv_cache_ratio=0.75)
+    scheduler = decoding_scheduler(legacy, num_running)
     output = measure_steps(benchmark, scheduler)
-    assert len(output.running_requests) == 64 and output.new_requests == []
-    assert output.num_scheduled_tokens == 64
+    assert len(output.running_requests) == num_running and output.new_requests == []
+    assert output.num_scheduled_tokens == num_running
 
 
-@pytest.mark.benchmark(group="scheduler step, 256 decodes")
+class CountedQueue(deque):
+    """A waiting queue that counts the requests read from it: taken from the front, indexed or walked over."""
+
+    num_read = 0
+
+    def popleft(self):
+        self.num_read += 1
+        return super().popleft()
+
+    def __getitem__(self, index):
+        self.num_read += 1
+        return super().__getitem__(index)
+
+    def __iter__(self):
+        for request in super().__iter__():
+            self.num_read += 1
+            yield request
+
+
+class BusyServer:
+    """`num_running` requests decoding, one of them ending every step, and `num_waiting` queued
+    behind them (a CountedQueue): each step admits the head of the queue into the freed slot,
+    and a new arrival keeps the queue `num_waiting` long."""
+
+    def __init__(self, num_running: int, num_waiting: int):
+        self.scheduler = build_scheduler(config_for(num_running), None)
+        self.num_waiting = num_waiting
+        self.arrivals = itertools.count()
+        for index in range(num_running):  # the i-th ends at step i, each admitted one `num_running` steps on
+            self.arrive(index + 1)
+        step = self.scheduler.schedule(0.0)
+        self.scheduler.update(step, sampled_result(step), 0.0)
+        self.queue = self.scheduler.waiting = CountedQueue(self.scheduler.waiting)
+        self.top_up()
+
+    def arrive(self, max_tokens: int) -> None:
+        index = next(self.arrivals)
+        sampling = wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.scheduler.add_request(f"r{index}", list(range(index, index + PROMPT_LEN)), sampling, 0.0)
+
+    def top_up(self) -> None:
+        while len(self.scheduler.waiting) < self.num_waiting:
+            self.arrive(self.scheduler.config.max_num_seqs)
+
+    def step(self) -> tuple[wire.SchedulerOutput, int]:
+        """One step: its output and how many waiting requests schedule() read."""
+        self.queue.num_read = 0
+        step = self.scheduler.schedule(0.0)
+        num_read = self.queue.num_read
+        self.scheduler.update(step, sampled_result(step), 0.0)
+        self.top_up()
+        return step.output, num_read
+
+
+@pytest.mark.benchmark(group="scheduler step, 256 running, one admitted")
 @pytest.mark.parametrize("num_waiting", [100, 10_000])
 def test_step_cost_follows_the_scheduled_requests_not_the_queue(benchmark, num_waiting):
-    scheduler = decoding_scheduler(None, num_running=256, num_waiting=num_waiting)
-    output = measure_steps(benchmark, scheduler)
-    assert len(output.running_requests) == 256 and output.new_requests == []
-    assert len(scheduler.waiting) == num_waiting
+    server = BusyServer(num_running=256, num_waiting=num_waiting)
+    admitted, read = [], []
+
+    def one_step() -> wire.SchedulerOutput:
+        output, num_read = server.step()
+        admitted.append(len(output.new_requests))
+        read.append(num_read)
+        return output
+
+    output = benchmark.pedantic(one_step, rounds=ROUNDS, warmup_rounds=10)
+    assert len(output.running_requests) == 255 and len(server.scheduler.waiting) == num_waiting
+    assert set(admitted) == {1}  # a busy server: every step one request ends and the head of the queue takes its slot
+    assert read == admitted  # the queue is read as far as the requests it gives up, never walked
     benchmark.extra_info["num_waiting"] = num_waiting
 
 

@@ -1,11 +1,14 @@
 """A model-free worker process: the verifying FakeWorker behind the real worker loop.
 
 Run as `python -m tests.fake_worker_process`; settings come from the environment as for
-`blockserve worker`, plus FAKE_STEP_DELAY_S to slow steps down.
+`blockserve worker`, plus FAKE_STEP_DELAY_S to slow steps down and FAKE_MODEL_NAME to serve the
+tiny model under another name.
 """
 
 import os
 import time
+
+import msgspec
 
 from gpu_worker.worker_process import serve_worker
 from service import wire
@@ -15,8 +18,10 @@ from tests.unit.fake_scheduler import tiny_model_info
 
 
 class FakeRunner:
-    def __init__(self, num_kv_blocks: int, block_size: int, step_delay_s: float):
+    def __init__(self, num_kv_blocks: int, block_size: int, step_delay_s: float, model_name: str | None = None):
         self.model_info = tiny_model_info()
+        if model_name:
+            self.model_info = msgspec.structs.replace(self.model_info, name=model_name)
         self.kernels: dict[str, str] = {}
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
@@ -31,6 +36,9 @@ class FakeRunner:
 if __name__ == "__main__":
     settings = load_settings()
     runner = FakeRunner(
-        settings.num_kv_blocks or 64, settings.block_size, float(os.environ.get("FAKE_STEP_DELAY_S", "0"))
+        settings.num_kv_blocks or 64,
+        settings.block_size,
+        float(os.environ.get("FAKE_STEP_DELAY_S", "0")),
+        os.environ.get("FAKE_MODEL_NAME"),
     )
     serve_worker(runner, settings)

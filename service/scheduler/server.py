@@ -8,7 +8,8 @@ step's deltas go to each api replica as one `DeltaBatch`. The worker is pinged e
 computing or not (its link thread answers mid-step): a worker that disconnects, or leaves pings
 unanswered for `worker_timeout_s`, is dead, however long a step takes: readiness turns false and
 every request in flight ends with an error; only its own connection's disconnect counts (matched
-by fd). A hello from another worker replaces it; its own repeated hello changes nothing. An api
+by fd). A hello from another worker replaces it (and every connected api replica is welcomed again
+with its model); its own repeated hello changes nothing. An api
 replica whose connection closes (or falls silent past the zmq heartbeat timeout, which closes
 it) has its requests aborted. A frame that is malformed, unexpected or nonsense is dropped and
 counted in blockserve_dropped_frames_total; no frame handler's exception ends the process.
@@ -320,6 +321,9 @@ class SchedulerServer:
             hello.block_size,
             hello.model.name,
         )
+        # Connected api replicas were welcomed with the model before; this worker may serve another.
+        for replica in set(self.api_fds.values()):
+            self._send(self.api_socket, replica, wire.ApiWelcome(model=self.model, ready=self.ready))
 
     def _on_step_result(self, result: wire.StepResult) -> None:
         now = time.monotonic()

@@ -76,8 +76,8 @@ def model_name(url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference_greedy():
-    """transformers on torch fp32, loading the same GGUF file: prompt -> greedy continuation text (to EOS)."""
+def reference_model():
+    """transformers on torch fp32, loading the same GGUF file: (tokenizer, model)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -87,6 +87,15 @@ def reference_greedy():
     folder, name = path.rsplit("/", 1)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32).eval()
+    return tokenizer, model
+
+
+@pytest.fixture(scope="module")
+def reference_greedy(reference_model):
+    """The reference model's greedy continuation: prompt -> text (to EOS)."""
+    import torch
+
+    tokenizer, model = reference_model
 
     def generate(prompt: str, max_tokens: int) -> str:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -134,6 +143,159 @@ def test_greedy_output_over_http_equals_transformers(stack, reference_greedy):
     for prompt in PROMPTS[:4]:
         completion = client.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0)
         assert completion.choices[0].text == generate(prompt, 32), prompt
+
+
+# Our fp32 kernels (custom or Paddle) against torch's: logprobs at most 3.2e-4 apart (8 prompts x 16 tokens x top 20).
+LOGPROB_ATOL = 1e-3
+NUM_TOP_LOGPROBS = 5
+NUM_LOGPROB_TOKENS = 6
+
+
+def reference_continuation(reference_model, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], list]:
+    """The reference model's greedy tokens after `prompt_ids` (EOS is no stop), and its fp64 log-softmax at each."""
+    import torch
+
+    _, model = reference_model
+    token_ids, rows = [], []
+    with torch.no_grad():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        while True:
+            rows.append(torch.log_softmax(out.logits[0, -1].double(), dim=-1))
+            token_ids.append(int(rows[-1].argmax()))
+            if len(token_ids) == num_tokens:
+                return token_ids, rows
+            out = model(torch.tensor([token_ids[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """How one token reads on its own, special tokens included (as logprobs name it)."""
+    return tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+
+
+def assert_top_logprobs_match(top: list[tuple[str, float]], row, tokenizer, where: str) -> None:
+    """`top` is the reference's k most likely tokens with their logprobs, most likely first. Within the
+    tolerance, tokens about as likely as the k-th may stand in for it."""
+    k = NUM_TOP_LOGPROBS
+    values, ids = row.topk(2 * k)
+    reference = [(token_text(tokenizer, token_id), value) for token_id, value in zip(ids.tolist(), values.tolist())]
+    logprobs = [logprob for _, logprob in top]
+    assert logprobs == sorted(logprobs, reverse=True), where
+    for text, logprob in top:
+        assert logprob >= reference[k - 1][1] - LOGPROB_ATOL, (where, text, logprob, reference)
+        assert any(t == text and abs(v - logprob) <= LOGPROB_ATOL for t, v in reference), (where, text, logprob)
+    if reference[k - 1][1] - reference[k][1] > LOGPROB_ATOL:
+        assert {text for text, _ in top} == {text for text, _ in reference[:k]}, (where, top, reference)
+
+
+def test_completion_logprobs_and_top_logprobs_equal_transformers_log_softmax(stack, reference_model):
+    _, urls = stack
+    tokenizer, _ = reference_model
+    prompts = PROMPTS[:2]
+    completion = client_for(urls[0]).completions.create(
+        model=model_name(urls[0]),
+        prompt=prompts,
+        max_tokens=NUM_LOGPROB_TOKENS,
+        temperature=0,
+        logprobs=NUM_TOP_LOGPROBS,
+        extra_body={"ignore_eos": True},
+    )
+    prompt_ids = [tokenizer(prompt).input_ids for prompt in prompts]
+    assert completion.usage.prompt_tokens == sum(map(len, prompt_ids))  # the same tokens go in
+    assert [choice.index for choice in completion.choices] == list(range(len(prompts)))
+    for choice in completion.choices:
+        token_ids, rows = reference_continuation(reference_model, prompt_ids[choice.index], NUM_LOGPROB_TOKENS)
+        logprobs = choice.logprobs
+        assert logprobs.tokens == [token_text(tokenizer, token_id) for token_id in token_ids], choice.index
+        for position, (token_id, row) in enumerate(zip(token_ids, rows)):
+            where = f"prompt {choice.index}, token {position}"
+            assert abs(logprobs.token_logprobs[position] - float(row[token_id])) <= LOGPROB_ATOL, where
+            assert_top_logprobs_match(list(logprobs.top_logprobs[position].items()), row, tokenizer, where)
+
+
+def test_chat_logprobs_and_top_logprobs_equal_transformers_log_softmax(stack, reference_model):
+    _, urls = stack
+    tokenizer, _ = reference_model
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client_for(urls[0]).chat.completions.create(
+        model=model_name(urls[0]),
+        messages=messages,
+        max_tokens=NUM_LOGPROB_TOKENS,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=NUM_TOP_LOGPROBS,
+        extra_body={"ignore_eos": True},
+    )
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(rendered, add_special_tokens=False).input_ids
+    assert chat.usage.prompt_tokens == len(prompt_ids)  # the same tokens go in
+    token_ids, rows = reference_continuation(reference_model, prompt_ids, NUM_LOGPROB_TOKENS)
+    content = chat.choices[0].logprobs.content
+    assert [entry.token for entry in content] == [token_text(tokenizer, token_id) for token_id in token_ids]
+    exact_text = tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    assert b"".join(bytes(entry.bytes) for entry in content) == exact_text.encode()
+    for position, (entry, token_id, row) in enumerate(zip(content, token_ids, rows)):
+        where = f"token {position}"
+        assert abs(entry.logprob - float(row[token_id])) <= LOGPROB_ATOL, where
+        assert len(entry.top_logprobs) == NUM_TOP_LOGPROBS, where
+        assert_top_logprobs_match([(alt.token, alt.logprob) for alt in entry.top_logprobs], row, tokenizer, where)
+
+
+def stop_string_across_a_token_boundary(tokenizer, token_ids: list[int]) -> tuple[str, int]:
+    """A stop string made of the end of one token and the start of the next, first seen at that boundary
+    (so it completes with the second token); and the number of tokens up to that second token."""
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    text = decode(token_ids)
+    prefixes = [decode(token_ids[:length]) for length in range(len(token_ids) + 1)]
+    # Halfway or later first: several chunks stream before the stop string begins.
+    halfway = max(1, len(token_ids) // 2)
+    boundaries = [*range(halfway, len(token_ids)), *range(1, halfway)]  # each: the index of the second token
+    for tail, head in ((2, 2), (2, 1), (1, 2), (1, 1)):  # characters from the first token, from the second
+        for second in boundaries:
+            before, boundary, after = prefixes[second - 1 : second + 2]
+            if not (text.startswith(boundary) and text.startswith(after)):
+                continue  # a boundary inside a character
+            start, end = len(boundary) - tail, len(boundary) + head
+            if 0 < start and len(before) <= start and end <= len(after) and text.find(text[start:end]) == start:
+                return text[start:end], second + 1
+    raise AssertionError(f"no token boundary of {text!r} makes a stop string: choose another prompt")
+
+
+@pytest.fixture(scope="module")
+def split_stop(reference_model) -> tuple[dict, str, int]:
+    """(a greedy request with a stop string that spans two tokens of its output, the text before the stop
+    string, the number of tokens up to the one that completes it), from the reference's continuation."""
+    tokenizer, _ = reference_model
+    prompt, max_tokens = PROMPTS[2], 12
+    token_ids, _ = reference_continuation(reference_model, tokenizer(prompt).input_ids, max_tokens)
+    if tokenizer.eos_token_id in token_ids:
+        token_ids = token_ids[: token_ids.index(tokenizer.eos_token_id)]
+    stop, num_tokens = stop_string_across_a_token_boundary(tokenizer, token_ids)
+    text = tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    request = dict(prompt=prompt, max_tokens=max_tokens, temperature=0, stop=[stop])
+    return request, text[: text.find(stop)], num_tokens
+
+
+def test_stop_string_split_across_two_tokens_ends_the_output_just_before_it(either_stack, split_stop):
+    """Streamed or not: the text before the stop string, finish_reason "stop", and no character of the stop
+    string or after it in any chunk (the start of a stop string is held back until it is known)."""
+    _, urls = either_stack
+    body, before_stop, num_tokens = split_stop
+    client = client_for(urls[0])
+    request = dict(body, model=model_name(urls[0]))
+
+    completion = client.completions.create(**request)
+    chunks = list(client.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+
+    choice = completion.choices[0]
+    assert (choice.text, choice.finish_reason) == (before_stop, "stop"), body["stop"]
+    assert completion.usage.completion_tokens == num_tokens  # nothing counted past the token that completed it
+    pieces = [(chunk.choices[0].text, chunk.choices[0].finish_reason) for chunk in chunks if chunk.choices]
+    assert "".join(text for text, _ in pieces) == before_stop, (body["stop"], pieces)
+    assert [reason for _, reason in pieces] == [None] * (len(pieces) - 1) + ["stop"], pieces
+    assert chunks[-1].usage.completion_tokens == num_tokens
 
 
 def test_greedy_outputs_are_token_identical_with_the_overlapped_and_the_serial_loop(stack, serial_stack):
@@ -260,8 +422,10 @@ def test_bad_requests_get_4xx_and_the_service_keeps_serving(stack, body, status,
         f"{urls[0]}/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}, timeout=30
     )
     assert response.status_code == 400 and "error" in response.json()
-    ok = client_for(urls[0]).completions.create(model=model_name(urls[0]), prompt="Hi", max_tokens=2)
-    assert ok.choices[0].text is not None
+    ok = client_for(urls[0]).completions.create(
+        model=model_name(urls[0]), prompt="Hi", max_tokens=2, extra_body={"ignore_eos": True}
+    )
+    assert ok.usage.completion_tokens == 2 and ok.choices[0].finish_reason == "length"  # still generating
 
 
 def test_killed_worker_ends_in_flight_requests_with_an_error_and_not_ready(tmp_path):

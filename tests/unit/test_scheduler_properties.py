@@ -1,5 +1,7 @@
 """Invariants of the unified scheduler over random traces (hypothesis)."""
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -44,10 +46,12 @@ def fits_alone(prompt, sampling, config):
 
 
 MODES = pytest.mark.parametrize("overlapped", [False, True], ids=["serial", "overlapped"])
+# Examples of the random-trace property; scripts/mutation.sh runs every mutant with fewer.
+EXAMPLES = int(os.environ.get("BLOCKSERVE_PROPERTY_EXAMPLES", "300"))
 
 
 @MODES
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs, specs=st.lists(request_specs, min_size=1, max_size=14))
 def test_random_traces_keep_every_invariant_and_finish_every_request(overlapped, config, specs):
     harness = Harness(config, overlapped=overlapped)
@@ -99,7 +103,7 @@ legacy_configs = st.builds(
 
 
 @MODES
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES * 2 // 3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs, legacy=legacy_configs, specs=st.lists(request_specs, min_size=1, max_size=12))
 def test_legacy_pools_keep_their_share_and_recovery_yields_the_same_tokens(overlapped, config, legacy, specs):
     harness = Harness(config, legacy, overlapped)

@@ -24,17 +24,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
-import zmq
-
-from service import wire
-from service.scheduler.fake_worker import FakeWorker
-
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from tests.processes import loopback_env, stop  # noqa: E402
+sys.path.insert(0, str(ROOT))  # this checkout's service and tests, whatever else is installed
+from service import wire  # noqa: E402
+from service.scheduler.fake_worker import FakeWorker  # noqa: E402
+from tests.support.api_peer import ApiPeer  # noqa: E402
+from tests.support.processes import loopback_env, stop  # noqa: E402
 
 PROMPT_LEN = 8
 BLOCK_SIZE = 16
@@ -129,70 +126,6 @@ def run_worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- the api side
 
 
-class ApiPeer:
-    """One api replica: submits requests as token ids and counts the tokens of their deltas."""
-
-    def __init__(self, addr: str):
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.SNDHWM, 0)
-        self.socket.setsockopt(zmq.RCVHWM, 0)
-        self.socket.connect(addr)
-        self.num_tokens = 0
-        self.open_requests: set[str] = set()
-        self.errors: list[str] = []
-        self.first_token_at = self.last_token_at = 0.0
-
-    def wait_ready(self, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.socket.send(wire.encode(wire.StatusQuery()))
-            if self.socket.poll(500):
-                message = wire.decode(self.socket.recv())
-                if isinstance(message, wire.SchedulerStatus) and message.ready:
-                    return
-            time.sleep(0.1)
-        raise TimeoutError("the scheduler did not become ready")
-
-    def submit(self, count: int, max_tokens: int) -> None:
-        sampling = wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-        for index in range(count):
-            request_id = uuid.uuid4().hex
-            prompt = [(index * 7 + offset) % (VOCAB_SIZE - 1) + 1 for offset in range(PROMPT_LEN)]
-            self.socket.send(
-                wire.encode(wire.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling))
-            )
-            self.open_requests.add(request_id)
-
-    def drain(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.open_requests:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(self.open_requests)} requests unfinished")
-            if self.socket.poll(100):
-                while self.socket.poll(0):
-                    self._on_message(wire.decode(self.socket.recv()))
-
-    def _on_message(self, message: wire.AnyMessage) -> None:
-        if isinstance(message, wire.SchedulerStatus):
-            return  # a late answer to wait_ready()
-        deltas = message.all_deltas() if isinstance(message, wire.DeltaBatch) else [message]
-        now = time.perf_counter()
-        for delta in deltas:
-            if delta.token_ids:
-                self.num_tokens += len(delta.token_ids)
-                self.first_token_at = self.first_token_at or now
-                self.last_token_at = now
-            if delta.finish_reason is not None:
-                self.open_requests.discard(delta.request_id)
-                if delta.finish_reason == "error":
-                    self.errors.append(delta.error or "")
-
-    def close(self) -> None:
-        self.context.destroy(linger=0)
-
-
 # ---------------------------------------------------------------- one case
 
 
@@ -254,10 +187,12 @@ def run_case(mode: str, step_ms: int, running: int, waiting: int, max_tokens: in
     ]
     peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
     try:
-        peer.wait_ready()
+        peer.wait_until(lambda: peer.status(timeout_s=60).ready, timeout_s=60)
         before = scrape_parts(env["BLOCKSERVE_METRICS_PORT"])
-        peer.submit(num_requests, max_tokens)
-        peer.drain(timeout_s=600)
+        for index in range(num_requests):
+            prompt = [(index * 7 + offset) % (VOCAB_SIZE - 1) + 1 for offset in range(PROMPT_LEN)]
+            peer.submit(prompt, max_tokens, temperature=0.0)
+        peer.wait_until(lambda: not peer.open_request_ids, timeout_s=600)
         after = scrape_parts(env["BLOCKSERVE_METRICS_PORT"])
     finally:
         peer.close()
@@ -295,7 +230,7 @@ def summarize(mode, step_ms, running, waiting, max_tokens, peer: ApiPeer, steps:
         },
         "output_tokens": peer.num_tokens,
         "expected_tokens": (running + waiting) * max_tokens,
-        "errors": len(peer.errors),
+        "errors": sum(delta.finish_reason == "error" for delta in peer.finished.values()),
         "tokens_per_s": peer.num_tokens / max(peer.last_token_at - peer.first_token_at, 1e-9),
         "parts_ms_per_step": per_step_ms,
     }

@@ -81,21 +81,28 @@ class ModelRunner:
 
     def prepare(self, step: wire.SchedulerOutput) -> PreparedStep:
         try:
-            scheduled = self._update_states(step)
-            if not scheduled:
-                return PreparedStep(step)
-            inputs = build_step_inputs(scheduled, self.block_size, self.num_kv_blocks)
-            return PreparedStep(step, scheduled, inputs, self.attention.prepare(inputs))
+            return self._prepared(step, self._update_states(step))
         except Exception as exc:
             log.exception("step %d failed", step.step_id)
             return PreparedStep(step, error=f"{type(exc).__name__}: {exc}")
+
+    def _prepared(self, step: wire.SchedulerOutput, scheduled: list[tuple[RequestState, int]]) -> PreparedStep:
+        if not scheduled:
+            return PreparedStep(step)
+        inputs = build_step_inputs(scheduled, self.block_size, self.num_kv_blocks)
+        return PreparedStep(step, scheduled, inputs, self.attention.prepare(inputs))
 
     def launch(self, prepared: PreparedStep) -> LaunchedStep:
         if prepared.error is not None or prepared.inputs is None:
             return LaunchedStep(prepared)
         try:
+            if lacking := fill_pending_tokens(prepared.inputs):
+                # The step before sampled nothing for them (it failed): they alone go without a token.
+                log.warning("step %d: %d requests lack their last token", prepared.step.step_id, len(lacking))
+                prepared = self._prepared(prepared.step, [(s, n) for s, n in prepared.scheduled if s not in lacking])
+                if prepared.inputs is None:
+                    return LaunchedStep(prepared)
             inputs = prepared.inputs
-            fill_pending_tokens(inputs)
             hidden = self.model.forward(
                 paddle.to_tensor(inputs.input_ids), self.kv_cache, self.attention, prepared.attention_metadata
             )
@@ -143,6 +150,9 @@ class ModelRunner:
 
     def _update_states(self, step: wire.SchedulerOutput) -> list[tuple[RequestState, int]]:
         """Apply the step's deltas; return (state, tokens to compute) of every scheduled request."""
+        if step.reset:  # a new scheduler: whatever this worker holds belongs to no request any more
+            self.requests.clear()
+            self.refused_request_ids.clear()
         for request_id in (*step.finished_request_ids, *step.preempted_request_ids):
             self.requests.pop(request_id, None)
             self.refused_request_ids.discard(request_id)

@@ -93,12 +93,16 @@ def _known_then_pending(token_ids: list[int], start: int, end: int) -> list[int]
     return known if start + len(known) == end else known + [PENDING_TOKEN] * (end - start - len(known))
 
 
-def fill_pending_tokens(inputs: StepInputs) -> None:
-    """Put in the tokens the step before sampled (it has finished); a request still without one is an error."""
+def fill_pending_tokens(inputs: StepInputs) -> list[RequestState]:
+    """Put in the tokens the step before sampled (it has finished); return the requests it sampled
+    none for (that step failed for them): they cannot be computed in this one."""
+    lacking = []
     for index, state, position in inputs.pending_tokens:
-        if position >= len(state.token_ids):
-            raise StepError(f"request {state.request_id} has no token at position {position}")
-        inputs.input_ids[index] = state.token_ids[position]
+        if position < len(state.token_ids):
+            inputs.input_ids[index] = state.token_ids[position]
+        elif state not in lacking:
+            lacking.append(state)
+    return lacking
 
 
 def _check(states, context_lens, num_tokens, block_table, block_size, num_blocks) -> None:

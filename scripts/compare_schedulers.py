@@ -27,11 +27,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from service.cli import main as blockserve  # noqa: E402
-from service.scheduler.legacy import LegacyConfig  # noqa: E402
 from service.scheduler.scheduler import SchedulerConfig  # noqa: E402
 from service.scheduler.simulator import simulate  # noqa: E402
+from service.scheduler.split_table import SplitTableConfig  # noqa: E402
 from service.workload import LengthDistribution, Workload, make_trace  # noqa: E402
-from tests.processes import loopback_env, start, stop, wait_ready  # noqa: E402
+from tests.support.processes import loopback_env, start, stop, wait_ready  # noqa: E402
 
 RATIOS = (0.3, 0.5, 0.75, 0.9)
 MODES = [("unified", None)] + [(f"legacy {ratio}", ratio) for ratio in RATIOS]
@@ -101,8 +101,8 @@ def run_simulation(mode_ratio: float | None, workload: str, num_requests: int) -
     config = SchedulerConfig(
         num_blocks=SIM_KV_BLOCKS, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=8192
     )
-    legacy = None if mode_ratio is None else LegacyConfig(kv_cache_ratio=mode_ratio)
-    report = simulate(trace, config, legacy=legacy)
+    split_table = None if mode_ratio is None else SplitTableConfig(kv_cache_ratio=mode_ratio)
+    report = simulate(trace, config, split_table=split_table)
     return {
         "output_tokens_per_s": report.output_tokens_per_s,
         "failed": report.num_failed + report.num_rejected,

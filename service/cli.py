@@ -81,9 +81,9 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from service.scheduler.legacy import LegacyConfig
     from service.scheduler.scheduler import SchedulerConfig
     from service.scheduler.simulator import CostModel, simulate
+    from service.scheduler.split_table import SplitTableConfig
     from service.workload import NAMED_WORKLOADS, Workload, make_trace
 
     settings = load_settings()
@@ -96,14 +96,14 @@ def _simulate(args: argparse.Namespace) -> int:
         (
             f"legacy@{ratio}",
             settings.preemption_policy,
-            LegacyConfig(ratio, settings.legacy_dec_blocks, settings.legacy_disable_recover),
+            SplitTableConfig(ratio, settings.legacy_dec_blocks, settings.legacy_disable_recover),
         )
         for ratio in args.legacy_ratios
     ]
     rows = []
-    for label, policy, legacy in runs:
+    for label, policy, split_table in runs:
         config = SchedulerConfig.from_settings(settings, args.num_blocks, preemption_policy=policy)
-        report = simulate(trace, config, CostModel(), legacy, overlapped=settings.async_scheduling)
+        report = simulate(trace, config, CostModel(), split_table, overlapped=settings.async_scheduling)
         rows.append({"scheduler": label, **report.as_dict()})
     if args.json:
         json.dump(rows, sys.stdout, indent=2)

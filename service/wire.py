@@ -19,7 +19,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class WireError(ValueError):
@@ -179,6 +179,7 @@ class SchedulerOutput(Message, tag="step"):
     running_requests: list[RunningRequest] = []
     finished_request_ids: list[str] = []  # done or aborted: drop state
     preempted_request_ids: list[str] = []  # blocks freed: drop state, it will come back as new
+    reset: bool = False  # a new scheduler's first step: drop every request's state before this step
 
     @property
     def num_scheduled_tokens(self) -> int:

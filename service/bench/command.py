@@ -63,13 +63,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace, trace) -> dict:
     from service.config import load_settings
-    from service.scheduler.legacy import legacy_config_from
     from service.scheduler.scheduler import SchedulerConfig
     from service.scheduler.simulator import simulate
+    from service.scheduler.split_table import split_table_config_from
 
     settings = load_settings()
     config = SchedulerConfig.from_settings(settings, args.num_blocks)
-    report = simulate(trace, config, legacy=legacy_config_from(settings)).as_dict()
+    report = simulate(
+        trace, config, split_table=split_table_config_from(settings), overlapped=settings.async_scheduling
+    ).as_dict()
     print(json.dumps(report, indent=2))
     return {"mode": "simulate", "workload": args.workload, "report": report}
 

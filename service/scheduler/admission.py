@@ -1,32 +1,52 @@
-"""How many free blocks admission keeps back for requests already running.
+"""Which waiting requests the unified table admits, beside a reserve for the running ones.
 
-A running request still owes the blocks of its unfinished prompt (all of them) and of its
-future output (a share of them). The share adapts, as SGLang's new_token_ratio does: it decays
-every step towards `min_ratio`, so the cache fills up when outputs end early, and jumps back
-to `init_ratio` after a preemption, so admission stops causing preemptions.
+A waiting request is admitted only if its whole remaining prompt fits beside the blocks the
+running requests still owe: their unfinished prompts in full, their future output by a share
+that adapts as SGLang's new_token_ratio does. The share decays every step towards `min_ratio`,
+so the cache fills up when outputs end early, and jumps back to `init_ratio` after a
+preemption, so admission stops causing preemptions.
 
-The sums over running requests are kept incrementally: a request's share only changes when it
-gets blocks, when a token opens a new block, or while its output is capped (`refresh_after_token`).
+A head request that does not fit lets up to `max_skip_ahead` others be looked at behind it;
+once it has been passed over in `max_head_skips` rounds, nobody passes it any more and the
+freed blocks drain to it.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
+from typing import NamedTuple
 
+from service.scheduler.kv_cache_manager import KVCacheManager
 from service.scheduler.request import Request
 
-MAX_OUTPUT_TOKENS_CONSIDERED = 4096
+
+class Admitted(NamedTuple):
+    """A request admitted this step, its blocks allocated."""
+
+    request: Request
+    num_cached_tokens: int  # its prefix found in the prefix cache
+    num_new_tokens: int  # to compute in this step
+    block_ids: list[int]
 
 
-class AdmissionReserve:
-    def __init__(self, block_size: int, init_ratio: float = 0.7, min_ratio: float = 0.1, decay_steps: int = 600):
-        self.block_size = block_size
+class ReserveAdmission:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_skip_ahead: int = 8,
+        max_head_skips: int = 32,
+        init_ratio: float = 0.7,
+        min_ratio: float = 0.1,
+        decay_steps: int = 600,
+    ):
+        self.kv = kv
+        self.max_skip_ahead = max_skip_ahead
+        self.max_head_skips = max_head_skips
         self.init_ratio = init_ratio
         self.min_ratio = min_ratio
         self.decay = (init_ratio - min_ratio) / decay_steps
         self.ratio = init_ratio
-        self.prompt_blocks = 0  # sum of the tracked requests' unfinished-prompt blocks
-        self.output_blocks = 0  # sum of their future-output blocks (before scaling)
 
     def on_step(self) -> None:
         self.ratio = max(self.min_ratio, self.ratio - self.decay)
@@ -35,37 +55,35 @@ class AdmissionReserve:
         self.ratio = self.init_ratio
 
     def reserved_blocks(self) -> int:
-        """Blocks to keep free for the tracked requests: unfinished prompts in full, future output scaled."""
-        return self.prompt_blocks + math.ceil(self.ratio * self.output_blocks)
+        """Blocks kept free for the running requests: unfinished prompts in full, future output scaled."""
+        return self.kv.owed_prompt_blocks + math.ceil(self.ratio * self.kv.owed_output_blocks)
 
-    def owed_blocks(self, request: Request) -> tuple[int, int]:
-        """(unfinished-prompt blocks, future-output blocks) that `request` still needs."""
-        size = self.block_size
-        held = len(request.block_ids)
-        num_tokens = len(request.token_ids)
-        prompt_end = -(-num_tokens // size)
-        final_end = -(-(min(request.max_num_tokens, num_tokens + MAX_OUTPUT_TOKENS_CONSIDERED) - 1) // size)
-        return max(0, prompt_end - held), max(0, final_end - max(held, prompt_end))
-
-    def track(self, request: Request) -> None:
-        request.reserve_prompt_blocks, request.reserve_output_blocks = self.owed_blocks(request)
-        request.in_reserve = True
-        self.prompt_blocks += request.reserve_prompt_blocks
-        self.output_blocks += request.reserve_output_blocks
-
-    def untrack(self, request: Request) -> None:
-        if request.in_reserve:
-            self.prompt_blocks -= request.reserve_prompt_blocks
-            self.output_blocks -= request.reserve_output_blocks
-            request.in_reserve = False
-
-    def refresh(self, request: Request) -> None:
-        if request.in_reserve:
-            self.untrack(request)
-            self.track(request)
-
-    def refresh_after_token(self, request: Request) -> None:
-        """A new token changes the share only if it opens a block or the output is capped."""
-        num_tokens = len(request.token_ids)
-        if num_tokens % self.block_size == 1 or request.max_num_tokens - num_tokens > MAX_OUTPUT_TOKENS_CONSIDERED:
-            self.refresh(request)
+    def admit(self, waiting: deque[Request], budget: int, num_seats: int) -> list[Admitted]:
+        """Take the requests to admit off `waiting`; the others stay in order."""
+        kv, size = self.kv, self.kv.block_size
+        reserved = self.reserved_blocks()
+        admitted: list[Admitted] = []
+        passed: list[Request] = []
+        while waiting and budget > 0 and len(admitted) < num_seats and len(passed) <= self.max_skip_ahead:
+            request = waiting.popleft()
+            computed_blocks = kv.get_computed_blocks(request)
+            num_cached = len(computed_blocks) * size
+            num_new = min(request.num_tokens - num_cached, budget)
+            block_ids = kv.allocate_slots(
+                request,
+                num_cached + num_new,
+                computed_blocks,
+                num_tokens_to_fit=request.num_tokens,
+                num_blocks_to_keep_free=reserved,
+            )
+            if block_ids is None:
+                request.num_skipped += not passed
+                passed.append(request)
+                if request.num_skipped > self.max_head_skips:
+                    break  # aged head: nobody passes it any more, blocks drain to it
+                continue
+            reserved = self.reserved_blocks()
+            admitted.append(Admitted(request, num_cached, num_new, block_ids))
+            budget -= num_new
+        waiting.extendleft(reversed(passed))
+        return admitted

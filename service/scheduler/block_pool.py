@@ -104,6 +104,19 @@ class BlockPool:
             hits.append(block_id)
         return hits
 
+    def num_free_among(self, block_ids: list[int]) -> int:
+        """How many of these blocks are free (cached, unreferenced): `touch` takes them off the free list."""
+        return sum(1 for block_id in block_ids if self.blocks[block_id].ref_count == 0)
+
+    def num_shared_leading(self, block_ids: list[int]) -> int:
+        """How many leading blocks of this run more than one holder references."""
+        num_shared = 0
+        for block_id in block_ids:
+            if self.blocks[block_id].ref_count < 2:
+                break
+            num_shared += 1
+        return num_shared
+
     def touch(self, block_ids: list[int]) -> None:
         """Take a reference on cached blocks found by `find_cached_prefix`."""
         for block_id in block_ids:

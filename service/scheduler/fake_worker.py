@@ -53,6 +53,8 @@ class FakeWorker:
     def apply(self, step: wire.SchedulerOutput) -> list[tuple[str, int]]:
         """Take the step's deltas into the per-request state (the worker's input building);
         return (request id, tokens to compute) of each scheduled request."""
+        if step.reset:
+            self.requests.clear()
         for request_id in step.finished_request_ids + step.preempted_request_ids:
             self.requests.pop(request_id, None)
         work: list[tuple[str, int]] = []

@@ -14,10 +14,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from service.scheduler.batch_histogram import BatchHistogram
+from service.scheduler.counters import SchedulerCounters
 from service.scheduler.outcome import StepOutcome
 from service.scheduler.request import Request
 from service.scheduler.scheduler import Scheduler
-from service.scheduler.stats import SchedulerStats
 
 prometheus_client.disable_created_metrics()
 
@@ -36,19 +36,19 @@ class _LiveCollector(Collector):
     def __init__(
         self,
         get_scheduler: Callable[[], Scheduler | None],
-        stats: SchedulerStats,
+        counters: SchedulerCounters,
         get_model_name: Callable[[], str],
         settings_info: dict[str, str],
     ):
         self.get_scheduler = get_scheduler
-        self.stats = stats
+        self.counters = counters
         self.get_model_name = get_model_name
         self.settings_info = settings_info
 
     def collect(self):
         model = self.get_model_name()
         scheduler = self.get_scheduler()
-        pool = scheduler.pool if scheduler else None
+        kv = scheduler.kv if scheduler else None
 
         def gauge(name: str, doc: str, value: float):
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -64,7 +64,7 @@ class _LiveCollector(Collector):
         yield gauge(
             "blockserve_kv_blocks_cached",
             "Free KV-cache blocks that still hold a reusable cached prefix.",
-            pool.num_cached_free if pool else 0,
+            kv.num_cached_free_blocks if kv else 0,
         )
         yield gauge(
             "blockserve_num_requests_running",
@@ -81,37 +81,39 @@ class _LiveCollector(Collector):
             "Queued requests that were preempted and wait to be recomputed.",
             scheduler.num_preempted_waiting if scheduler else 0,
         )
-        stats = self.stats
+        counters = self.counters
         yield counter(
-            "blockserve_num_preemptions", "Preemptions: a running request gave its blocks back.", stats.num_preemptions
+            "blockserve_num_preemptions",
+            "Preemptions: a running request gave its blocks back.",
+            counters.num_preemptions,
         )
         yield counter(
             "blockserve_recomputed_tokens",
             "Tokens computed again because their request had been preempted.",
-            stats.num_recomputed_tokens,
+            counters.num_recomputed_tokens,
         )
-        yield counter("blockserve_prompt_tokens", "Prompt tokens of admitted requests.", stats.num_prompt_tokens)
+        yield counter("blockserve_prompt_tokens", "Prompt tokens of admitted requests.", counters.num_prompt_tokens)
         yield counter(
-            "blockserve_generation_tokens", "Tokens generated and sent to clients.", stats.num_generation_tokens
+            "blockserve_generation_tokens", "Tokens generated and sent to clients.", counters.num_generation_tokens
         )
         yield counter(
             "blockserve_prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
-            stats.prefix_cache_queries,
+            counters.prefix_cache_queries,
         )
         yield counter(
-            "blockserve_prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.prefix_cache_hits
+            "blockserve_prefix_cache_hits", "Prompt tokens served from the prefix cache.", counters.prefix_cache_hits
         )
         yield counter(
             "blockserve_wasted_decode_slots",
             "Tokens computed for requests that had ended (stop token, abort) while their step was in flight.",
-            stats.num_wasted_decode_slots,
+            counters.num_wasted_decode_slots,
         )
         finished = CounterMetricFamily(
             "blockserve_requests_finished", "Finished requests by reason.", labels=["model_name", "reason"]
         )
         for reason in FINISH_REASONS:
-            finished.add_metric([model, reason], stats.finished_by_reason[reason])
+            finished.add_metric([model, reason], counters.finished_by_reason[reason])
         yield finished
         info = InfoMetricFamily("blockserve_settings", "Effective settings of this scheduler (secrets redacted).")
         info.add_metric([], self.settings_info)
@@ -119,8 +121,8 @@ class _LiveCollector(Collector):
 
     @staticmethod
     def _pool_gauges(model: str, scheduler: Scheduler | None):
-        """Usage, capacity and free blocks per table: `unified`, or `prefill` and `decode` in legacy mode."""
-        pools = scheduler.pool_usage() if scheduler else [("unified", 0, 0)]
+        """Usage, capacity and free blocks per table: `unified`, or `prefill` and `decode` in split-table mode."""
+        pools = scheduler.kv.pool_usage() if scheduler else [("unified", 0, 0)]
         families = [
             GaugeMetricFamily(
                 "blockserve_kv_cache_usage_ratio",
@@ -149,14 +151,14 @@ class SchedulerMetrics:
     def __init__(
         self,
         get_scheduler: Callable[[], Scheduler | None],
-        stats: SchedulerStats,
+        counters: SchedulerCounters,
         get_model_name: Callable[[], str],
         settings_info: dict[str, object],
     ):
         self.registry = CollectorRegistry()
         self.get_model_name = get_model_name
         labels = {key.lower(): str(value) for key, value in settings_info.items()}
-        self._live = _LiveCollector(get_scheduler, stats, get_model_name, labels)
+        self._live = _LiveCollector(get_scheduler, counters, get_model_name, labels)
         self.registry.register(self._live)
 
         self._model_histograms: list[Histogram] = []

@@ -35,17 +35,6 @@ class StepOutcome:
         else:
             owned.append(delta)
 
-    def extend(self, other: "StepOutcome") -> None:
-        for owner, (request_ids, token_ids) in other.tokens.items():
-            columns = self.tokens.setdefault(owner, ([], []))
-            columns[0].extend(request_ids)
-            columns[1].extend(token_ids)
-        for owner, deltas in other.deltas.items():
-            self.deltas.setdefault(owner, []).extend(deltas)
-        self.first_tokens.extend(other.first_tokens)
-        self.token_gaps_s.extend(other.token_gaps_s)
-        self.finished.extend(other.finished)
-
     @property
     def num_tokens(self) -> int:
         return len(self.first_tokens) + len(self.token_gaps_s)

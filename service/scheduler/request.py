@@ -1,11 +1,13 @@
-"""A request as the scheduler sees it: its tokens, its blocks and where it is in its life."""
+"""A request as the scheduler sees it: its tokens, its progress and where it is in its life.
+
+Which blocks it holds is the KV-cache manager's business (kv_cache_manager.py), not the request's.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-from service.scheduler.block_pool import extend_block_hashes
 from service.wire import RunningRequest, SamplingParams
 
 
@@ -13,7 +15,6 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, at the front, to be recomputed
-    SUSPENDED = "suspended"  # legacy mode: lost its decode blocks, keeps its prompt blocks and slot
     FINISHED = "finished"
 
 
@@ -32,16 +33,12 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float
-    block_size: int
     owner: bytes = b""  # identity of the api replica that sent it: its deltas go there
     stop_token_ids: frozenset[int] = frozenset()  # a sampled one ends it (EOS unless ignored, and its own)
     max_num_tokens: int = 0  # prompt plus output never exceed this (max_tokens, max_model_len)
     token_ids: list[int] = field(init=False)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks of token_ids
-    block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     max_computed_tokens: int = 0  # high-water mark: tokens below it are recomputation
-    num_cached_blocks: int = 0  # leading blocks already registered in (or taken from) the prefix cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -51,10 +48,6 @@ class Request:
     sent_to_worker: bool = False  # the worker holds its state; next time send deltas only
     decode_message: RunningRequest | None = None  # "one more token, no new block": the same every such step
     num_output_placeholders: int = 0  # tokens that steps in flight will sample for it (overlapped loop)
-    last_step_id: int = 0  # the latest step that computes it: its blocks are released after that step
-    in_reserve: bool = False  # counted in the admission reserve (see AdmissionReserve)
-    reserve_prompt_blocks: int = 0
-    reserve_output_blocks: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -62,7 +55,6 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        extend_block_hashes(self.block_hashes, self.token_ids, self.block_size)
 
     @property
     def num_prompt_tokens(self) -> int:

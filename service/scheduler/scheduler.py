@@ -1,14 +1,18 @@
-"""The unified-table scheduler: a pure, synchronous object that decides every step.
+"""The scheduler: a pure, synchronous object that decides every step.
 
 `schedule(now)` hands the token budget to running requests first (a decode is one token, an
 unfinished chunked prefill continues), then admits waiting ones; `update(step, result, now)`
 takes the sampled tokens and returns what the step produced. No sockets, no clocks.
 
-Steps may overlap (see step_loop.py): a step can be scheduled while earlier ones are still
+It knows requests, not blocks: blocks come from its KV-cache manager (allocate or None), which
+waiting requests get in from its admission strategy, and who gives blocks back when they run
+out from its preemption strategy. The unified table and the split-table baseline are two sets
+of these three parts (`build_scheduler`).
+
+Steps may overlap (see engine.py): a step can be scheduled while earlier ones are still
 computing. A decoding request then gets one more token whose input is the token the step in
 flight samples (a placeholder the worker fills from its own state). A request that ends while a
-step in flight still computes it keeps its blocks until that step has returned, and the
-token computed for it there is discarded (a wasted decode slot, counted).
+step in flight still computes it has that step's token discarded (a wasted decode slot, counted).
 """
 
 from __future__ import annotations
@@ -18,13 +22,19 @@ from dataclasses import dataclass, field
 
 from service import wire
 from service.limits import request_id_problem, sampling_problem
-from service.scheduler.admission import AdmissionReserve
-from service.scheduler.block_pool import BlockPool, extend_block_hashes
+from service.scheduler.admission import Admitted, ReserveAdmission
+from service.scheduler.counters import SchedulerCounters
+from service.scheduler.kv_cache_manager import KVCacheManager
+from service.scheduler.messages import closing_delta, new_request_message, stop_token_ids, token_delta
 from service.scheduler.outcome import StepOutcome
-from service.scheduler.outputs import closing_delta, new_request_message, stop_token_ids, token_delta
-from service.scheduler.policies import POLICIES
+from service.scheduler.preemption import RecomputePreemption
 from service.scheduler.request import FinishReason, Request, RequestStatus
-from service.scheduler.stats import SchedulerStats
+from service.scheduler.split_table import (
+    SplitTableAdmission,
+    SplitTableConfig,
+    SplitTableKVCacheManager,
+    SuspendPreemption,
+)
 
 
 class RequestRejected(ValueError):
@@ -68,18 +78,18 @@ class SchedulerConfig:
         return cls(**values)
 
 
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
 @dataclass(slots=True)
 class ScheduledStep:
-    """One step: the message for the worker, what scheduling itself ended, and what it scheduled."""
+    """One step: the message for the worker, what scheduling itself ended, and what update() needs
+    of each scheduled request (columns, in the order scheduled)."""
 
     output: wire.SchedulerOutput
-    outcome: StepOutcome  # requests that schedule() ended (legacy: incomplete)
-    # (request, its preemption count then, computed tokens after the step, whether the step samples it)
-    scheduled: list[tuple[Request, int, int, bool]] = field(default_factory=list)
+    outcome: StepOutcome  # requests that schedule() ended (split table: incomplete)
+    requests: list[Request] = field(default_factory=list)
+    num_preemptions: list[int] = field(default_factory=list)  # each one's count then: a later preemption voids it
+    cache_ends: list[int] = field(default_factory=list)  # computed tokens after the step if it fills a block, else 0
+    samples: list[bool] = field(default_factory=list)  # whether the step samples its next token
+    schedule_s: float = 0.0  # how long schedule() took (the engine loop times it, for the metrics)
 
     @property
     def step_id(self) -> int:
@@ -91,38 +101,26 @@ class ScheduledStep:
 
 
 class Scheduler:
-    """Owns the block table, the queues and every request's progress."""
+    """Owns the queues and every request's progress; asks its KV-cache manager for blocks."""
 
-    def __init__(self, config: SchedulerConfig, stats: SchedulerStats | None = None):
+    def __init__(self, config: SchedulerConfig, kv, admission, preemption, counters: SchedulerCounters | None = None):
         self.config = config
-        self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.choose_victim = POLICIES[config.preemption_policy]
-        self.reserve = AdmissionReserve(config.block_size)
-        self.stats = stats or SchedulerStats()
+        self.kv = kv
+        self.admission = admission
+        self.preemption = preemption
+        self.counters = counters or SchedulerCounters()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: dict[Request, None] = {}  # in admission order (an ordered set)
-        self.num_preempted_waiting = 0
+        self.num_preempted_waiting = 0  # requests in `waiting` that ran before
         self._step_id = 0
-        self._completed_step_id = 0  # steps up to this one have returned (they return in order)
         self._admissions = 0
         self._finished_for_worker: list[str] = []
-        self._releases: dict[int, list[list[int]]] = {}  # step id -> blocks to free once it has returned
-        self.num_releasing_blocks = 0
-        self._promised: list[Request] = []  # waited for released blocks last step: served first this one
-
-    def pool_usage(self) -> list[tuple[str, int, int]]:
-        """(pool, capacity, used blocks) of each table: one here; the legacy mode has two."""
-        return [("unified", self.pool.num_blocks, self.pool.num_blocks - self.pool.num_free_blocks)]
 
     @property
     def has_work(self) -> bool:
         """Requests to serve, or finished ones the worker has not been told about."""
         return bool(self.requests or self._finished_for_worker)
-
-    def releasing_block_ids(self) -> list[int]:
-        """Blocks of ended requests that a step in flight still writes (freed when it returns)."""
-        return [block_id for lists in self._releases.values() for block_ids in lists for block_id in block_ids]
 
     # ------------------------------------------------------------------ requests in
 
@@ -150,71 +148,50 @@ class Scheduler:
                 f"(max_model_len) is {cfg.max_model_len}, prompt plus at least one output token"
             )
         max_len = min(len(prompt_token_ids) + sampling.max_tokens, cfg.max_model_len)
-        needed_blocks = blocks_for(max_len - 1, cfg.block_size)
-        if needed_blocks > cfg.num_blocks:
-            raise RequestRejected(
-                f"the request needs up to {needed_blocks} KV-cache blocks "
-                f"({max_len} tokens) but the whole cache holds {cfg.num_blocks}"
-            )
-        request = Request(
-            request_id,
-            list(prompt_token_ids),
-            sampling,
-            now,
-            cfg.block_size,
-            owner,
-            stop_token_ids(sampling, cfg.eos_token_ids),
-            max_len,
-        )
+        if problem := self.kv.admission_problem(len(prompt_token_ids), max_len):
+            raise RequestRejected(problem)
+        stops = stop_token_ids(sampling, cfg.eos_token_ids)
+        request = Request(request_id, list(prompt_token_ids), sampling, now, owner, stops, max_len)
         self.requests[request_id] = request
         self.waiting.append(request)
 
     def abort_request(self, request_id: str, now: float) -> StepOutcome:
-        """Stop a request wherever it is; its blocks are freed once no step in flight computes it."""
+        """Stop a request wherever it is; its blocks are freed."""
         outcome = StepOutcome()
         request = self.requests.get(request_id)
         if request is None:
             return outcome
-        if request.status not in (RequestStatus.RUNNING, RequestStatus.SUSPENDED):
+        if request.status is not RequestStatus.RUNNING:
             self.waiting.remove(request)
-        self.num_preempted_waiting -= request.status in (RequestStatus.PREEMPTED, RequestStatus.SUSPENDED)
+            self.num_preempted_waiting -= request.status is RequestStatus.PREEMPTED
         self._end(request, FinishReason.ABORT, None, now, outcome)
         return outcome
 
     def fail_all(self, message: str, now: float, error_status: int = 503) -> StepOutcome:
         """End every request with an error (the worker is gone: no step in flight will return)."""
         outcome = StepOutcome()
-        self._completed_step_id = self._step_id
-        for block_lists in self._releases.values():
-            for block_ids in block_lists:
-                self.pool.free(block_ids)
-        self._releases.clear()
-        self.num_releasing_blocks = 0
         for request in list(self.requests.values()):
             self._end(request, FinishReason.ERROR, message, now, outcome, error_status)
         self.waiting.clear()
         self.num_preempted_waiting = 0
-        self._finished_for_worker.clear()  # a new worker holds no state
         return outcome
 
     # ------------------------------------------------------------------ one step
 
     def schedule(self, now: float) -> ScheduledStep:
         """Decide what the worker computes in the next step."""
-        outcome = StepOutcome()  # requests that scheduling itself ends (legacy: incomplete)
+        outcome = StepOutcome()  # requests that scheduling itself ends (split table: incomplete)
         budget = self.config.max_num_batched_tokens
-        block_size = self.config.block_size
-        running = RequestStatus.RUNNING
+        num_slots = self.kv.num_slots
+        running_status = RequestStatus.RUNNING
         scheduled: dict[Request, int] = {}
         new_block_ids: dict[Request, list[int]] = {}
         preempted: list[Request] = []
-
-        promised, self._promised = self._promised, []
-        for request in promised + [r for r in self.running if r not in promised] if promised else list(self.running):
+        for request in list(self.running):
             if budget == 0:
                 break
-            if request.status is not running and not self._can_run(request, now, outcome):
-                continue  # preempted earlier in this step, or suspended
+            if request.status is not running_status:
+                continue  # preempted or ended earlier in this step
             pending = request.num_output_placeholders
             num_known = len(request.token_ids)
             if pending and num_known + pending >= request.max_num_tokens:
@@ -223,17 +200,14 @@ class Scheduler:
             num_new = num_known + pending - computed
             if num_new > budget:
                 num_new = budget
-            if computed + num_new <= len(request.block_ids) * block_size:
+            if computed + num_new <= num_slots[request]:
                 scheduled[request] = num_new  # its blocks hold the new tokens: the common decode
                 budget -= num_new
                 continue
-            while (blocks := self._grow(request, num_new)) is None:
-                if self._releases_cover(request, num_new):
-                    self._promised.append(request)  # blocks of ended requests come back with the step in flight
-                    break
-                victim = self._choose_victim(request)
-                if victim is request and request.num_output_placeholders:
-                    break  # its next token is still computing: decide once it is known, as a serial loop would
+            while (block_ids := self.kv.allocate_slots(request, computed + num_new)) is None:
+                victim = self.preemption.choose_victim(request, list(self.running))
+                if victim is None or (victim is request and request.num_output_placeholders):
+                    break  # it waits (its next token is still computing: decide once it is known)
                 budget += scheduled.pop(victim, 0)
                 new_block_ids.pop(victim, None)
                 self._preempt(victim, now, outcome)
@@ -241,173 +215,62 @@ class Scheduler:
                     preempted.append(victim)
                 if victim is request:
                     break
-            if blocks is not None and request.status is RequestStatus.RUNNING:
+            if block_ids is not None:
                 scheduled[request] = num_new
-                new_block_ids[request] = blocks
+                new_block_ids[request] = block_ids
                 budget -= num_new
 
         if preempted:
-            self.reserve.on_preemption()
+            self.admission.on_preemption()
         elif self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            budget = self._admit_waiting(budget, scheduled, new_block_ids, now)
+            for admitted in self.admission.admit(self.waiting, budget, self.config.max_num_seqs - len(self.running)):
+                self._admit(admitted, now)
+                scheduled[admitted.request] = admitted.num_new_tokens
+                new_block_ids[admitted.request] = admitted.block_ids
         if scheduled:
-            self.reserve.on_step()
+            self.admission.on_step()
         return self._build_step(scheduled, new_block_ids, preempted, outcome)
 
     def update(self, step: ScheduledStep, result: wire.StepResult, now: float) -> StepOutcome:
         """Apply the worker's sampled tokens for `step`; return what they produced."""
         outcome = StepOutcome()
-        self._completed_step_id = step.step_id
+        columns = zip(step.requests, step.num_preemptions, step.cache_ends, step.samples)
         if result.error is not None:
-            for request, preemptions, _, _ in step.scheduled:
+            for request, preemptions, _, _ in columns:
                 if not request.is_finished and request.num_preemptions == preemptions:
                     self._end(request, FinishReason.ERROR, f"worker error: {result.error}", now, outcome)
-        else:
-            sampled = {token.request_id: token for token in result.sampled}
-            block_size = self.config.block_size
-            accept = self._accept_token
-            gaps, columns_of, refresh = outcome.token_gaps_s, outcome.tokens, self.reserve.refresh_after_token
-            for request, preemptions, computed_end, samples in step.scheduled:
-                if request.num_preemptions != preemptions:
-                    continue  # preempted since: it is recomputed from scratch
-                if request.status is RequestStatus.FINISHED:
-                    self.stats.num_wasted_decode_slots += samples  # ended while this step computed it
-                    continue
-                if computed_end // block_size > request.num_cached_blocks:
-                    self._cache_computed_blocks(request, computed_end)
-                if not samples:
-                    continue  # a prefill chunk that did not reach the end: nothing sampled
-                request.num_output_placeholders -= 1
-                token = sampled.get(request.request_id)
-                if token is None:
-                    self._end(request, FinishReason.ERROR, "the worker returned no token", now, outcome)
-                    continue
-                token_id, token_ids = token.token_id, request.token_ids
-                if (
-                    token.logprob is not None
-                    or request.last_token_time is None
-                    or token_id in request.stop_token_ids
-                    or len(token_ids) + 1 >= request.max_num_tokens
-                ):
-                    accept(request, token, now, outcome)  # with logprobs, a first or a last token
-                    continue
-                # What _accept_token does for a plain next token, inline: this runs per request per step.
-                gaps.append(now - request.last_token_time)
-                request.last_token_time = now
-                token_ids.append(token_id)
-                if len(token_ids) % request.block_size == 0:
-                    extend_block_hashes(request.block_hashes, token_ids, request.block_size)
-                columns = columns_of.get(request.owner)
-                if columns is None:
-                    columns_of[request.owner] = ([request.request_id], [token_id])
-                else:
-                    columns[0].append(request.request_id)
-                    columns[1].append(token_id)
-                refresh(request)
-        self.stats.num_generation_tokens += outcome.num_tokens
-        for block_ids in self._releases.pop(step.step_id, ()):
-            self.num_releasing_blocks -= len(block_ids)
-            self.pool.free(block_ids)
+            return outcome
+        sampled = {token.request_id: token for token in result.sampled}
+        finished = RequestStatus.FINISHED
+        for request, preemptions, cache_end, samples in columns:
+            if request.num_preemptions != preemptions:
+                continue  # preempted since: it is recomputed from scratch
+            if request.status is finished:
+                self.counters.num_wasted_decode_slots += samples  # ended while this step computed it
+                continue
+            if cache_end:
+                self.kv.cache_blocks(request, cache_end)
+            if not samples:
+                continue  # a prefill chunk that did not reach the end: nothing sampled
+            request.num_output_placeholders -= 1
+            token = sampled.get(request.request_id)
+            if token is None:
+                self._end(request, FinishReason.ERROR, "the worker returned no token", now, outcome)
+            else:
+                self._accept_token(request, token, now, outcome)
+        self.counters.num_generation_tokens += outcome.num_tokens
         return outcome
 
     # ------------------------------------------------------------------ internals
 
-    def _grow(self, request: Request, num_new: int) -> list[int] | None:
-        """Blocks so that `num_new` more tokens fit, or None if the pool is short."""
-        needed = blocks_for(request.num_computed_tokens + num_new, self.config.block_size) - len(request.block_ids)
-        if needed <= 0:
-            return []
-        blocks = self.pool.allocate(needed)
-        if blocks is not None:
-            request.block_ids.extend(blocks)
-            self.reserve.refresh(request)
-        return blocks
-
-    def _releases_cover(self, request: Request, num_new: int) -> bool:
-        """Whether blocks that steps in flight will give back make up what `request` lacks now."""
-        if not self.num_releasing_blocks:
-            return False
-        needed = blocks_for(request.num_computed_tokens + num_new, self.config.block_size) - len(request.block_ids)
-        free = self.pool.num_free_blocks
-        return free < needed <= free + self.num_releasing_blocks
-
-    def _can_run(self, request: Request, now: float, outcome: StepOutcome) -> bool:
-        return request.status is RequestStatus.RUNNING
-
-    def _choose_victim(self, requester: Request) -> Request:
-        # The longest-running request is never offered, so one request always progresses.
-        return self.choose_victim(list(self.running)[1:] or [requester], self.pool)
-
-    def _preempt(self, request: Request, now: float, outcome: StepOutcome) -> None:
-        del self.running[request]
-        self.reserve.untrack(request)
-        self._release(request, request.block_ids)
-        request.block_ids = []
-        request.num_computed_tokens = 0
-        request.num_cached_blocks = 0
-        request.num_output_placeholders = 0
-        request.status = RequestStatus.PREEMPTED
-        self.num_preempted_waiting += 1
-        request.num_preemptions += 1
-        request.sent_to_worker = False
-        self.stats.num_preemptions += 1
-        self.waiting.appendleft(request)
-
-    def _release(self, request: Request, block_ids: list[int]) -> None:
-        """Free blocks a request gave up; if a step in flight still computes it, once that step returns."""
-        if not block_ids:
-            return
-        if request.last_step_id > self._completed_step_id:
-            self._releases.setdefault(request.last_step_id, []).append(block_ids)
-            self.num_releasing_blocks += len(block_ids)
-        else:
-            self.pool.free(block_ids)
-
-    def _admit_waiting(self, budget: int, scheduled: dict, new_block_ids: dict, now: float) -> int:
-        cfg = self.config
-        reserved = self.reserve.reserved_blocks()
-        passed: list[Request] = []
-        while (
-            self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(passed) <= cfg.max_skip_ahead
-        ):
-            request = self.waiting.popleft()
-            num_new = self._try_admit(request, budget, reserved)
-            if num_new is None:
-                request.num_skipped += not passed
-                passed.append(request)
-                if request.num_skipped > cfg.max_head_skips:
-                    break  # aged head: nobody passes it any more, blocks drain to it
-                continue
-            self.reserve.track(request)
-            reserved = self.reserve.reserved_blocks()
-            scheduled[request] = num_new
-            new_block_ids[request] = list(request.block_ids)
-            budget -= num_new
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-        self.waiting.extendleft(reversed(passed))
-        return budget
-
-    def _try_admit(self, request: Request, budget: int, reserved_blocks: int) -> int | None:
-        """Admit if the whole remaining prompt fits beside the reserve; return tokens to compute now."""
-        size = self.config.block_size
-        cached = self.pool.find_cached_prefix(request.block_hashes, request.token_ids, (request.num_tokens - 1) // size)
-        cached_free = sum(1 for b in cached if self.pool.blocks[b].ref_count == 0)
-        needed = blocks_for(request.num_tokens, size) - len(cached)
-        if needed + reserved_blocks > self.pool.num_free_blocks - cached_free:
-            return None
-        self.pool.touch(cached)
-        num_cached_tokens = len(cached) * size
-        num_new = min(request.num_tokens - num_cached_tokens, budget)
-        request.block_ids = list(cached)
-        request.num_cached_blocks = len(cached)
-        request.num_computed_tokens = num_cached_tokens
-        self._grow(request, num_new)
+    def _admit(self, admitted: Admitted, now: float) -> None:
+        request = admitted.request
+        request.num_computed_tokens = admitted.num_cached_tokens
         if request.num_preemptions == 0:
-            request.num_cached_tokens = num_cached_tokens
-            self.stats.num_prompt_tokens += request.num_tokens
-            self.stats.prefix_cache_queries += request.num_tokens
-            self.stats.prefix_cache_hits += num_cached_tokens
+            request.num_cached_tokens = admitted.num_cached_tokens
+            self.counters.num_prompt_tokens += request.num_tokens
+            self.counters.prefix_cache_queries += request.num_tokens
+            self.counters.prefix_cache_hits += admitted.num_cached_tokens
         else:
             self.num_preempted_waiting -= 1
         request.status = RequestStatus.RUNNING
@@ -415,20 +278,37 @@ class Scheduler:
         request.admitted_seq = self._admissions
         self._admissions += 1
         self.running[request] = None
-        return num_new
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+
+    def _preempt(self, victim: Request, now: float, outcome: StepOutcome) -> None:
+        if (reason := self.preemption.preempt(victim)) is not None:
+            self._end(victim, FinishReason.ERROR, reason, now, outcome)
+            return
+        victim.num_computed_tokens = 0
+        victim.num_output_placeholders = 0
+        victim.sent_to_worker = False
+        victim.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        if self.preemption.requeues_victims:
+            del self.running[victim]
+            victim.status = RequestStatus.PREEMPTED
+            self.num_preempted_waiting += 1
+            self.waiting.appendleft(victim)
 
     def _build_step(self, scheduled: dict, new_block_ids: dict, preempted: list, outcome: StepOutcome) -> ScheduledStep:
         self._step_id += 1
-        step_id = self._step_id
-        new_requests, running_requests, records = [], [], []
+        block_size = self.config.block_size
+        new_requests, running_requests = [], []
+        step = ScheduledStep(wire.SchedulerOutput(step_id=self._step_id), outcome)
+        requests, preemptions, cache_ends, samples = step.requests, step.num_preemptions, step.cache_ends, step.samples
         recomputed = 0
         for request, num_new in scheduled.items():
-            blocks = new_block_ids.get(request)
             if not request.sent_to_worker:
-                new_requests.append(new_request_message(request, num_new))
+                new_requests.append(new_request_message(request, self.kv.block_ids(request), num_new))
                 request.sent_to_worker = True
-            elif blocks or num_new != 1:
-                running_requests.append(wire.RunningRequest(request.request_id, blocks or [], num_new))
+            elif (block_ids := new_block_ids.get(request)) or num_new != 1:
+                running_requests.append(wire.RunningRequest(request.request_id, block_ids or [], num_new))
             else:
                 message = request.decode_message
                 if message is None:
@@ -441,29 +321,21 @@ class Scheduler:
             if end > request.max_computed_tokens:
                 request.max_computed_tokens = end
             request.num_computed_tokens = end
-            request.last_step_id = step_id
-            samples = end == len(request.token_ids) + request.num_output_placeholders
-            if samples:
+            sampling = end == len(request.token_ids) + request.num_output_placeholders
+            if sampling:
                 request.num_output_placeholders += 1
-            records.append((request, request.num_preemptions, end, samples))
-        self.stats.num_recomputed_tokens += recomputed
+            requests.append(request)
+            preemptions.append(request.num_preemptions)
+            cache_ends.append(end if end // block_size > start // block_size else 0)
+            samples.append(sampling)
+        self.counters.num_recomputed_tokens += recomputed
         finished, self._finished_for_worker = self._finished_for_worker, []
-        output = wire.SchedulerOutput(
-            step_id=step_id,
-            new_requests=new_requests,
-            running_requests=running_requests,
-            finished_request_ids=finished,
-            preempted_request_ids=[r.request_id for r in preempted],
-        )
-        return ScheduledStep(output, outcome, records)
-
-    def _cache_computed_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        num_full = min(num_computed_tokens // self.config.block_size, len(request.block_hashes))
-        if num_full > request.num_cached_blocks:
-            self.pool.cache_blocks(
-                request.block_ids, request.block_hashes, request.token_ids, request.num_cached_blocks, num_full
-            )
-            request.num_cached_blocks = num_full
+        output = step.output
+        output.new_requests, output.running_requests = new_requests, running_requests
+        output.finished_request_ids = finished
+        output.preempted_request_ids = [r.request_id for r in preempted]
+        output.reset = self._step_id == 1  # a new scheduler knows nothing the worker may still hold
+        return step
 
     def _accept_token(self, request: Request, token: wire.SampledToken, now: float, outcome: StepOutcome) -> None:
         token_id = token.token_id
@@ -475,8 +347,6 @@ class Scheduler:
         request.last_token_time = now
         token_ids = request.token_ids
         token_ids.append(token_id)
-        if len(token_ids) % request.block_size == 0:
-            extend_block_hashes(request.block_hashes, token_ids, request.block_size)
         if token_id in request.stop_token_ids:
             reason = FinishReason.STOP
         elif len(token_ids) >= request.max_num_tokens:
@@ -488,7 +358,7 @@ class Scheduler:
                 outcome.add_token(request, token_id)  # the common case: two column entries, no struct
             else:
                 outcome.add(request, token_delta(request, token, reason))
-            self.reserve.refresh_after_token(request)
+            self.kv.on_token(request)
         else:
             outcome.add(request, token_delta(request, token, reason))
             self._finish(request, reason, now, outcome)
@@ -508,14 +378,24 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason, now: float, outcome: StepOutcome) -> None:
         self.running.pop(request, None)
-        self.reserve.untrack(request)
-        self._release(request, request.block_ids)
-        request.block_ids = []
+        self.kv.forget(request)
         if request.sent_to_worker:
             self._finished_for_worker.append(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = now
         del self.requests[request.request_id]
-        self.stats.record_finish(request)
+        self.counters.record_finish(request)
         outcome.finished.append(request)
+
+
+def build_scheduler(
+    config: SchedulerConfig, split_table: SplitTableConfig | None = None, counters: SchedulerCounters | None = None
+) -> Scheduler:
+    """The unified-table scheduler, or the split-table baseline when `split_table` is given."""
+    if split_table is None:
+        kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        admission = ReserveAdmission(kv, config.max_skip_ahead, config.max_head_skips)
+        return Scheduler(config, kv, admission, RecomputePreemption(kv, config.preemption_policy), counters)
+    kv = SplitTableKVCacheManager(config.num_blocks, config.block_size, split_table)
+    return Scheduler(config, kv, SplitTableAdmission(kv), SuspendPreemption(kv, split_table.disable_recover), counters)

@@ -2,8 +2,8 @@
 
 Two ROUTER sockets: api replicas connect to `scheduler_addr` (requests, aborts, status; token
 deltas go back to the replica that sent each request), workers to `worker_addr` (hello, step
-results). The step loop is serial (one step in flight) or, with `async_scheduling`, overlapped
-(the next step is decided and sent while the worker computes one; see step_loop.py). Each
+results). The engine loop (engine.py) decides the steps; this module knows sockets, frames and
+liveness. Each
 step's deltas go to each api replica as one `DeltaBatch`. The worker is pinged every second,
 computing or not (its link thread answers mid-step): a worker that disconnects, or leaves pings
 unanswered for `worker_timeout_s`, is dead, however long a step takes: readiness turns false and
@@ -28,12 +28,11 @@ from zmq.utils.monitor import parse_monitor_message
 
 from service import curve, limits, wire
 from service.config import Settings
-from service.scheduler.legacy import build_scheduler, legacy_config_from
+from service.scheduler.counters import SchedulerCounters
+from service.scheduler.engine import EngineLoop
 from service.scheduler.metrics import SchedulerMetrics
 from service.scheduler.outcome import StepOutcome
-from service.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
-from service.scheduler.stats import SchedulerStats
-from service.scheduler.step_loop import StepLoop
+from service.scheduler.scheduler import RequestRejected, ScheduledStep, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +67,14 @@ class SchedulerServer:
         self.worker_monitor = self.worker_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
         self.api_monitor = self.api_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
         self.api_fds: dict[int, bytes] = {}  # connection fd -> the api replica that sends on it
-        self.scheduler: Scheduler | None = None
-        self.loop: StepLoop | None = None
+        self.engine: EngineLoop | None = None
         self.model: wire.ModelInfo | None = None
         self.worker_id: bytes | None = None
         self.worker_fd: int | None = None  # its connection: a disconnect of any other is not its loss
         self.frame_fd: int | None = None  # the connection of the frame being handled
-        self.stats = SchedulerStats()  # outlives any one Scheduler, so counters never go back
+        self.counters = SchedulerCounters()  # outlives any one Scheduler, so counters never go back
         self.metrics = SchedulerMetrics(
-            lambda: self.scheduler, self.stats, lambda: self.model.name if self.model else "", settings.redacted()
+            lambda: self.scheduler, self.counters, lambda: self.model.name if self.model else "", settings.redacted()
         )
         self.step_sent_at: dict[int, float] = {}  # step id -> when it went to the worker, while in flight
         self.last_ping_at = 0.0
@@ -95,6 +93,10 @@ class SchedulerServer:
         self.curve.secure(socket, addr)
         socket.bind(addr)
         return socket
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        return self.engine.scheduler if self.engine else None
 
     @property
     def num_requests(self) -> int:
@@ -248,8 +250,8 @@ class SchedulerServer:
             num_workers=int(self.worker_id is not None),
             num_running=len(scheduler.running) if scheduler else 0,
             num_waiting=len(scheduler.waiting) if scheduler else 0,
-            num_free_blocks=scheduler.pool.num_free_blocks if scheduler else 0,
-            num_total_blocks=scheduler.pool.num_blocks if scheduler else 0,
+            num_free_blocks=scheduler.kv.num_free_blocks if scheduler else 0,
+            num_total_blocks=scheduler.kv.num_blocks if scheduler else 0,
             unknown_request_ids=[request_id for request_id in request_ids if request_id not in held],
         )
 
@@ -294,30 +296,17 @@ class SchedulerServer:
             return  # the live worker repeats its hello after a silence: nothing restarted
         if self.worker_id is not None:
             self._worker_lost("another worker registered")
-        num_blocks = min(hello.num_kv_blocks, self.settings.num_kv_blocks or hello.num_kv_blocks)
-        max_model_len = min(hello.model.max_model_len, self.settings.max_model_len or hello.model.max_model_len)
-        self.model = msgspec.structs.replace(hello.model, max_model_len=max_model_len)
+        self.engine = EngineLoop.for_worker(self.settings, hello, self.counters)
+        config = self.engine.scheduler.config
+        self.model = msgspec.structs.replace(hello.model, max_model_len=config.max_model_len)
         self.metrics.start_series(self.model.name)
         self.metrics.add_settings_info({f"worker_{key}": value for key, value in hello.kernels.items()})
-        self.scheduler = build_scheduler(
-            stats=self.stats,
-            legacy=legacy_config_from(self.settings),
-            config=SchedulerConfig.from_settings(
-                self.settings,
-                num_blocks,
-                block_size=hello.block_size,
-                max_model_len=max_model_len,
-                eos_token_ids=tuple(hello.model.eos_token_ids),
-                vocab_size=hello.model.vocab_size,
-            ),
-        )
-        self.loop = StepLoop(self.scheduler, self.settings.async_scheduling)
         self.worker_id = identity
         self.last_ping_at = self.last_heard_at = time.monotonic()
         log.info(
             "worker %s registered: %d KV blocks of %d tokens, model %s",
             hello.worker_id,
-            num_blocks,
+            config.num_blocks,
             hello.block_size,
             hello.model.name,
         )
@@ -328,7 +317,7 @@ class SchedulerServer:
     def _on_step_result(self, result: wire.StepResult) -> None:
         now = time.monotonic()
         started = time.perf_counter()
-        outcome = self.loop.complete(result, now) if self.loop else None
+        outcome = self.engine.complete(result, now) if self.engine else None
         self.metrics.step_loop_seconds["update"].inc(time.perf_counter() - started)
         if outcome is None:
             raise DroppedFrame("unexpected", f"a result for step {result.step_id}, which is not the oldest in flight")
@@ -337,25 +326,21 @@ class SchedulerServer:
         self._deliver(outcome)
 
     def _maybe_step(self, now: float) -> None:
-        """Schedule and send steps while the loop allows (serial: one in flight; overlapped: two)."""
-        if self.worker_id is None or self.loop is None:
-            return
-        while self.loop.can_schedule():
+        """Schedule and send steps while the engine loop allows (serial: one in flight; overlapped: two)."""
+        if self.worker_id is not None and self.engine is not None:
+            self.engine.run(now, self._send_step)
+
+    def _send_step(self, step: ScheduledStep) -> None:
+        self.metrics.step_loop_seconds["schedule"].inc(step.schedule_s)
+        output = step.output
+        if not output.is_empty or output.finished_request_ids or output.preempted_request_ids or output.reset:
             started = time.perf_counter()
-            step = self.loop.schedule(now)
-            schedule_s = time.perf_counter() - started
-            self.metrics.step_loop_seconds["schedule"].inc(schedule_s)
-            output = step.output
-            if not output.is_empty or output.finished_request_ids or output.preempted_request_ids:
-                started = time.perf_counter()
-                self._send(self.worker_socket, self.worker_id, output)
-                self.metrics.step_loop_seconds["encode"].inc(time.perf_counter() - started)
-            self._deliver(step.outcome)
-            if not step.needs_result:
-                return  # nothing to compute (at most state to drop): no answer expected
-            self.step_sent_at[step.step_id] = now
-            self.metrics.on_schedule(output.num_scheduled_tokens, schedule_s)
-            now = time.monotonic()
+            self._send(self.worker_socket, self.worker_id, output)
+            self.metrics.step_loop_seconds["encode"].inc(time.perf_counter() - started)
+        self._deliver(step.outcome)
+        if step.needs_result:
+            self.step_sent_at[step.step_id] = time.monotonic()
+            self.metrics.on_schedule(output.num_scheduled_tokens, step.schedule_s)
 
     def _check_worker(self, now: float) -> None:
         """Ping while steps compute too: a long step is answered by pongs, a hung or dead worker is not."""
@@ -371,8 +356,8 @@ class SchedulerServer:
         log.error("%s: failing %d requests", reason, self.num_requests)
         self.worker_id = None
         self.step_sent_at.clear()
-        if self.loop is not None:
-            self._deliver(self.loop.fail(reason, time.monotonic()))
+        if self.engine is not None:
+            self._deliver(self.engine.fail(reason, time.monotonic()))
 
 
 def run_scheduler(settings: Settings) -> None:

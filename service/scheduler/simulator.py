@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from service import wire
+from service.scheduler.engine import EngineLoop
 from service.scheduler.fake_worker import FakeWorker
-from service.scheduler.legacy import LegacyConfig, build_scheduler
 from service.scheduler.request import FinishReason, Request
-from service.scheduler.scheduler import RequestRejected, SchedulerConfig
-from service.scheduler.step_loop import StepLoop
+from service.scheduler.scheduler import RequestRejected, ScheduledStep, SchedulerConfig, build_scheduler
+from service.scheduler.split_table import SplitTableConfig
 from service.workload import TraceRequest
 
 
@@ -40,7 +40,7 @@ class SimulationReport:
     num_requests: int
     num_finished: int
     num_rejected: int
-    num_failed: int  # ended with an error (legacy: incomplete)
+    num_failed: int  # ended with an error (split table: incomplete)
     duration_s: float
     output_tokens_per_s: float
     requests_per_s: float
@@ -61,21 +61,26 @@ def simulate(
     trace: list[TraceRequest],
     config: SchedulerConfig,
     cost: CostModel = CostModel(),
-    legacy: LegacyConfig | None = None,
+    split_table: SplitTableConfig | None = None,
     overlapped: bool = False,
 ) -> SimulationReport:
-    """Replay `trace` through the unified scheduler (or the legacy one, given `legacy`).
+    """Replay `trace` through the unified scheduler (or the split-table one, given `split_table`).
 
     `overlapped` drives it as the overlapped step loop does (the next step decided while one computes).
     """
-    scheduler = build_scheduler(config, legacy)
-    loop = StepLoop(scheduler, overlapped)
+    scheduler = build_scheduler(config, split_table)
+    engine = EngineLoop(scheduler, overlapped)
     worker = FakeWorker(config.num_blocks, config.block_size)
     sent: deque[wire.SchedulerOutput] = deque()  # steps the worker has not computed yet, in order
     pending = sorted(trace, key=lambda r: r.arrival_time_s)
     finished: list[Request] = []
+
+    def send(step: ScheduledStep) -> None:
+        finished.extend(step.outcome.finished)
+        sent.append(step.output)
+
     now, next_arrival, rejected, steps, usage_time = 0.0, 0, 0, 0, 0.0
-    while next_arrival < len(pending) or scheduler.requests or loop.in_flight:
+    while next_arrival < len(pending) or scheduler.requests or engine.in_flight:
         while next_arrival < len(pending) and pending[next_arrival].arrival_time_s <= now:
             request = pending[next_arrival]
             next_arrival += 1
@@ -84,13 +89,8 @@ def simulate(
                 scheduler.add_request(request.request_id, request.prompt_token_ids, sampling, request.arrival_time_s)
             except RequestRejected:
                 rejected += 1
-        while loop.can_schedule():
-            scheduled = loop.schedule(now)
-            finished += scheduled.outcome.finished
-            sent.append(scheduled.output)
-            if not scheduled.needs_result:
-                break
-        if not loop.in_flight:
+        engine.run(now, send)
+        if not engine.in_flight:
             if next_arrival < len(pending):
                 now = max(now, pending[next_arrival].arrival_time_s)
                 continue
@@ -103,10 +103,10 @@ def simulate(
         scheduled_ids = [r.request_id for r in step.new_requests] + [r.request_id for r in step.running_requests]
         context = sum(worker.requests[request_id].num_computed_tokens for request_id in scheduled_ids)
         duration = cost.step_time(step.num_scheduled_tokens, context)
-        usage_time += scheduler.pool.usage * duration
+        usage_time += scheduler.kv.usage * duration
         now += duration
         steps += 1
-        finished += loop.complete(result, now).finished
+        finished += engine.complete(result, now).finished
     return _report(trace, finished, rejected, now, steps, usage_time, scheduler)
 
 
@@ -128,8 +128,8 @@ def _report(trace, finished: list[Request], rejected, now, steps, usage_time, sc
         output_tokens_per_s=sum(r.num_output_tokens for r in done) / duration,
         requests_per_s=len(done) / duration,
         num_steps=steps,
-        num_preemptions=scheduler.stats.num_preemptions,
-        num_recomputed_tokens=scheduler.stats.num_recomputed_tokens,
+        num_preemptions=scheduler.counters.num_preemptions,
+        num_recomputed_tokens=scheduler.counters.num_recomputed_tokens,
         mean_kv_usage=usage_time / duration,
         ttft_p50_s=float(np.percentile(ttft, 50)),
         ttft_p99_s=float(np.percentile(ttft, 99)),

@@ -16,8 +16,8 @@ import time
 import httpx
 import openai
 
-from tests.processes import free_port, loopback_env, scrape, start, stop_all, wait_ready
-from tests.unit.fake_scheduler import tiny_model_info, tiny_tokenizer
+from tests.support.processes import free_port, loopback_env, scrape, start, stop_all, wait_ready
+from tests.support.tiny_model import tiny_model_info, tiny_tokenizer
 
 CLIENT_TIMEOUT_S = 60
 ERROR_WITHIN_S = 10  # a lost connection ends open requests at once, not after the idle check (30 s)
@@ -103,7 +103,7 @@ def test_api_ends_in_flight_requests_and_then_serves_the_model_of_a_new_schedule
 
         processes += [
             start(["-m", "service.cli", "scheduler"], second_env, tmp_path / "scheduler2.log"),
-            start(["-m", "tests.fake_worker_process"], second_env, tmp_path / "worker2.log"),
+            start(["-m", "tests.support.fake_worker_process"], second_env, tmp_path / "worker2.log"),
         ]
         wait_ready(url, timeout_s=60)
 
@@ -139,7 +139,7 @@ def test_a_worker_of_another_model_taking_over_a_live_scheduler_rewelcomes_every
     connected to it are told at once: /v1/models names the new model, requests for it are served."""
     env = loopback_env()
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
-    worker = start(["-m", "tests.fake_worker_process"], env, tmp_path / "worker.log")
+    worker = start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "worker.log")
     processes = [
         start(["-m", "service.cli", "api"], env, tmp_path / "api.log"),
         start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
@@ -151,7 +151,11 @@ def test_a_worker_of_another_model_taking_over_a_live_scheduler_rewelcomes_every
         assert models() == [tiny_model_info().name]
         kill(worker)
         processes.append(
-            start(["-m", "tests.fake_worker_process"], dict(env, FAKE_MODEL_NAME="other-model"), tmp_path / "w2.log")
+            start(
+                ["-m", "tests.support.fake_worker_process"],
+                dict(env, FAKE_MODEL_NAME="other-model"),
+                tmp_path / "w2.log",
+            )
         )
         wait_until(lambda: models() == ["other-model"], 30, "the api still names the old model")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)

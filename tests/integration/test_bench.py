@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.processes import ROOT, FakeStack, scrape
+from tests.support.processes import ROOT, FakeStack, scrape
 
 
 @pytest.fixture

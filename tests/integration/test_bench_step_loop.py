@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from tests.processes import ROOT
+from tests.support.processes import ROOT
 
 PARTS = {"scheduler schedule", "scheduler update", "scheduler fanout", "worker input building"}
 

@@ -12,8 +12,8 @@ import pytest
 import zmq
 
 from service import curve, wire
-from tests.processes import loopback_env, scrape, start, stop_all, wait_ready
-from tests.unit.fake_scheduler import tiny_model_info
+from tests.support.processes import loopback_env, scrape, start, stop_all, wait_ready
+from tests.support.tiny_model import tiny_model_info
 
 NUM_KV_BLOCKS = 24
 SILENCE_S = 1.5  # how long a refused peer waits for any answer
@@ -33,7 +33,7 @@ def stack(tmp_path_factory):
     processes = [
         start(["-m", "service.cli", "scheduler"], {**env, **role_keys["scheduler"]}, logs / "scheduler.log"),
         start(
-            ["-m", "tests.fake_worker_process"],
+            ["-m", "tests.support.fake_worker_process"],
             {**env, "BLOCKSERVE_SECRETS_DIR": str(worker_secrets)},
             logs / "worker.log",
         ),

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from schemathesis.core.warnings import SchemathesisWarning
 
-from tests.processes import ROOT, loopback_env, start, stop, wait_ready
+from tests.support.processes import ROOT, loopback_env, start, stop, wait_ready
 
 README = ROOT / "README.md"
 README_ADDRESS = "localhost:8000"  # the default port of `blockserve serve`, as the README's examples use it

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.processes import FakeStack, free_port, scrape
+from tests.support.processes import FakeStack, free_port, scrape
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "blockserve" / "dashboards" / "blockserve.json"
 

@@ -4,80 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-import uuid
 
-import httpx
 import pytest
-import zmq
-from prometheus_client.parser import text_string_to_metric_families
 
 from service import wire
-from tests.processes import loopback_env, scrape, start, stop, stop_all
-
-
-class ApiPeer:
-    """Plays an api replica: a DEALER that submits requests and collects deltas."""
-
-    def __init__(self, addr: str):
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(addr)
-        self.outputs: dict[str, list[int]] = {}
-        self.finished: dict[str, wire.RequestDelta] = {}
-        self.statuses: list[wire.SchedulerStatus] = []
-        self.batch_sizes: list[int] = []  # deltas per DeltaBatch frame
-        self.on_message = lambda message: None  # sees every message, in arrival order
-
-    def send(self, message: wire.Message) -> None:
-        self.socket.send(wire.encode(message))
-
-    def submit(self, prompt: list[int], max_tokens: int) -> str:
-        request_id = uuid.uuid4().hex
-        self.outputs[request_id] = []
-        sampling = wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        self.send(wire.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling))
-        return request_id
-
-    def pump(self, timeout_s: float) -> None:
-        if not self.socket.poll(int(timeout_s * 1000)):
-            return
-        while self.socket.poll(0):
-            message = wire.decode(self.socket.recv())
-            self.on_message(message)
-            if isinstance(message, wire.DeltaBatch):
-                deltas = message.all_deltas()
-                self.batch_sizes.append(len(deltas))
-                for delta in deltas:
-                    self.on_delta(delta)
-            elif isinstance(message, wire.RequestDelta):
-                self.on_delta(message)
-            elif isinstance(message, wire.SchedulerStatus):
-                self.statuses.append(message)
-
-    def on_delta(self, delta: wire.RequestDelta) -> None:
-        assert delta.request_id not in self.finished, "a delta after the request ended"
-        self.outputs[delta.request_id].extend(delta.token_ids)
-        if delta.finish_reason is not None:
-            self.finished[delta.request_id] = delta
-
-    def wait_until(self, condition, timeout_s: float) -> float:
-        start_time = time.monotonic()
-        while not condition():
-            assert time.monotonic() - start_time < timeout_s, "timed out"
-            self.pump(0.05)
-        return time.monotonic() - start_time
-
-    def status(self, timeout_s: float = 5) -> wire.SchedulerStatus:
-        seen = len(self.statuses)
-        self.send(wire.StatusQuery())
-        self.wait_until(lambda: len(self.statuses) > seen, timeout_s)
-        return self.statuses[-1]
-
-    def close(self) -> None:
-        self.context.destroy(linger=0)
-
+from tests.support.api_peer import ApiPeer
+from tests.support.processes import loopback_env, metric_samples, scrape, start, stop, stop_all
 
 MODES = {"serial": "0", "overlapped": "1"}
 BOTH_MODES = pytest.mark.parametrize("cluster", MODES, indirect=True)
@@ -95,7 +27,7 @@ def cluster(request, tmp_path):
     )
     processes = {
         "scheduler": start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
-        "worker": start(["-m", "tests.fake_worker_process"], env, tmp_path / "worker.log"),
+        "worker": start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "worker.log"),
     }
     peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
     peer.wait_until(lambda: peer.status().ready, 30)
@@ -170,7 +102,7 @@ def test_a_restarted_worker_is_taken_and_serves(cluster, tmp_path):
     os.kill(processes["worker"].pid, signal.SIGKILL)
     processes["worker"].wait()
     peer.wait_until(lambda: not peer.status().ready, 10)
-    processes["worker"] = start(["-m", "tests.fake_worker_process"], env, tmp_path / "worker2.log")
+    processes["worker"] = start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "worker2.log")
     peer.wait_until(lambda: peer.status().ready, 30)
     request_id = peer.submit([1, 2, 3], max_tokens=4)
     peer.wait_until(lambda: request_id in peer.finished, 20)
@@ -208,7 +140,7 @@ def test_legacy_mode_ends_a_request_the_decode_table_cannot_hold_at_once(tmp_pat
     )
     processes = [
         start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
-        start(["-m", "tests.fake_worker_process"], env, tmp_path / "worker.log"),
+        start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "worker.log"),
     ]
     peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
     try:
@@ -223,13 +155,11 @@ def test_legacy_mode_ends_a_request_the_decode_table_cannot_hold_at_once(tmp_pat
         samples = scrape(env["BLOCKSERVE_METRICS_PORT"])  # both reach the finish histograms
         assert samples["blockserve_e2e_request_latency_seconds_count"] == 2
         assert samples["blockserve_request_preemptions_count"] == 2
-        pools = {s.labels["pool"]: s.value for s in metric_samples(env, "blockserve_kv_blocks_capacity")}
+        pools = {
+            s.labels["pool"]: s.value
+            for s in metric_samples(env["BLOCKSERVE_METRICS_PORT"], "blockserve_kv_blocks_capacity")
+        }
         assert pools == {"prefill": 21, "decode": 3}
     finally:
         peer.close()
         stop_all(processes)
-
-
-def metric_samples(env, name):
-    text = httpx.get(f"http://127.0.0.1:{env['BLOCKSERVE_METRICS_PORT']}/metrics", timeout=5).text
-    return [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]

@@ -13,9 +13,9 @@ import zmq
 
 from service import wire
 from service.scheduler.server import PING_INTERVAL_S, ZMQ_HEARTBEAT_TIMEOUT_MS
-from tests.integration.test_scheduler_process import ApiPeer, metric_samples
-from tests.processes import FakeStack, loopback_env, start, stop_all
-from tests.unit.fake_scheduler import tiny_model_info
+from tests.support.api_peer import ApiPeer
+from tests.support.processes import FakeStack, loopback_env, metric_samples, start, stop_all
+from tests.support.tiny_model import tiny_model_info
 
 NUM_BLOCKS = 24
 
@@ -25,7 +25,7 @@ def start_cluster(tmp_path, **overrides: str):
     env = loopback_env(**{"BLOCKSERVE_NUM_KV_BLOCKS": str(NUM_BLOCKS), "BLOCKSERVE_BLOCK_SIZE": "4", **overrides})
     processes = {
         "scheduler": start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
-        "worker": start(["-m", "tests.fake_worker_process"], env, tmp_path / "worker.log"),
+        "worker": start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "worker.log"),
     }
     peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
     try:
@@ -55,7 +55,7 @@ def cluster(tmp_path):
 
 
 def dropped_frames(env) -> dict[tuple[str, str], float]:
-    samples = metric_samples(env, "blockserve_dropped_frames_total")
+    samples = metric_samples(env["BLOCKSERVE_METRICS_PORT"], "blockserve_dropped_frames_total")
     return {(s.labels["socket"], s.labels["reason"]): s.value for s in samples}
 
 
@@ -181,7 +181,7 @@ def test_an_api_replica_lost_mid_stream_has_its_requests_aborted_and_blocks_free
             assert time.monotonic() - lost_at < (heartbeat_s / 2 if how == "killed" else 2 * heartbeat_s)
             status = peer.status()
             assert status.num_running == status.num_waiting == 0 and status.num_total_blocks == NUM_BLOCKS
-            finished = metric_samples(stack.env, "blockserve_requests_finished_total")
+            finished = metric_samples(stack.env["BLOCKSERVE_METRICS_PORT"], "blockserve_requests_finished_total")
             assert {s.labels["reason"]: s.value for s in finished if s.value}.keys() == {"abort"}
         finally:
             peer.close()

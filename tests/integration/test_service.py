@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.processes import loopback_env, scrape, start, stop, stop_all, wait_ready
+from tests.support.processes import loopback_env, scrape, start, stop, stop_all, wait_ready
 
 # 16 blocks of 16 tokens: about 8 requests of a short prompt and 24 output tokens at once.
 NUM_KV_BLOCKS = 16

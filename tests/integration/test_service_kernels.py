@@ -7,7 +7,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.processes import loopback_env, start, stop, wait_ready
+from tests.support.processes import loopback_env, start, stop, wait_ready
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 MAX_TOKENS = 24

@@ -13,9 +13,9 @@ from gpu_worker.worker_process import PipelinedRunner, serve_worker
 from service import wire
 from service.config import load_settings
 from service.scheduler.fake_worker import FakeWorker
-from tests.integration.test_scheduler_process import ApiPeer
-from tests.processes import loopback_env, start, stop_all
-from tests.unit.fake_scheduler import tiny_model_info
+from tests.support.api_peer import ApiPeer
+from tests.support.processes import loopback_env, start, stop_all
+from tests.support.tiny_model import tiny_model_info
 
 NUM_BLOCKS = 24
 BLOCK_SIZE = 4
@@ -127,7 +127,7 @@ def test_another_connection_closing_on_the_worker_socket_leaves_the_worker_regis
     env = link_env(FAKE_STEP_DELAY_S="0.01")
     processes = [
         start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
-        start(["-m", "tests.fake_worker_process"], env, tmp_path / "worker.log"),
+        start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "worker.log"),
     ]
     peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
     context = zmq.Context()

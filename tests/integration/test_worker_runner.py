@@ -11,6 +11,7 @@ from gpu_worker.kv_cache import block_bytes, num_blocks_for
 from gpu_worker.model_runner import ModelRunner
 from service import wire
 from service.config import load_settings
+from tests.support.model_engine import LocalEngine
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314, 253, 1345, 1185, 28, 284, 260, 1345, 282]
 
@@ -32,18 +33,20 @@ def new_request(request_id: str, sampling: wire.SamplingParams, block_ids: list[
     )
 
 
-def test_seeded_sampling_repeats_with_other_batch_mates_and_after_preemption(runner, scheduler_double):
-    seeded = wire.SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12)
-    alone = scheduler_double(runner, token_budget=64)
+def test_seeded_sampling_repeats_with_other_batch_mates_and_after_preemption(runner):
+    seeded = wire.SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = LocalEngine(runner, max_num_batched_tokens=64)
     alone.add("seeded", PROMPT_IDS, seeded)
     expected = alone.run()["seeded"]
 
-    crowded = scheduler_double(runner, token_budget=8)
-    crowded.add("other", PROMPT_IDS[::-1], wire.SamplingParams(temperature=1.0, max_tokens=12))
+    # Three prompts of one block each on 4 blocks of 16 tokens: the newest, "seeded", is preempted as they grow.
+    crowded = LocalEngine(runner, max_num_batched_tokens=8, num_blocks=4, preemption_policy="lifo")
+    crowded.add("other", PROMPT_IDS[::-1], wire.SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+    crowded.add("greedy", PROMPT_IDS[:5], wire.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     crowded.add("seeded", PROMPT_IDS, seeded)
-    crowded.add("greedy", PROMPT_IDS[:5], wire.SamplingParams(temperature=0.0, max_tokens=12))
 
-    assert crowded.run(preempt={"seeded": 5})["seeded"] == expected
+    assert crowded.run()["seeded"] == expected
+    assert crowded.finished["seeded"].num_preemptions > 0
 
 
 def test_logprobs_are_sorted_and_include_the_chosen_token(runner):
@@ -122,3 +125,54 @@ def test_a_request_with_nonsense_sampling_is_refused_alone_and_its_batch_mates_a
     assert result.error is None and [t.request_id for t in result.sampled] == ["honest"]
     runner.execute(wire.SchedulerOutput(step_id=22, finished_request_ids=["nonsense", "honest"]))
     assert "nonsense" not in runner.refused_request_ids
+
+
+def test_the_first_step_of_a_new_scheduler_drops_what_the_worker_still_held(runner):
+    """A worker declared lost (pings unanswered) lives on and registers with a new scheduler, which
+    knows nothing of the old requests: its first step says so, and the worker forgets them."""
+    greedy = wire.SamplingParams(temperature=0.0)
+    runner.execute(
+        wire.SchedulerOutput(
+            step_id=30,
+            new_requests=[
+                new_request("old", greedy, [12]),
+                new_request("refused", wire.SamplingParams(logprobs=100000), [13]),
+            ],
+        )
+    )
+    assert "old" in runner.requests and "refused" in runner.refused_request_ids
+
+    result = runner.execute(
+        wire.SchedulerOutput(step_id=1, reset=True, new_requests=[new_request("new", greedy, [12])])
+    )
+
+    assert result.error is None and [t.request_id for t in result.sampled] == ["new"]
+    assert set(runner.requests) == {"new"} and runner.refused_request_ids == set()
+    runner.execute(wire.SchedulerOutput(step_id=2, finished_request_ids=["new"]))
+
+
+def test_a_failed_sample_in_one_step_ends_only_its_requests_in_the_step_prepared_behind_it(runner, monkeypatch):
+    """Overlapped: step 41 is prepared while step 40 computes, with "early"'s next token pending.
+    Step 40's sampling fails, so "early" has no token: step 41 computes "late" (first sent in
+    41) and leaves "early" out, instead of failing whole."""
+    greedy = wire.SamplingParams(temperature=0.0)
+    launched = runner.launch(
+        runner.prepare(wire.SchedulerOutput(step_id=40, new_requests=[new_request("early", greedy, [14])]))
+    )
+    following = wire.SchedulerOutput(
+        step_id=41,
+        new_requests=[new_request("late", greedy, [15])],
+        running_requests=[wire.RunningRequest("early", [], 1)],
+    )
+    prepared = runner.prepare(following)  # the scheduler's overlapped loop sent it before step 40 returned
+
+    def failing_sample(*_):
+        raise FloatingPointError("sampling failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner.sampler, "sample", failing_sample)
+        assert "sampling failed" in runner.finish(launched).error
+    result = runner.finish(runner.launch(prepared))
+
+    assert result.error is None and [t.request_id for t in result.sampled] == ["late"]
+    runner.execute(wire.SchedulerOutput(step_id=42, finished_request_ids=["early", "late"]))

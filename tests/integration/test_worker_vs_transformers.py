@@ -3,7 +3,7 @@
 Three models: SmolLM2 from its Q4_1 GGUF (llama, tied embeddings), a tiny random Qwen2 folder
 (q/k/v biases, untied lm_head, fp32 safetensors) and a tiny random Llama folder with llama3 rope
 scaling stored in bf16. Greedy generation goes through chunked prefill, mixed prefill+decode
-steps and a preemption with recompute, driven by a scheduler stand-in.
+steps and preemptions with recompute, driven by the real scheduler and engine loop.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from gpu_worker.model_runner import ModelRunner
 from gpu_worker.step_inputs import RequestState, build_step_inputs
 from service import wire
 from service.config import load_settings
+from tests.support.model_engine import LocalEngine
 
 NUM_KV_BLOCKS = 128
 TOKEN_BUDGET = 24
+TIGHT_NUM_BLOCKS = 12  # of 16 tokens: the 8 greedy requests outgrow it, and some are preempted
 NUM_GREEDY_TOKENS = 32
 PROMPTS = [
     "The capital of France is",
@@ -152,35 +154,32 @@ def test_logits_match_when_the_prompt_is_computed_in_chunks(models):
     assert relative_error(ours, reference_logits(reference, token_ids)) < 1e-3
 
 
-def test_greedy_generation_matches_transformers_through_chunking_mixing_and_preemption(models, scheduler_double):
+def test_greedy_generation_matches_transformers_through_chunking_mixing_and_preemption(models):
     runner, reference = models
-    double = scheduler_double(runner, token_budget=TOKEN_BUDGET)
-    greedy = wire.SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY_TOKENS)
+    engine = LocalEngine(runner, TOKEN_BUDGET, num_blocks=TIGHT_NUM_BLOCKS)
+    greedy = wire.SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY_TOKENS, ignore_eos=True)
     prompts = {f"p{i}": encode(runner, text) for i, text in enumerate(PROMPTS)}
     for request_id, prompt_ids in prompts.items():
-        double.add(request_id, prompt_ids, greedy)
+        engine.add(request_id, prompt_ids, greedy)
 
-    outputs = double.run(preempt={"p2": 10})
+    outputs = engine.run()
 
-    assert double.num_chunked_prefills > 0 and double.num_mixed_steps > 0
+    assert engine.num_chunked_prefills() > 0 and engine.num_mixed_steps() > 0
+    assert engine.scheduler.counters.num_preemptions > 0
     for request_id, prompt_ids in prompts.items():
         assert outputs[request_id] == reference_greedy(reference, prompt_ids, NUM_GREEDY_TOKENS), request_id
 
 
-def test_prefix_cache_hit_reads_blocks_another_request_computed(models, scheduler_double):
+def test_prefix_cache_hit_reads_blocks_another_request_computed(models):
     runner, reference = models
-    double = scheduler_double(runner, token_budget=TOKEN_BUDGET)
+    engine = LocalEngine(runner, TOKEN_BUDGET)
     shared = encode(runner, LONG_TEXT)[: 2 * runner.block_size]
-    double.add("first", shared + encode(runner, " and then"), wire.SamplingParams(temperature=0.0, max_tokens=1))
-    double.run()
+    engine.add("first", shared + encode(runner, " and then"), wire.SamplingParams(temperature=0.0, max_tokens=1))
+    engine.run()
     second_prompt = shared + encode(runner, " Meanwhile, far away,")
 
-    double.add(
-        "second",
-        second_prompt,
-        wire.SamplingParams(temperature=0.0, max_tokens=8),
-        cached_block_ids=tuple(double.done["first"].block_ids[:2]),
-    )
-    outputs = double.run()
+    engine.add("second", second_prompt, wire.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    outputs = engine.run()
 
+    assert engine.finished["second"].num_cached_tokens == 2 * runner.block_size
     assert outputs["second"] == reference_greedy(reference, second_prompt, 8)

@@ -2,8 +2,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.api.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-
-from .fake_scheduler import tiny_tokenizer
+from tests.support.tiny_model import tiny_tokenizer
 
 
 def stream_text(text: str, prompt: str = "") -> list[str]:

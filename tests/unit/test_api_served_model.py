@@ -3,8 +3,7 @@ import pytest
 
 from service.api.errors import ApiError
 from service.api.served_model import ServedModel
-
-from .fake_scheduler import MAX_MODEL_LEN, tiny_model_info
+from tests.support.tiny_model import MAX_MODEL_LEN, tiny_model_info
 
 BOS = 0  # <|endoftext|> in the tiny tokenizer
 

@@ -6,7 +6,7 @@ import pytest
 
 from service import wire
 from service.scheduler.scheduler import SchedulerConfig
-from tests.unit.scheduler_harness import Harness
+from tests.support.scheduler_harness import Harness
 
 MAX_MODEL_LEN = 1024
 BUDGET = 64

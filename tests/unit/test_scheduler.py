@@ -1,14 +1,15 @@
+from collections import deque
+
 import pytest
 
 from service import wire
+from service.scheduler.engine import EngineLoop
 from service.scheduler.fake_worker import FakeWorker
-from service.scheduler.legacy import LegacyConfig, LegacyScheduler
-from service.scheduler.policies import lifo, min_recompute
+from service.scheduler.preemption import lifo, min_recompute
 from service.scheduler.request import RequestStatus
-from service.scheduler.scheduler import RequestRejected, SchedulerConfig
-from service.scheduler.step_loop import StepLoop
-
-from .scheduler_harness import Harness, reference_output
+from service.scheduler.scheduler import RequestRejected, SchedulerConfig, build_scheduler
+from service.scheduler.split_table import SplitTableConfig
+from tests.support.scheduler_harness import Harness, reference_output
 
 
 def greedy(max_tokens, **kwargs):
@@ -33,12 +34,12 @@ def test_preempted_request_resumes_with_identical_output(policy, overlapped):
     for request_id, prompt in prompts.items():
         harness.add(request_id, prompt, greedy(30))
     harness.run_until_idle()
-    stats = harness.scheduler.stats
+    stats = harness.scheduler.counters
     assert stats.num_preemptions > 0
     assert stats.num_recomputed_tokens > 0
     for request_id, prompt in prompts.items():
         assert harness.outputs[request_id] == reference_output(prompt, greedy(30), cfg)
-    assert harness.scheduler.pool.num_free_blocks == cfg.num_blocks
+    assert harness.kv.num_free_blocks == cfg.num_blocks
 
 
 @MODES
@@ -48,7 +49,7 @@ def test_resumed_request_recomputes_only_evicted_blocks(overlapped):
     for i in range(4):
         harness.add(f"r{i}", [10 + i] * 6, greedy(30))
     harness.run_until_idle()
-    stats = harness.scheduler.stats
+    stats = harness.scheduler.counters
     assert stats.num_preemptions > 0
     without_cache = Harness(
         config(num_blocks=12, preemption_policy="lifo", enable_prefix_caching=False), overlapped=overlapped
@@ -56,7 +57,7 @@ def test_resumed_request_recomputes_only_evicted_blocks(overlapped):
     for i in range(4):
         without_cache.add(f"r{i}", [10 + i] * 6, greedy(30))
     without_cache.run_until_idle()
-    assert stats.num_recomputed_tokens < without_cache.scheduler.stats.num_recomputed_tokens
+    assert stats.num_recomputed_tokens < without_cache.scheduler.counters.num_recomputed_tokens
 
 
 def test_shared_prefix_requests_share_blocks_and_count_hits():
@@ -67,11 +68,11 @@ def test_shared_prefix_requests_share_blocks_and_count_hits():
     harness.add("second", prefix + [50], greedy(4))
     output = harness.step()
     [second] = [r for r in output.new_requests if r.request_id == "second"]
-    first = harness.scheduler.requests["first"]
+    first_blocks = harness.kv.block_ids(harness.scheduler.requests["first"])
     assert second.num_computed_tokens == 16
-    assert second.block_ids[:4] == first.block_ids[:4]
-    assert all(harness.scheduler.pool.blocks[b].ref_count == 2 for b in first.block_ids[:4])
-    assert harness.scheduler.stats.prefix_cache_hits == 16
+    assert second.block_ids[:4] == first_blocks[:4]
+    assert all(harness.kv.pool.blocks[b].ref_count == 2 for b in first_blocks[:4])
+    assert harness.scheduler.counters.prefix_cache_hits == 16
     harness.run_until_idle()
     assert harness.outputs["second"] == reference_output(prefix + [50], greedy(4), harness.config)
 
@@ -107,7 +108,9 @@ def test_running_requests_are_sent_as_deltas_only():
     assert second.new_requests == []
     assert second.running_requests == [wire.RunningRequest("a", [], 1)]  # position 3 still fits block 0
     third = harness.step()
-    assert third.running_requests == [wire.RunningRequest("a", [harness.scheduler.requests["a"].block_ids[1]], 1)]
+    assert third.running_requests == [
+        wire.RunningRequest("a", [harness.kv.block_ids(harness.scheduler.requests["a"])[1]], 1)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -155,30 +158,31 @@ def test_abort_frees_blocks_and_tells_the_worker():
     harness.add("a", [1, 2, 3, 4, 5], greedy(20))
     harness.step()
     harness.abort("a")
-    assert harness.scheduler.pool.num_free_blocks == 16
+    assert harness.kv.num_free_blocks == 16
     assert harness.finish_reasons["a"] == "abort"
     assert harness.step().finished_request_ids == ["a"]
     assert "a" not in harness.worker.requests
 
 
-def test_abort_while_a_step_computes_it_keeps_its_blocks_until_that_step_returns():
-    harness = Harness(config(), overlapped=True)
-    harness.add("a", [1, 2, 3, 4, 5], greedy(20))
-    harness.add("b", [6, 7], greedy(20))
+def test_abort_while_a_step_computes_it_frees_its_blocks_at_once_and_drops_that_steps_token():
+    """The worker runs steps in order, so the freed blocks can go to another request at once: the
+    step that takes them writes them only after the step in flight has finished with them."""
+    harness = Harness(config(num_blocks=4), overlapped=True)
+    harness.add("a", [1, 2, 3, 4, 5], greedy(10))
     harness.step()  # steps 1 and 2 sent, step 1 computed: step 2 (a decode of "a") is in flight
     tokens_before = list(harness.outputs["a"])
-    blocks = list(harness.scheduler.requests["a"].block_ids)
     harness.abort("a")
     assert harness.finish_reasons["a"] == "abort"
-    assert sorted(harness.scheduler.releasing_block_ids()) == sorted(blocks)
-    assert all(harness.scheduler.pool.blocks[b].ref_count == 1 for b in blocks)
-    harness.step()  # step 2 returns: its token for "a" is dropped, the blocks are free
+    assert harness.kv.num_free_blocks == 4
+    prompt = list(range(6, 21))
+    harness.add("b", prompt, greedy(1))  # needs every block
+    harness.step()  # step 2 returns: its token for "a" is dropped; step 3 gives "b" the blocks "a" had
     assert harness.outputs["a"] == tokens_before
-    assert harness.scheduler.releasing_block_ids() == []
-    assert harness.scheduler.stats.num_wasted_decode_slots == 1
+    assert harness.scheduler.counters.num_wasted_decode_slots == 1
     harness.run_until_idle()
+    assert harness.outputs["b"] == reference_output(prompt, greedy(1), harness.config)
     assert "a" not in harness.worker.requests
-    assert harness.scheduler.pool.num_free_blocks == 16
+    assert harness.kv.num_free_blocks == 4
 
 
 @MODES
@@ -192,8 +196,8 @@ def test_stop_token_sampled_while_the_next_step_is_in_flight_ends_the_request_th
     assert harness.outputs["stopped"] == plain[:5]  # nothing past the stop token
     assert harness.outputs["capped"] == reference_output([9, 9], greedy(3), cfg)
     # The overlapped loop computed one token past the stop; max_tokens is known ahead, so no slot is lost there.
-    assert harness.scheduler.stats.num_wasted_decode_slots == int(overlapped)
-    assert harness.scheduler.pool.num_free_blocks == cfg.num_blocks
+    assert harness.scheduler.counters.num_wasted_decode_slots == int(overlapped)
+    assert harness.kv.num_free_blocks == cfg.num_blocks
 
 
 def test_overlapped_loop_keeps_two_steps_in_flight_and_schedules_decodes_ahead():
@@ -213,10 +217,12 @@ def test_overlapped_loop_keeps_two_steps_in_flight_and_schedules_decodes_ahead()
 def test_an_errored_step_ends_its_requests_and_frees_their_slots(overlapped):
     harness = Harness(config(max_num_seqs=1), overlapped=overlapped)
     harness.add("a", [1, 2, 3], greedy(10))
-    step = harness.loop.schedule(harness.now)
-    harness.record(harness.loop.complete(wire.StepResult(step_id=step.step_id, error="boom"), 1.0))
+    harness.loop.run(harness.now, harness.send)
+    first = harness.to_worker.popleft()
+    harness.worker.execute(first)  # computed, but the worker reports an error instead of its tokens
+    harness.record(harness.loop.complete(wire.StepResult(step_id=first.step_id, error="boom"), 1.0))
     assert harness.errors["a"] == "worker error: boom"
-    assert not harness.scheduler.running and harness.scheduler.pool.num_free_blocks == 16
+    assert not harness.scheduler.running and harness.kv.num_free_blocks == 16
     harness.add("b", [4, 5], greedy(3))  # one slot: "b" runs only if "a" gave it back
     harness.run_until_idle(max_steps=20)
     assert harness.outputs["b"] == reference_output([4, 5], greedy(3), harness.config)
@@ -235,52 +241,51 @@ def test_victim_policies_choose_newest_or_cheapest():
     harness.add("newest_long", [3] * 24, greedy(20))
     harness.step()
     candidates = [_running(harness, "new_short"), _running(harness, "newest_long")]
-    pool = harness.scheduler.pool
-    assert lifo(candidates, pool).request_id == "newest_long"
-    assert min_recompute(candidates, pool).request_id == "new_short"
+    assert lifo(candidates, harness.kv).request_id == "newest_long"
+    assert min_recompute(candidates, harness.kv).request_id == "new_short"
 
 
-def legacy_harness(ratio=0.5, disable_recover=False, overlapped=False, **overrides):
+def split_table_harness(ratio=0.5, disable_recover=False, overlapped=False, **overrides):
     return Harness(
         config(**overrides),
-        LegacyConfig(kv_cache_ratio=ratio, dec_blocks=1, disable_recover=disable_recover),
+        SplitTableConfig(kv_cache_ratio=ratio, dec_blocks=1, disable_recover=disable_recover),
         overlapped,
     )
 
 
 @MODES
-def test_legacy_suspends_the_request_with_most_decode_blocks_and_recovers_it(overlapped):
-    harness = legacy_harness(num_blocks=16, overlapped=overlapped)  # 8 prefill + 8 decode blocks of 4 tokens
+def test_split_table_suspends_the_request_with_most_decode_blocks_and_recovers_it(overlapped):
+    harness = split_table_harness(num_blocks=16, overlapped=overlapped)  # 8 prefill + 8 decode blocks of 4 tokens
     prompts = {f"r{i}": [20 + i] * 3 for i in range(4)}  # each takes 2 prefill blocks, then grows
     for request_id, prompt in prompts.items():
         harness.add(request_id, prompt, greedy(16))
     harness.run_until_idle()
-    assert harness.scheduler.stats.num_preemptions > 0
-    assert harness.scheduler.stats.num_recomputed_tokens > 0
+    assert harness.scheduler.counters.num_preemptions > 0
+    assert harness.scheduler.counters.num_recomputed_tokens > 0
     for request_id, prompt in prompts.items():
         assert harness.outputs[request_id] == reference_output(prompt, greedy(16), harness.config)
     assert harness.errors == {}
 
 
 @MODES
-def test_legacy_without_recovery_ends_suspended_requests_incomplete(overlapped):
-    harness = legacy_harness(num_blocks=16, disable_recover=True, overlapped=overlapped)
+def test_split_table_without_recovery_ends_suspended_requests_incomplete(overlapped):
+    harness = split_table_harness(num_blocks=16, disable_recover=True, overlapped=overlapped)
     for i in range(4):
         harness.add(f"r{i}", [20 + i] * 3, greedy(16))
     harness.run_until_idle()
     assert harness.errors and all(e.startswith("incomplete") for e in harness.errors.values())
     assert len(harness.errors) < 4  # the others finished
-    assert harness.scheduler.pool.num_free_blocks == 16
+    assert harness.kv.num_free_blocks == 16
 
 
-def test_legacy_rejects_a_prompt_larger_than_the_prefill_share():
-    harness = legacy_harness(ratio=0.3, num_blocks=16)  # 4 prefill blocks of 4 tokens
+def test_split_table_rejects_a_prompt_larger_than_the_prefill_share():
+    harness = split_table_harness(ratio=0.3, num_blocks=16)  # 4 prefill blocks of 4 tokens
     with pytest.raises(RequestRejected, match="KV_CACHE_RATIO=0.3"):
         harness.add("long", [1] * 14, greedy(2))
 
 
-def test_legacy_head_of_line_waits_for_prefill_blocks():
-    harness = legacy_harness(ratio=0.5, num_blocks=16)
+def test_split_table_head_of_line_waits_for_prefill_blocks():
+    harness = split_table_harness(ratio=0.5, num_blocks=16)
     harness.add("a", [1] * 10, greedy(30))  # 4 prefill blocks incl. one decode block
     harness.add("b", [2] * 10, greedy(30))  # 4 more: the prefill share is full
     harness.add("c", [3], greedy(1))  # would fit the unified table, not the prefill share
@@ -290,28 +295,27 @@ def test_legacy_head_of_line_waits_for_prefill_blocks():
     assert len(harness.outputs["c"]) == 1
 
 
-def test_legacy_request_ended_inside_schedule_reports_at_once_even_if_the_step_is_empty():
+def test_split_table_request_ended_inside_schedule_reports_at_once_even_if_the_step_is_empty():
     cfg = config(num_blocks=16, max_model_len=64)
-    scheduler = LegacyScheduler(cfg, LegacyConfig(kv_cache_ratio=0.9, dec_blocks=1))  # decode table: 2 blocks
-    loop = StepLoop(scheduler, overlapped=False)
+    scheduler = build_scheduler(cfg, SplitTableConfig(kv_cache_ratio=0.9, dec_blocks=1))  # decode table: 2 blocks
+    loop = EngineLoop(scheduler, overlapped=False)
     worker = FakeWorker(16, cfg.block_size)
     scheduler.add_request("long", [1, 2, 3], greedy(30), 0.0)  # needs 7 decode blocks: can never finish
-    ended = []
-    while loop.can_schedule():  # as the server does: schedule while there is work, update only after a real step
-        step = loop.schedule(0.0)
-        ended += step.outcome.all_deltas()
+    steps = []
+    while scheduler.has_work:  # as the server does: schedule while there is work, update only after a real step
+        loop.run(0.0, steps.append)
+        if loop.in_flight:
+            loop.complete(worker.execute(steps[-1].output), 0.0)
+    ended = [delta for step in steps for delta in step.outcome.all_deltas()]
+    for step in steps:
         assert [r.request_id for r in step.outcome.finished] == [d.request_id for d in step.outcome.all_deltas()]
-        if step.needs_result:
-            loop.complete(worker.execute(step.output), 0.0)
-    assert step.output.is_empty and [d.request_id for d in ended] == ["long"]
+    assert steps[-1].output.is_empty and [d.request_id for d in ended] == ["long"]
     assert ended[0].error.startswith("incomplete") and scheduler.requests == {}
-    assert scheduler.pool.num_free_blocks == 16
+    assert scheduler.kv.num_free_blocks == 16
 
 
 def test_plain_tokens_go_to_each_replica_as_columns_and_the_rest_as_deltas():
-    from service.scheduler.scheduler import Scheduler
-
-    scheduler = Scheduler(config())
+    scheduler = build_scheduler(config())
     scheduler.add_request("plain", [1, 2, 3], greedy(3), 0.0, b"replica-a")
     scheduler.add_request("with-logprobs", [4, 5, 6], greedy(3, logprobs=1), 0.0, b"replica-a")
     scheduler.add_request("other-replica", [7, 8, 9], greedy(3), 0.0, b"replica-b")
@@ -345,3 +349,44 @@ def test_plain_tokens_go_to_each_replica_as_columns_and_the_rest_as_deltas():
         for batch in wire.decode(wire.encode(batches[b"replica-a"])).all_deltas():
             outputs.setdefault(batch.request_id, []).extend(batch.token_ids)
     assert outputs == {"plain": [12, 13, 14], "with-logprobs": [12, 13, 14]}
+
+
+@MODES
+def test_a_worker_that_outlives_a_lost_scheduler_drops_the_old_requests_when_a_new_one_starts(overlapped):
+    """The server declares a worker lost on a ping timeout while the worker process lives on; it says
+    hello again and gets a new scheduler, whose first step tells it to drop what it still holds."""
+    cfg = config()
+    worker = FakeWorker(cfg.num_blocks, cfg.block_size)
+    lost = EngineLoop(build_scheduler(cfg), overlapped)
+    lost.scheduler.add_request("old", [1, 2, 3], greedy(10), 0.0)
+    steps = []
+    lost.run(0.0, steps.append)
+    worker.execute(steps[0].output)
+    assert "old" in worker.requests
+    assert [d.error for d in lost.fail("the worker did not answer pings", 1.0).all_deltas()] == [
+        "the worker did not answer pings"
+    ]
+
+    new = EngineLoop(build_scheduler(cfg), overlapped)
+    new.scheduler.add_request("fresh", [4, 5], greedy(2), 2.0)
+    to_worker = deque()
+    new.run(2.0, lambda step: to_worker.append(step.output))
+    assert to_worker[0].reset and not any(output.reset for output in list(to_worker)[1:])
+    while to_worker:
+        output = to_worker.popleft()
+        result = worker.execute(output)
+        if not output.is_empty:
+            new.complete(result, 2.0)
+        new.run(2.0, lambda step: to_worker.append(step.output))
+    assert worker.requests == {}  # "fresh" ended and was dropped; "old" went with the first step
+
+
+def test_a_suspended_split_table_request_counts_as_running_not_as_waiting():
+    harness = split_table_harness(num_blocks=16)
+    for i in range(4):
+        harness.add(f"r{i}", [20 + i] * 3, greedy(16))
+    while harness.scheduler.counters.num_preemptions == 0:
+        harness.step()
+    assert len(harness.scheduler.running) == 4 and not harness.scheduler.waiting  # the suspended one keeps its seat
+    assert harness.scheduler.num_preempted_waiting == 0
+    harness.run_until_idle()

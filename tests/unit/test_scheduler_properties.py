@@ -1,4 +1,4 @@
-"""Invariants of the unified scheduler over random traces (hypothesis)."""
+"""Invariants of the scheduler, unified and split-table, over random traces (hypothesis)."""
 
 import os
 
@@ -7,10 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service import wire
-from service.scheduler.legacy import LegacyConfig
 from service.scheduler.scheduler import SchedulerConfig
-
-from .scheduler_harness import EOS_TOKEN_ID, Harness, reference_output
+from service.scheduler.split_table import SplitTableConfig
+from tests.support.scheduler_harness import EOS_TOKEN_ID, Harness, reference_output
 
 configs = st.builds(
     SchedulerConfig,
@@ -89,13 +88,13 @@ def test_random_traces_keep_every_invariant_and_finish_every_request(overlapped,
         else:
             assert harness.outputs[request_id] == reference, f"{request_id} differs from an undisturbed run"
             assert harness.finish_reasons[request_id] in ("stop", "length")
-    pool = harness.scheduler.pool
+    pool = harness.kv.pool
     assert pool.num_free_blocks == pool.num_blocks, "blocks leaked"
     assert all(block.ref_count == 0 for block in pool.blocks)
 
 
-legacy_configs = st.builds(
-    LegacyConfig,
+split_table_configs = st.builds(
+    SplitTableConfig,
     kv_cache_ratio=st.sampled_from([0.3, 0.5, 0.75, 0.9]),
     dec_blocks=st.integers(0, 3),
     disable_recover=st.booleans(),
@@ -104,9 +103,9 @@ legacy_configs = st.builds(
 
 @MODES
 @settings(max_examples=EXAMPLES * 2 // 3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=configs, legacy=legacy_configs, specs=st.lists(request_specs, min_size=1, max_size=12))
-def test_legacy_pools_keep_their_share_and_recovery_yields_the_same_tokens(overlapped, config, legacy, specs):
-    harness = Harness(config, legacy, overlapped)
+@given(config=configs, split_table=split_table_configs, specs=st.lists(request_specs, min_size=1, max_size=12))
+def test_split_tables_keep_their_share_and_recovery_yields_the_same_tokens(overlapped, config, split_table, specs):
+    harness = Harness(config, split_table, overlapped)
     expected = {}
     for index, spec in enumerate(specs):
         prompt = PREFIXES[spec["shared_prefix"]] + spec["prompt"]
@@ -124,7 +123,7 @@ def test_legacy_pools_keep_their_share_and_recovery_yields_the_same_tokens(overl
         else:
             assert error.startswith("incomplete"), error
             assert harness.outputs[request_id] == reference[: len(harness.outputs[request_id])]
-            if not legacy.disable_recover:
+            if not split_table.disable_recover:
                 assert "more blocks than the decode table holds" in error
-    assert harness.scheduler.pool.num_free_blocks == config.num_blocks, "blocks leaked"
-    assert harness.scheduler.prefill_used == harness.scheduler.decode_used == 0
+    assert harness.kv.num_free_blocks == config.num_blocks, "blocks leaked"
+    assert harness.kv.prefill_used == harness.kv.decode_used == 0

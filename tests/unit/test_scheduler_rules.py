@@ -11,14 +11,13 @@ import math
 import pytest
 
 from service import wire
-from service.scheduler import block_pool
-from service.scheduler import request as request_module
-from service.scheduler.admission import MAX_OUTPUT_TOKENS_CONSIDERED, AdmissionReserve
+from service.scheduler import kv_cache_manager
+from service.scheduler.admission import ReserveAdmission
 from service.scheduler.block_pool import BlockPool
+from service.scheduler.kv_cache_manager import MAX_OUTPUT_TOKENS_CONSIDERED, KVCacheManager
 from service.scheduler.request import Request, RequestStatus
 from service.scheduler.scheduler import SchedulerConfig
-
-from .scheduler_harness import Harness, reference_output
+from tests.support.scheduler_harness import Harness, reference_output
 
 MODES = pytest.mark.parametrize("overlapped", [False, True], ids=["serial", "overlapped"])
 
@@ -56,12 +55,12 @@ def test_the_reserve_for_running_output_holds_back_a_prompt_that_fits_the_free_b
     harness.add("big", [2] * 36, greedy(8))
     harness.step()
     assert status(harness, "big") is RequestStatus.WAITING
-    assert harness.scheduler.pool.num_free_blocks >= 9  # it would fit, but for the reserve
+    assert harness.kv.num_free_blocks >= 9  # it would fit, but for the reserve
     while status(harness, "long") is not None:
         assert status(harness, "big") is RequestStatus.WAITING
         harness.step()
     harness.run_until_idle()
-    assert harness.scheduler.stats.num_preemptions == 0
+    assert harness.scheduler.counters.num_preemptions == 0
     assert harness.outputs["big"] == reference_output([2] * 36, greedy(8), harness.config)
 
 
@@ -73,17 +72,24 @@ def test_the_reserve_counts_a_running_chunked_prompt_in_full():
     harness.add("chunked", [1] * 40, greedy(1))  # 10 blocks; 2 held after the first chunk
     harness.step()
     harness.add("small", [2] * 10, greedy(2))  # 3 blocks: 14 are free
-    reserve = harness.scheduler.reserve
-    assert reserve.owed_blocks(harness.scheduler.requests["chunked"]) == (8, 0)
+    assert harness.kv.owed_blocks(harness.scheduler.requests["chunked"]) == (8, 0)
     harness.step()
     assert status(harness, "small") is RequestStatus.WAITING
     harness.run_until_idle()
-    assert harness.scheduler.stats.num_preemptions == 0
+    assert harness.scheduler.counters.num_preemptions == 0
 
 
-def _request(prompt_len: int, max_tokens: int, block_size: int = 4, max_model_len: int = 10_000) -> Request:
+def _request(prompt_len: int, max_tokens: int, max_model_len: int = 10_000) -> Request:
     max_num_tokens = min(prompt_len + max_tokens, max_model_len)
-    return Request("r", [1] * prompt_len, greedy(max_tokens), 0.0, block_size, max_num_tokens=max_num_tokens)
+    return Request("r", [1] * prompt_len, greedy(max_tokens), 0.0, max_num_tokens=max_num_tokens)
+
+
+def _holding(kv: KVCacheManager, request: Request, num_blocks: int) -> Request:
+    """`request`, given `num_blocks` blocks of `kv`."""
+    if num_blocks:
+        kv.allocate_slots(request, num_blocks * kv.block_size)
+    assert len(kv.block_ids(request)) == num_blocks
+    return request
 
 
 @pytest.mark.parametrize(
@@ -102,37 +108,35 @@ def _request(prompt_len: int, max_tokens: int, block_size: int = 4, max_model_le
 def test_owed_blocks_are_the_unfinished_prompt_and_the_future_output(
     prompt_len, output_len, held, max_tokens, expected
 ):
+    kv = KVCacheManager(num_blocks=16, block_size=4)
     request = _request(prompt_len, max_tokens)
     request.token_ids.extend([7] * output_len)
-    request.block_ids = list(range(held))
-    assert AdmissionReserve(block_size=4).owed_blocks(request) == expected
+    assert kv.owed_blocks(_holding(kv, request, held)) == expected
 
 
 def test_owed_output_is_capped_at_the_tokens_considered():
-    request = _request(8, 100_000, max_model_len=1_000_000)
-    request.block_ids = [0, 1]
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    request = _holding(kv, _request(8, 100_000, max_model_len=1_000_000), 2)
     cap = MAX_OUTPUT_TOKENS_CONSIDERED
-    assert AdmissionReserve(block_size=4).owed_blocks(request) == (0, math.ceil((8 + cap - 1) / 4) - 2)
+    assert kv.owed_blocks(request) == (0, math.ceil((8 + cap - 1) / 4) - 2)
 
 
 def test_reserved_blocks_are_the_prompts_in_full_and_the_output_scaled_by_the_ratio_rounded_up():
-    reserve = AdmissionReserve(block_size=4, init_ratio=0.5, min_ratio=0.1, decay_steps=4)
-    first, second = _request(10, 20), _request(6, 4)
-    first.block_ids = [0]  # owes (2, 5)
-    second.block_ids = [1, 2]  # 6 tokens, 2 blocks held: owes (0, 1)
-    reserve.track(first)
-    reserve.track(second)
-    assert (reserve.prompt_blocks, reserve.output_blocks) == (2, 6)
-    assert reserve.reserved_blocks() == 2 + 3
-    reserve.on_step()  # 0.5 - 0.1
-    assert reserve.reserved_blocks() == 2 + math.ceil(0.4 * 6)
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    admission = ReserveAdmission(kv, init_ratio=0.5, min_ratio=0.1, decay_steps=4)
+    first = _holding(kv, _request(10, 20), 1)  # owes (2, 5)
+    _holding(kv, _request(6, 4), 2)  # 6 tokens, 2 blocks held: owes (0, 1)
+    assert (kv.owed_prompt_blocks, kv.owed_output_blocks) == (2, 6)
+    assert admission.reserved_blocks() == 2 + 3
+    admission.on_step()  # 0.5 - 0.1
+    assert admission.reserved_blocks() == 2 + math.ceil(0.4 * 6)
     for _ in range(10):
-        reserve.on_step()
-    assert reserve.ratio == pytest.approx(0.1)  # decays to the floor, no further
-    reserve.on_preemption()
-    assert reserve.ratio == 0.5
-    reserve.untrack(first)
-    assert reserve.reserved_blocks() == 1
+        admission.on_step()
+    assert admission.ratio == pytest.approx(0.1)  # decays to the floor, no further
+    admission.on_preemption()
+    assert admission.ratio == 0.5
+    kv.free(first)
+    assert admission.reserved_blocks() == 1
 
 
 def _fill_until_preemption(harness: Harness) -> wire.SchedulerOutput:
@@ -154,7 +158,7 @@ def _preempting_harness(overlapped: bool = False) -> Harness:
 
 def test_a_preempting_step_resets_the_reserve_ratio():
     harness = _preempting_harness()
-    reserve = harness.scheduler.reserve
+    reserve = harness.scheduler.admission
     harness.step()
     assert reserve.ratio < reserve.init_ratio  # decays while steps run
     _fill_until_preemption(harness)
@@ -295,11 +299,7 @@ def test_requests_whose_block_hashes_all_collide_still_get_their_own_output(monk
         for _ in range(len(block_hashes) * block_size, len(token_ids) - block_size + 1, block_size):
             block_hashes.append(42)
 
-    monkeypatch.setattr(block_pool, "extend_block_hashes", colliding_hashes)
-    monkeypatch.setattr(request_module, "extend_block_hashes", colliding_hashes)
-    from service.scheduler import scheduler as scheduler_module
-
-    monkeypatch.setattr(scheduler_module, "extend_block_hashes", colliding_hashes)
+    monkeypatch.setattr(kv_cache_manager, "extend_block_hashes", colliding_hashes)
     harness = Harness(config(), overlapped=overlapped)
     prompts = {"a": [1, 2, 3, 4, 5, 6, 7, 8, 9], "b": [1, 2, 3, 4, 6, 6, 6, 6, 6], "c": [9, 9, 9, 9, 1]}
     for request_id, prompt in prompts.items():
@@ -308,7 +308,7 @@ def test_requests_whose_block_hashes_all_collide_still_get_their_own_output(monk
     harness.run_until_idle()
     for request_id, prompt in prompts.items():
         assert harness.outputs[request_id] == reference_output(prompt, greedy(6), harness.config)
-    assert harness.scheduler.stats.prefix_cache_hits == 4  # "b" shares a's first block, nothing else
+    assert harness.scheduler.counters.prefix_cache_hits == 4  # "b" shares a's first block, nothing else
 
 
 # ---------------------------------------------------------------------- aborts
@@ -326,10 +326,10 @@ def test_an_abort_in_the_middle_of_a_prefill_frees_every_block(overlapped, share
     harness.step()
     harness.step()
     long = harness.scheduler.requests["long"]
-    assert 0 < long.num_computed_tokens < long.num_tokens and long.block_ids  # in the middle of its prompt
+    assert 0 < long.num_computed_tokens < long.num_tokens and harness.kv.block_ids(long)  # in its prompt
     harness.abort("long")
     harness.run_until_idle()
-    pool = harness.scheduler.pool
+    pool = harness.kv.pool
     assert pool.num_free_blocks == pool.num_blocks
     assert all(block.ref_count == 0 for block in pool.blocks)
     assert harness.finish_reasons["long"] == "abort"

@@ -1,9 +1,8 @@
 import json
-import subprocess
-import sys
 
 import pytest
 
+from service.cli import main as blockserve
 from service.scheduler.scheduler import SchedulerConfig
 from service.scheduler.simulator import simulate
 from service.workload import LengthDistribution, Workload, make_trace
@@ -50,13 +49,8 @@ def test_simulation_is_deterministic():
     assert simulate(small_trace(), tight_config()) == simulate(small_trace(), tight_config())
 
 
-def test_simulate_subcommand_prints_a_report_per_policy():
-    completed = subprocess.run(
-        [sys.executable, "-m", "service.cli", "simulate", "--num-requests", "40", "--num-blocks", "1024", "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    rows = json.loads(completed.stdout)
+def test_simulate_subcommand_prints_a_report_per_policy(capsys):
+    assert blockserve(["simulate", "--num-requests", "40", "--num-blocks", "1024", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
     assert [row["scheduler"] for row in rows] == ["lifo", "min_recompute"]
     assert all(row["num_finished"] == 40 for row in rows)

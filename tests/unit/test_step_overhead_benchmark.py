@@ -13,9 +13,9 @@ from collections import deque
 import pytest
 
 from service import wire
-from service.scheduler.legacy import LegacyConfig, build_scheduler
-from service.scheduler.outputs import new_request_message
-from service.scheduler.scheduler import ScheduledStep, SchedulerConfig
+from service.scheduler.messages import new_request_message
+from service.scheduler.scheduler import ScheduledStep, SchedulerConfig, build_scheduler
+from service.scheduler.split_table import SplitTableConfig
 
 PROMPT_LEN = 512
 ROUNDS = 300  # steps measured: far fewer than the 4096 tokens each request may generate
@@ -33,9 +33,9 @@ def config_for(num_running: int) -> SchedulerConfig:
     )
 
 
-def decoding_scheduler(legacy: LegacyConfig | None, num_running: int = 64):
+def decoding_scheduler(split_table: SplitTableConfig | None, num_running: int = 64):
     """`num_running` requests past their prefill, decoding one token a step, never finishing."""
-    scheduler = build_scheduler(config_for(num_running), legacy)
+    scheduler = build_scheduler(config_for(num_running), split_table)
     sampling = wire.SamplingParams(max_tokens=4096, ignore_eos=True)
     for index in range(num_running):
         scheduler.add_request(f"r{index}", list(range(index, index + PROMPT_LEN)), sampling, 0.0)
@@ -63,10 +63,10 @@ def measure_steps(benchmark, scheduler) -> wire.SchedulerOutput:
 
 
 @pytest.mark.benchmark(group="scheduler step, decodes only")
-@pytest.mark.parametrize(("mode", "num_running"), [("unified", 64), ("legacy", 64), ("unified", 256)])
+@pytest.mark.parametrize(("mode", "num_running"), [("unified", 64), ("split-table", 64), ("unified", 256)])
 def test_one_step_of_scheduling(benchmark, mode, num_running):
-    legacy = None if mode == "unified" else LegacyConfig(kv_cache_ratio=0.75)
-    scheduler = decoding_scheduler(legacy, num_running)
+    split_table = None if mode == "unified" else SplitTableConfig(kv_cache_ratio=0.75)
+    scheduler = decoding_scheduler(split_table, num_running)
     output = measure_steps(benchmark, scheduler)
     assert len(output.running_requests) == num_running and output.new_requests == []
     assert output.num_scheduled_tokens == num_running
@@ -153,7 +153,7 @@ def full_state_step(scheduler, step: wire.SchedulerOutput) -> wire.SchedulerOutp
     resent = []
     for request in scheduler.running:
         request.num_computed_tokens -= 1
-        resent.append(new_request_message(request, 1))
+        resent.append(new_request_message(request, scheduler.kv.block_ids(request), 1))
         request.num_computed_tokens += 1
     return wire.SchedulerOutput(step_id=step.step_id, new_requests=resent)
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -75,17 +75,22 @@ def wait_ready(base_url: str, timeout_s: float = 120) -> None:
     raise TimeoutError(f"{base_url} did not become ready within {timeout_s} s")
 
 
-def scrape(port: str | int) -> dict[str, float]:
-    """Metric samples by name, summed over label sets."""
+def metric_samples(port: str | int, name: str | None = None) -> list:
+    """The samples (with their labels) a /metrics endpoint shows: all, or those of one series name."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
-    return samples
+    samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+    return samples if name is None else [sample for sample in samples if sample.name == name]
+
+
+def scrape(port: str | int) -> dict[str, float]:
+    """Metric samples by name, summed over label sets."""
+    totals: dict[str, float] = {}
+    for sample in metric_samples(port):
+        totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
 
 
 class FakeStack:
@@ -102,7 +107,7 @@ class FakeStack:
     def __enter__(self) -> "FakeStack":
         for args, name in (
             (["-m", "service.cli", "scheduler"], "scheduler"),
-            (["-m", "tests.fake_worker_process"], "worker"),
+            (["-m", "tests.support.fake_worker_process"], "worker"),
             (["-m", "service.cli", "api"], "api"),
         ):
             self.processes.append(start(args, self.env, self.log_dir / f"{name}.log"))

@@ -7,8 +7,9 @@ import pytest
 from service.api.errors import ApiError
 from service.api.protocol import ChatCompletionChunk
 from service.api.served_model import ServedModel
+from tests.support.fake_scheduler import ApiServer, FakeScheduler
+from tests.support.tiny_model import MODEL_NAME, tiny_model_info
 
-from .fake_scheduler import MODEL_NAME, ApiServer, FakeScheduler, tiny_model_info
 from .test_api_errors import assert_openai_error
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")

@@ -1,6 +1,6 @@
 """A model-free worker process: the verifying FakeWorker behind the real worker loop.
 
-Run as `python -m tests.fake_worker_process`; settings come from the environment as for
+Run as `python -m tests.support.fake_worker_process`; settings come from the environment as for
 `blockserve worker`, plus FAKE_STEP_DELAY_S to slow steps down and FAKE_MODEL_NAME to serve the
 tiny model under another name.
 """
@@ -14,7 +14,7 @@ from gpu_worker.worker_process import serve_worker
 from service import wire
 from service.config import load_settings
 from service.scheduler.fake_worker import FakeWorker
-from tests.unit.fake_scheduler import tiny_model_info
+from tests.support.tiny_model import tiny_model_info
 
 
 class FakeRunner:

@@ -4,8 +4,8 @@ import openai
 import pytest
 
 from service.api.detokenizer import REPLACEMENT_CHAR
-
-from .fake_scheduler import MAX_MODEL_LEN, MODEL_NAME, tiny_tokenizer, wait_until
+from tests.support.fake_scheduler import wait_until
+from tests.support.tiny_model import MAX_MODEL_LEN, MODEL_NAME, tiny_tokenizer
 
 CHAT = [{"role": "user", "content": "Say hello"}]
 

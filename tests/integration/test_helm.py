@@ -26,7 +26,7 @@ import tomllib
 import yaml
 
 from service.config import Settings, env_name, load_settings
-from tests.processes import free_port, start, stop, wait_ready
+from tests.support.processes import free_port, start, stop, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "blockserve"
@@ -689,7 +689,7 @@ def test_rendered_containers_serve_and_drain_in_order(tmp_path):
             assert time.monotonic() < deadline, (tmp_path / "scheduler.log").read_text()
             time.sleep(0.2)
         assert _exec(startup_probe, 10).returncode == 1  # no worker yet
-        processes.append(start(["-m", "tests.fake_worker_process"], env("worker"), tmp_path / "worker.log"))
+        processes.append(start(["-m", "tests.support.fake_worker_process"], env("worker"), tmp_path / "worker.log"))
         while _exec(startup_probe, 10).returncode:
             assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
             time.sleep(0.2)

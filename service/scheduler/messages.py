@@ -1,4 +1,4 @@
-"""What a request produces each step: its stop condition and the deltas sent to its api replica."""
+"""The wire messages a request gives rise to: its deltas for its api replica, and itself in full for the worker."""
 
 from __future__ import annotations
 
@@ -46,14 +46,14 @@ def closing_delta(
     )
 
 
-def new_request_message(request: Request, num_scheduled_tokens: int) -> wire.NewRequest:
+def new_request_message(request: Request, block_ids: list[int], num_scheduled_tokens: int) -> wire.NewRequest:
     """A request in full, for a worker that holds no state for it (first time, or after preemption)."""
     return wire.NewRequest(
         request_id=request.request_id,
         token_ids=list(request.token_ids),
         num_prompt_tokens=request.num_prompt_tokens,
         sampling=request.sampling,
-        block_ids=list(request.block_ids),
+        block_ids=list(block_ids),
         num_computed_tokens=request.num_computed_tokens,
         num_scheduled_tokens=num_scheduled_tokens,
     )

@@ -5,7 +5,8 @@ import json
 import httpx
 import pytest
 
-from .fake_scheduler import MAX_MODEL_LEN, MODEL_NAME, ApiServer, FakeScheduler
+from tests.support.fake_scheduler import ApiServer, FakeScheduler
+from tests.support.tiny_model import MAX_MODEL_LEN, MODEL_NAME
 
 CHAT = [{"role": "user", "content": "Say hello"}]
 

@@ -8,8 +8,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service import wire
-
-from .fake_scheduler import MODEL_NAME, ApiServer, FakeScheduler, free_tcp_addr, wait_until
+from tests.support.fake_scheduler import ApiServer, FakeScheduler, free_tcp_addr, wait_until
+from tests.support.tiny_model import MODEL_NAME
 
 LONG_REPLY = "Once upon a time a small model served tokens to many clients, one block at a time."
 COMPLETION = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 30}

@@ -9,9 +9,10 @@ import time
 import httpx
 import pytest
 
-from tests.processes import loopback_env, start, stop, wait_ready
+from tests.support.fake_scheduler import FakeScheduler
+from tests.support.processes import loopback_env, start, stop, wait_ready
+from tests.support.tiny_model import MODEL_NAME
 
-from .fake_scheduler import MODEL_NAME, FakeScheduler
 from .test_api_errors import assert_openai_error
 
 MAX_BODY_BYTES = 8 * 1024**2

@@ -9,7 +9,7 @@ from service.scheduler.request import Request
 
 
 @dataclass(slots=True)
-class SchedulerStats:
+class SchedulerCounters:
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
     num_prompt_tokens: int = 0  # counted at first admission

@@ -1,0 +1,204 @@
+"""Which request holds which blocks: the layer between the scheduler and the block pool.
+
+The scheduler asks it for a new request's cached prefix (`get_computed_blocks`), for room for
+more tokens or None when the pool is short (`allocate_slots`), to cache newly computed full
+blocks (`cache_blocks`), to free a request's blocks (`free`), what preempting a request would
+cost to recompute (`recompute_cost`), and what the running requests still owe the admission
+reserve (`owed_prompt_blocks`, `owed_output_blocks`). It never sees reference counts or block
+fields; the pool never sees requests.
+
+Blocks are freed as soon as a request ends or is preempted, even while a step in flight still
+computes it: the worker runs steps in order, so a later step that hands a freed block to
+another request writes it only after the earlier step has finished with it, and a block enters
+the prefix cache only once the step that wrote it has returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.scheduler.block_pool import BlockPool, extend_block_hashes
+from service.scheduler.request import Request
+
+MAX_OUTPUT_TOKENS_CONSIDERED = 4096  # a longer remaining output is counted as this long
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+@dataclass(slots=True, eq=False)
+class HeldBlocks:
+    """A running request's blocks and what it owes the admission reserve."""
+
+    block_ids: list[int]
+    num_cached_blocks: int = 0  # leading blocks already in (or taken from) the prefix cache
+    owed_prompt_blocks: int = 0
+    owed_output_blocks: int = 0
+
+
+class KVCacheManager:
+    """The unified table: every request takes blocks from one pool as it grows."""
+
+    pool_name = "unified"
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self.num_slots: dict[Request, int] = {}  # tokens each running request's blocks hold (read per step)
+        self._held: dict[Request, HeldBlocks] = {}
+        self._block_hashes: dict[Request, list[int]] = {}  # chained hashes of its full blocks, until it ends
+        self.owed_prompt_blocks = 0  # sums over running requests (see `owed_blocks`)
+        self.owed_output_blocks = 0
+
+    # ------------------------------------------------------------------ what the table holds
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a reusable cached prefix."""
+        return self.pool.num_cached_free
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def pool_usage(self) -> list[tuple[str, int, int]]:
+        """(pool, capacity, used blocks) of each table: one here; the split tables have two."""
+        return [(self.pool_name, self.pool.num_blocks, self.pool.num_blocks - self.pool.num_free_blocks)]
+
+    def block_ids(self, request: Request) -> list[int]:
+        held = self._held.get(request)
+        return held.block_ids if held else []
+
+    def admission_problem(self, num_prompt_tokens: int, max_num_tokens: int) -> str | None:
+        """Why a request of this size could never be served, or None."""
+        needed = blocks_for(max_num_tokens - 1, self.block_size)
+        if needed > self.pool.num_blocks:
+            return (
+                f"the request needs up to {needed} KV-cache blocks "
+                f"({max_num_tokens} tokens) but the whole cache holds {self.pool.num_blocks}"
+            )
+        return None
+
+    # ------------------------------------------------------------------ blocks in and out
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Cached blocks of the request's longest cached prefix (the last token is always recomputed)."""
+        if not self.pool.enable_prefix_caching:
+            return []
+        max_blocks = (len(request.token_ids) - 1) // self.block_size
+        return self.pool.find_cached_prefix(self._hashes(request, max_blocks), request.token_ids, max_blocks)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_tokens: int,
+        computed_blocks: list[int] | None = None,
+        num_tokens_to_fit: int = 0,
+        num_blocks_to_keep_free: int = 0,
+    ) -> list[int] | None:
+        """Make the request's blocks hold `num_tokens` tokens, taking `computed_blocks` (its cached
+        prefix) first; return the blocks it gained. None, and nothing taken, if the pool is short,
+        or if `num_tokens_to_fit` tokens would not fit with `num_blocks_to_keep_free` blocks to spare."""
+        computed_blocks = computed_blocks or []
+        num_held = len(self.block_ids(request)) + len(computed_blocks)
+        needed = blocks_for(num_tokens, self.block_size) - num_held
+        to_fit = blocks_for(num_tokens_to_fit, self.block_size) - num_held
+        available = self.pool.num_free_blocks - self.pool.num_free_among(computed_blocks) - num_blocks_to_keep_free
+        if max(needed, to_fit) > available:
+            return None
+        self.pool.touch(computed_blocks)
+        new_block_ids = self._take(request, computed_blocks + (self.pool.allocate(needed) if needed > 0 else []))
+        self._held[request].num_cached_blocks += len(computed_blocks)
+        return new_block_ids
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's full blocks among its first `num_computed_tokens` in the prefix cache."""
+        held = self._held.get(request)
+        if held is None or not self.pool.enable_prefix_caching:
+            return
+        num_full = num_computed_tokens // self.block_size
+        if num_full > held.num_cached_blocks:
+            hashes = self._hashes(request, num_full)
+            self.pool.cache_blocks(held.block_ids, hashes, request.token_ids, held.num_cached_blocks, num_full)
+            held.num_cached_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        """Give back the request's blocks (its tail first: evicted first); its hashes stay for a resume."""
+        if (held := self._drop(request)) is not None:
+            self.pool.free(held.block_ids)
+
+    def forget(self, request: Request) -> None:
+        """The request has ended: free its blocks and drop its hashes."""
+        self.free(request)
+        self._block_hashes.pop(request, None)
+
+    def recompute_cost(self, request: Request) -> int:
+        """Tokens the request must compute again if preempted now.
+
+        Leading blocks another live request also holds stay in the cache for sure, so they are
+        not counted; the rest are, since memory pressure is what evicts freed blocks.
+        """
+        kept_blocks = self.pool.num_shared_leading(self.block_ids(request))
+        return max(0, request.num_computed_tokens - kept_blocks * self.block_size)
+
+    # ------------------------------------------------------------------ the admission reserve
+
+    def owed_blocks(self, request: Request) -> tuple[int, int]:
+        """(unfinished-prompt blocks, future-output blocks) that `request` still needs beyond what it holds."""
+        size = self.block_size
+        held = len(self.block_ids(request))
+        num_tokens = len(request.token_ids)
+        prompt_end = -(-num_tokens // size)
+        final_end = -(-(min(request.max_num_tokens, num_tokens + MAX_OUTPUT_TOKENS_CONSIDERED) - 1) // size)
+        return max(0, prompt_end - held), max(0, final_end - max(held, prompt_end))
+
+    def on_token(self, request: Request) -> None:
+        """A token was appended: what it owes changes only if the token opens a block or its output is capped."""
+        num_tokens = len(request.token_ids)
+        if num_tokens % self.block_size == 1 or request.max_num_tokens - num_tokens > MAX_OUTPUT_TOKENS_CONSIDERED:
+            held = self._held.get(request)
+            if held is not None:
+                self._refresh_owed(request, held)
+
+    def _take(self, request: Request, block_ids: list[int]) -> list[int]:
+        """Add blocks (already referenced in the pool) to what the request holds; return them."""
+        held = self._held.get(request)
+        if held is None:
+            held = self._held[request] = HeldBlocks([])
+        held.block_ids += block_ids
+        self.num_slots[request] = len(held.block_ids) * self.block_size
+        self._refresh_owed(request, held)
+        return block_ids
+
+    def _drop(self, request: Request) -> HeldBlocks | None:
+        """Stop tracking what the request holds (its owed blocks too); the caller frees the blocks."""
+        held = self._held.pop(request, None)
+        if held is not None:
+            del self.num_slots[request]
+            self.owed_prompt_blocks -= held.owed_prompt_blocks
+            self.owed_output_blocks -= held.owed_output_blocks
+        return held
+
+    def _refresh_owed(self, request: Request, held: HeldBlocks) -> None:
+        owed_prompt, owed_output = self.owed_blocks(request)
+        self.owed_prompt_blocks += owed_prompt - held.owed_prompt_blocks
+        self.owed_output_blocks += owed_output - held.owed_output_blocks
+        held.owed_prompt_blocks, held.owed_output_blocks = owed_prompt, owed_output
+
+    def _hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """The request's block hashes, computed up to at least `num_blocks` full blocks."""
+        hashes = self._block_hashes.get(request)
+        if hashes is None:
+            hashes = self._block_hashes[request] = []
+        if len(hashes) < num_blocks:
+            extend_block_hashes(hashes, request.token_ids, self.block_size)
+        return hashes

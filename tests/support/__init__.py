@@ -1,0 +1,1 @@
+"""What the tests share: fake peers, process helpers, the scheduler harness (no tests here)."""

@@ -203,7 +203,7 @@ class StepResult(Message, tag="step_result"):
     """The worker's answer to one step: a token for every request that finished its tokens."""
 
     step_id: int
-    sampled: list[SampledToken] = []
+    sampled: list[SampledToken] = []  # in the order of the step's new_requests, then running_requests
     error: str | None = None
 
 

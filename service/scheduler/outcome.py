@@ -19,15 +19,6 @@ class StepOutcome:
     token_gaps_s: list[float] = field(default_factory=list)  # for every other token: the time since the one before
     finished: list[Request] = field(default_factory=list)  # ended, with their timings
 
-    def add_token(self, request: Request, token_id: int) -> None:
-        """A plain token. It applies before the owner's deltas: a request's own deltas only ever end it."""
-        columns = self.tokens.get(request.owner)
-        if columns is None:
-            self.tokens[request.owner] = ([request.request_id], [token_id])
-        else:
-            columns[0].append(request.request_id)
-            columns[1].append(token_id)
-
     def add(self, request: Request, delta: wire.RequestDelta) -> None:
         owned = self.deltas.get(request.owner)
         if owned is None:

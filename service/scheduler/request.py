@@ -38,7 +38,7 @@ class Request:
     max_num_tokens: int = 0  # prompt plus output never exceed this (max_tokens, max_model_len)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
-    max_computed_tokens: int = 0  # high-water mark: tokens below it are recomputation
+    max_computed_tokens: int = 0  # tokens computed before its latest preemption: computing them again is recomputation
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -80,15 +80,13 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class ScheduledStep:
-    """One step: the message for the worker, what scheduling itself ended, and what update() needs
-    of each scheduled request (columns, in the order scheduled)."""
+    """One step: the message for the worker, what scheduling itself ended, and what update() needs."""
 
     output: wire.SchedulerOutput
     outcome: StepOutcome  # requests that schedule() ended (split table: incomplete)
-    requests: list[Request] = field(default_factory=list)
-    num_preemptions: list[int] = field(default_factory=list)  # each one's count then: a later preemption voids it
-    cache_ends: list[int] = field(default_factory=list)  # computed tokens after the step if it fills a block, else 0
-    samples: list[bool] = field(default_factory=list)  # whether the step samples its next token
+    requests: list[Request] = field(default_factory=list)  # scheduled, in the order of the message's requests
+    not_sampling: set[Request] = field(default_factory=set)  # prompt chunks short of the end: nothing sampled
+    filled: list[tuple[Request, int]] = field(default_factory=list)  # (request, computed tokens) filling a block
     schedule_s: float = 0.0  # how long schedule() took (the engine loop times it, for the metrics)
 
     @property
@@ -116,6 +114,8 @@ class Scheduler:
         self._step_id = 0
         self._admissions = 0
         self._finished_for_worker: list[str] = []
+        # A preempted request's part in the steps scheduled until then is void: request -> the last such step.
+        self._voided_until: dict[Request, int] = {}
 
     @property
     def has_work(self) -> bool:
@@ -184,7 +184,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_slots = self.kv.num_slots
         running_status = RequestStatus.RUNNING
-        scheduled: dict[Request, int] = {}
+        decodes: list[Request] = []  # one token into blocks they hold: the common case
+        chunks: dict[Request, int] = {}  # the others: tokens to compute
         new_block_ids: dict[Request, list[int]] = {}
         preempted: list[Request] = []
         for request in list(self.running):
@@ -201,14 +202,20 @@ class Scheduler:
             if num_new > budget:
                 num_new = budget
             if computed + num_new <= num_slots[request]:
-                scheduled[request] = num_new  # its blocks hold the new tokens: the common decode
+                if num_new == 1:
+                    decodes.append(request)
+                else:
+                    chunks[request] = num_new
                 budget -= num_new
                 continue
             while (block_ids := self.kv.allocate_slots(request, computed + num_new)) is None:
                 victim = self.preemption.choose_victim(request, list(self.running))
                 if victim is None or (victim is request and request.num_output_placeholders):
                     break  # it waits (its next token is still computing: decide once it is known)
-                budget += scheduled.pop(victim, 0)
+                if victim in decodes:
+                    decodes.remove(victim)
+                    budget += 1
+                budget += chunks.pop(victim, 0)
                 new_block_ids.pop(victim, None)
                 self._preempt(victim, now, outcome)
                 if not victim.is_finished:
@@ -216,7 +223,7 @@ class Scheduler:
                 if victim is request:
                     break
             if block_ids is not None:
-                scheduled[request] = num_new
+                chunks[request] = num_new
                 new_block_ids[request] = block_ids
                 budget -= num_new
 
@@ -225,41 +232,80 @@ class Scheduler:
         elif self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             for admitted in self.admission.admit(self.waiting, budget, self.config.max_num_seqs - len(self.running)):
                 self._admit(admitted, now)
-                scheduled[admitted.request] = admitted.num_new_tokens
+                chunks[admitted.request] = admitted.num_new_tokens
                 new_block_ids[admitted.request] = admitted.block_ids
-        if scheduled:
+        if chunks or decodes:
             self.admission.on_step()
-        return self._build_step(scheduled, new_block_ids, preempted, outcome)
+        return self._build_step(chunks, new_block_ids, decodes, preempted, outcome)
 
     def update(self, step: ScheduledStep, result: wire.StepResult, now: float) -> StepOutcome:
         """Apply the worker's sampled tokens for `step`; return what they produced."""
         outcome = StepOutcome()
-        columns = zip(step.requests, step.num_preemptions, step.cache_ends, step.samples)
+        step_id, voided = step.step_id, self._voided_until
         if result.error is not None:
-            for request, preemptions, _, _ in columns:
-                if not request.is_finished and request.num_preemptions == preemptions:
+            for request in step.requests:
+                if not request.is_finished and voided.get(request, 0) < step_id:
                     self._end(request, FinishReason.ERROR, f"worker error: {result.error}", now, outcome)
-            return outcome
-        sampled = {token.request_id: token for token in result.sampled}
+        else:
+            for request, num_computed_tokens in step.filled:
+                if not request.is_finished and voided.get(request, 0) < step_id:
+                    self.kv.cache_blocks(request, num_computed_tokens)
+            self._take_tokens(step, result.sampled, now, outcome)
+        if voided:
+            for request in [r for r, until in voided.items() if until <= step_id]:
+                del voided[request]
+        return outcome
+
+    def _take_tokens(self, step: ScheduledStep, sampled: list, now: float, outcome: StepOutcome) -> None:
+        """Each sampling request's token: appended, ended on a stop, and sent. A plain token (no logprobs, not
+        the last) goes to its replica's columns. This loop runs per request per step: keep it lean."""
+        step_id, voided, not_sampling = step.step_id, self._voided_until, step.not_sampling
+        tokens = iter(sampled)  # in the order of the step's requests, those the worker could sample
+        token = next(tokens, None)
+        gaps, columns_of, on_token = outcome.token_gaps_s, outcome.tokens, self.kv.on_token
         finished = RequestStatus.FINISHED
-        for request, preemptions, cache_end, samples in columns:
-            if request.num_preemptions != preemptions:
+        owner = request_ids = token_column = None  # the columns of the last request's replica
+        for request in step.requests:
+            if not_sampling and request in not_sampling:
+                continue  # a prompt chunk that did not reach the end: nothing sampled
+            if token is not None and token.request_id == request.request_id:
+                sampled_token, token = token, next(tokens, None)
+            else:
+                sampled_token = None
+            if voided and voided.get(request, 0) >= step_id:
                 continue  # preempted since: it is recomputed from scratch
             if request.status is finished:
-                self.counters.num_wasted_decode_slots += samples  # ended while this step computed it
+                self.counters.num_wasted_decode_slots += 1  # ended while this step computed its token
                 continue
-            if cache_end:
-                self.kv.cache_blocks(request, cache_end)
-            if not samples:
-                continue  # a prefill chunk that did not reach the end: nothing sampled
             request.num_output_placeholders -= 1
-            token = sampled.get(request.request_id)
-            if token is None:
+            if sampled_token is None:
                 self._end(request, FinishReason.ERROR, "the worker returned no token", now, outcome)
+                continue
+            token_id, token_ids = sampled_token.token_id, request.token_ids
+            token_ids.append(token_id)
+            if request.last_token_time is None:
+                request.first_token_time = now
+                outcome.first_tokens.append(request)
             else:
-                self._accept_token(request, token, now, outcome)
+                gaps.append(now - request.last_token_time)
+            request.last_token_time = now
+            if token_id in request.stop_token_ids:
+                self._finish_with(request, sampled_token, FinishReason.STOP, now, outcome)
+            elif len(token_ids) >= request.max_num_tokens:
+                self._finish_with(request, sampled_token, FinishReason.LENGTH, now, outcome)
+            else:
+                if sampled_token.logprob is not None:
+                    outcome.add(request, token_delta(request, sampled_token, None))
+                else:
+                    if request.owner != owner:
+                        owner = request.owner
+                        if (columns := columns_of.get(owner)) is None:
+                            columns = columns_of[owner] = ([], [])
+                        request_ids, token_column = columns
+                    request_ids.append(request.request_id)
+                    token_column.append(token_id)
+                on_token(request)
         self.counters.num_generation_tokens += outcome.num_tokens
-        return outcome
 
     # ------------------------------------------------------------------ internals
 
@@ -285,6 +331,8 @@ class Scheduler:
         if (reason := self.preemption.preempt(victim)) is not None:
             self._end(victim, FinishReason.ERROR, reason, now, outcome)
             return
+        self._voided_until[victim] = self._step_id  # what steps in flight compute for it is recomputed
+        victim.max_computed_tokens = max(victim.max_computed_tokens, victim.num_computed_tokens)
         victim.num_computed_tokens = 0
         victim.num_output_placeholders = 0
         victim.sent_to_worker = False
@@ -296,38 +344,44 @@ class Scheduler:
             self.num_preempted_waiting += 1
             self.waiting.appendleft(victim)
 
-    def _build_step(self, scheduled: dict, new_block_ids: dict, preempted: list, outcome: StepOutcome) -> ScheduledStep:
+    def _build_step(
+        self, chunks: dict, new_block_ids: dict, decodes: list, preempted: list, outcome: StepOutcome
+    ) -> ScheduledStep:
+        """The step's message and what update() needs. Runs per request per step: keep it lean."""
         self._step_id += 1
         block_size = self.config.block_size
-        new_requests, running_requests = [], []
         step = ScheduledStep(wire.SchedulerOutput(step_id=self._step_id), outcome)
-        requests, preemptions, cache_ends, samples = step.requests, step.num_preemptions, step.cache_ends, step.samples
-        recomputed = 0
-        for request, num_new in scheduled.items():
+        new_requests, running_requests, requests_new, requests_running = [], [], [], []
+        counts_new, counts_running = [], []
+        for request, num_new in chunks.items():
             if not request.sent_to_worker:
                 new_requests.append(new_request_message(request, self.kv.block_ids(request), num_new))
                 request.sent_to_worker = True
-            elif (block_ids := new_block_ids.get(request)) or num_new != 1:
-                running_requests.append(wire.RunningRequest(request.request_id, block_ids or [], num_new))
+                requests_new.append(request)
+                counts_new.append(num_new)
             else:
-                message = request.decode_message
-                if message is None:
-                    message = request.decode_message = wire.RunningRequest(request.request_id, [], 1)
-                running_requests.append(message)
+                running_requests.append(
+                    wire.RunningRequest(request.request_id, new_block_ids.get(request, []), num_new)
+                )
+                requests_running.append(request)
+                counts_running.append(num_new)
+        for request in decodes:  # one token into blocks it holds: the same message every time
+            if (message := request.decode_message) is None:
+                message = request.decode_message = wire.RunningRequest(request.request_id, [], 1)
+            running_requests.append(message)
+        step.requests = requests = requests_new + requests_running + decodes  # the worker samples in this order
+        recomputed, not_sampling, filled = 0, step.not_sampling, step.filled
+        for request, num_new in zip(requests, counts_new + counts_running + [1] * len(decodes)):
             start = request.num_computed_tokens
-            end = start + num_new
+            end = request.num_computed_tokens = start + num_new
             if start < request.max_computed_tokens:
                 recomputed += min(end, request.max_computed_tokens) - start
-            if end > request.max_computed_tokens:
-                request.max_computed_tokens = end
-            request.num_computed_tokens = end
-            sampling = end == len(request.token_ids) + request.num_output_placeholders
-            if sampling:
+            if end == len(request.token_ids) + request.num_output_placeholders:
                 request.num_output_placeholders += 1
-            requests.append(request)
-            preemptions.append(request.num_preemptions)
-            cache_ends.append(end if end // block_size > start // block_size else 0)
-            samples.append(sampling)
+            else:
+                not_sampling.add(request)
+            if end // block_size > start // block_size:
+                filled.append((request, end))
         self.counters.num_recomputed_tokens += recomputed
         finished, self._finished_for_worker = self._finished_for_worker, []
         output = step.output
@@ -337,31 +391,10 @@ class Scheduler:
         output.reset = self._step_id == 1  # a new scheduler knows nothing the worker may still hold
         return step
 
-    def _accept_token(self, request: Request, token: wire.SampledToken, now: float, outcome: StepOutcome) -> None:
-        token_id = token.token_id
-        if request.last_token_time is None:
-            request.first_token_time = now
-            outcome.first_tokens.append(request)
-        else:
-            outcome.token_gaps_s.append(now - request.last_token_time)
-        request.last_token_time = now
-        token_ids = request.token_ids
-        token_ids.append(token_id)
-        if token_id in request.stop_token_ids:
-            reason = FinishReason.STOP
-        elif len(token_ids) >= request.max_num_tokens:
-            reason = FinishReason.LENGTH
-        else:
-            reason = None
-        if reason is None:
-            if token.logprob is None:
-                outcome.add_token(request, token_id)  # the common case: two column entries, no struct
-            else:
-                outcome.add(request, token_delta(request, token, reason))
-            self.kv.on_token(request)
-        else:
-            outcome.add(request, token_delta(request, token, reason))
-            self._finish(request, reason, now, outcome)
+    def _finish_with(self, request: Request, token: wire.SampledToken, reason: FinishReason, now, outcome) -> None:
+        """End a request with its last token."""
+        outcome.add(request, token_delta(request, token, reason))
+        self._finish(request, reason, now, outcome)
 
     def _end(
         self,

@@ -192,7 +192,7 @@ def run_case(mode: str, step_ms: int, running: int, waiting: int, max_tokens: in
         for index in range(num_requests):
             prompt = [(index * 7 + offset) % (VOCAB_SIZE - 1) + 1 for offset in range(PROMPT_LEN)]
             peer.submit(prompt, max_tokens, temperature=0.0)
-        peer.wait_until(lambda: not peer.open_request_ids, timeout_s=600)
+        peer.wait_until(lambda: peer.all_finished, timeout_s=600)
         after = scrape_parts(env["BLOCKSERVE_METRICS_PORT"])
     finally:
         peer.close()

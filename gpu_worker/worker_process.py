@@ -24,7 +24,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from service import curve, wire
+from service import socket_auth, wire
 from service.config import Settings
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class SchedulerLink:
         self._socket.setsockopt(zmq.HEARTBEAT_IVL, 2000)
         self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        curve.secure_client(self._socket, curve.client_keys(settings))
+        socket_auth.secure_client(self._socket, socket_auth.client_keys(settings))
         self._socket.connect(settings.worker_addr)
         # The main thread's results reach the link thread over a pipe: a zmq socket is used by one thread.
         pipe_addr = f"inproc://results-{uuid.uuid4().hex}"

@@ -73,7 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _keys(args: argparse.Namespace) -> int:
     """Print a new set of CURVE key pairs as the entries of the chart's keys Secret."""
-    from service.curve import KEY_OWNERS, new_key_pair, secret_entries
+    from service.socket_auth import KEY_OWNERS, new_key_pair, secret_entries
 
     for name, value in secret_entries({owner: new_key_pair() for owner in KEY_OWNERS}).items():
         print(f"{name}={value}")

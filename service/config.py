@@ -98,7 +98,7 @@ class Settings(BaseSettings):
     )
     drain_timeout_s: float = Field(default=30.0, ge=0, description="On SIGTERM, wait this long for in-flight requests")
 
-    # Internal sockets: CURVE keys (Z85, e.g. from `blockserve keys`); see service/curve.py
+    # Internal sockets: CURVE keys (Z85, e.g. from `blockserve keys`); see service/socket_auth.py
     secrets_dir: str = Field(
         default="", description="Folder of files named like settings (a mounted Secret); a set variable wins"
     )

@@ -59,6 +59,20 @@ def request_id_problem(request_id: str) -> str | None:
     return None
 
 
+def prompt_problem(prompt_token_ids: list[int], vocab_size: int | None, max_model_len: int) -> str | None:
+    """What makes a prompt impossible to serve (empty, unknown tokens, no room for an output token), or None."""
+    if not prompt_token_ids:
+        return "the prompt is empty"
+    if vocab_size is not None and not all(0 <= token_id < vocab_size for token_id in prompt_token_ids):
+        return f"prompt token ids must lie in [0, {vocab_size})"
+    if len(prompt_token_ids) >= max_model_len:
+        return (
+            f"the prompt has {len(prompt_token_ids)} tokens; the maximum context length "
+            f"(max_model_len) is {max_model_len}, prompt plus at least one output token"
+        )
+    return None
+
+
 def hello_problem(hello: wire.WorkerHello) -> str | None:
     """What makes a worker's hello nonsense (a table no request fits in, a model without tokens), or None."""
     if hello.num_kv_blocks < 1:

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from service import curve
+from service import socket_auth
 
 log = logging.getLogger("blockserve.serve")
 
@@ -43,7 +43,7 @@ def loopback(addr: str) -> str:
 
 def role_environments(base: Mapping[str, str], scheduler_addr: str, worker_addr: str) -> dict[str, dict[str, str]]:
     """The environment of each role: `base`, loopback internal addresses, and this run's CURVE keys."""
-    keys = curve.key_settings({owner: curve.new_key_pair() for owner in curve.KEY_OWNERS})
+    keys = socket_auth.key_settings({owner: socket_auth.new_key_pair() for owner in socket_auth.KEY_OWNERS})
     internal = {"BLOCKSERVE_SCHEDULER_ADDR": loopback(scheduler_addr), "BLOCKSERVE_WORKER_ADDR": loopback(worker_addr)}
     # Keys given to `serve` itself (environment or files) would mix with this run's: leave them out.
     inherited = {name: value for name, value in base.items() if not name.startswith("BLOCKSERVE_CURVE_")}

@@ -14,7 +14,7 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from service import curve
+from service import socket_auth
 from service.api import chat, completions
 from service.api.auth import ApiKeyMiddleware
 from service.api.body_limit import BodyLimitMiddleware
@@ -36,7 +36,7 @@ def replica_id() -> str:
 def create_app(settings: Settings) -> FastAPI:
     """An api replica for `settings`; it connects to the scheduler when the server starts."""
     metrics = ApiMetrics()
-    client_keys = curve.client_keys(settings)  # before serving: a bad key fails the start
+    client_keys = socket_auth.client_keys(settings)  # before serving: a bad key fails the start
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from service.api.choice import SampledLogprobs
-from service.api.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from service.api.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from service.api.served_model import ServedModel
 
 MIN_LOGPROB = -9999.0
@@ -40,7 +40,7 @@ def completion_logprobs(model: ServedModel, sampled: list[SampledLogprobs], text
 def chat_logprobs(model: ServedModel, sampled: list[SampledLogprobs]) -> ChatLogprobs:
     return ChatLogprobs(
         content=[
-            TokenLogprob(
+            ChatTokenLogprob(
                 **_top_logprob(model, entry.token_id, entry.logprob).model_dump(),
                 top_logprobs=[_top_logprob(model, alt.token_id, alt.logprob) for alt in entry.top],
             )

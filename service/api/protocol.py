@@ -265,12 +265,12 @@ class TopLogprob(BaseModel):
     bytes: list[int] | None
 
 
-class TokenLogprob(TopLogprob):
+class ChatTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]
 
 
 class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob]
+    content: list[ChatTokenLogprob]
 
 
 class AssistantMessage(BaseModel):

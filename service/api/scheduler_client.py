@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from service import curve, wire
+from service import socket_auth, wire
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class SchedulerClient:
         *,
         idle_check_s: float,
         on_malformed_frame: Callable[[], None] = lambda: None,
-        client_keys: curve.ClientKeys | None = None,
+        client_keys: socket_auth.ClientKeys | None = None,
     ) -> None:
         self.addr = addr
         self.replica_id = replica_id
@@ -70,7 +70,7 @@ class SchedulerClient:
         socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        curve.secure_client(socket, self._client_keys)
+        socket_auth.secure_client(socket, self._client_keys)
         socket.connect(self.addr)
         self._tasks = [
             asyncio.create_task(self._read_loop()),

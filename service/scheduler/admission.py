@@ -1,14 +1,10 @@
 """Which waiting requests the unified table admits, beside a reserve for the running ones.
 
-A waiting request is admitted only if its whole remaining prompt fits beside the blocks the
-running requests still owe: their unfinished prompts in full, their future output by a share
-that adapts as SGLang's new_token_ratio does. The share decays every step towards `min_ratio`,
-so the cache fills up when outputs end early, and jumps back to `init_ratio` after a
-preemption, so admission stops causing preemptions.
-
-A head request that does not fit lets up to `max_skip_ahead` others be looked at behind it;
-once it has been passed over in `max_head_skips` rounds, nobody passes it any more and the
-freed blocks drain to it.
+A request is admitted only if its whole remaining prompt fits beside what the running requests
+still owe: unfinished prompts in full, future output by a share that adapts as SGLang's
+new_token_ratio does (it decays each step towards `min_ratio`, and jumps back to `init_ratio`
+after a preemption). A head that does not fit lets `max_skip_ahead` others be looked at; once
+passed over in `max_head_skips` rounds, nobody passes it and freed blocks drain to it.
 """
 
 from __future__ import annotations

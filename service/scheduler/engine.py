@@ -1,10 +1,9 @@
 """The one engine loop: drives a Scheduler step by step for the server, the simulator and the tests.
 
-Serial: one step in flight; the next is scheduled once its result is in. Overlapped: up to two
-in flight (one computing, one queued at the worker), so the worker never waits for the
-scheduler; results come back in the order steps were sent. A worker that registers gets an
-engine of its own (`for_worker`): a new scheduler for its table, whose first step tells the
-worker to drop whatever state it still holds. When the worker is lost, every request ends.
+Serial: one step in flight. Overlapped: two (one computing, one queued at the worker), so the
+worker never waits for the scheduler; results come back in the order steps were sent. A worker
+that registers gets an engine of its own (`for_worker`), whose scheduler's first step tells it
+to drop whatever state it still holds. When the worker is lost, every request ends.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ MAX_STEPS_IN_FLIGHT = 2
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, overlapped: bool):
         self.scheduler = scheduler
-        self.overlapped = overlapped
         self.max_in_flight = MAX_STEPS_IN_FLIGHT if overlapped else 1
         self.in_flight: deque[ScheduledStep] = deque()
 

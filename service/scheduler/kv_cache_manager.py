@@ -1,16 +1,14 @@
 """Which request holds which blocks: the layer between the scheduler and the block pool.
 
-The scheduler asks it for a new request's cached prefix (`get_computed_blocks`), for room for
-more tokens or None when the pool is short (`allocate_slots`), to cache newly computed full
-blocks (`cache_blocks`), to free a request's blocks (`free`), what preempting a request would
-cost to recompute (`recompute_cost`), and what the running requests still owe the admission
-reserve (`owed_prompt_blocks`, `owed_output_blocks`). It never sees reference counts or block
-fields; the pool never sees requests.
+The scheduler asks it for a new request's cached prefix, for room for more tokens or None when
+the pool is short, to cache computed full blocks, to free a request's blocks, what preempting a
+request would cost, and what running requests still owe the admission reserve. The scheduler
+never sees reference counts or block fields; the pool never sees requests.
 
 Blocks are freed as soon as a request ends or is preempted, even while a step in flight still
-computes it: the worker runs steps in order, so a later step that hands a freed block to
-another request writes it only after the earlier step has finished with it, and a block enters
-the prefix cache only once the step that wrote it has returned.
+computes it: the worker runs steps in order, so a later step that gives a freed block to another
+request writes it only after the earlier step is done with it, and a block is cached only once
+the step that wrote it has returned.
 """
 
 from __future__ import annotations
@@ -40,8 +38,6 @@ class HeldBlocks:
 class KVCacheManager:
     """The unified table: every request takes blocks from one pool as it grows."""
 
-    pool_name = "unified"
-
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
@@ -51,28 +47,9 @@ class KVCacheManager:
         self.owed_prompt_blocks = 0  # sums over running requests (see `owed_blocks`)
         self.owed_output_blocks = 0
 
-    # ------------------------------------------------------------------ what the table holds
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        """Free blocks that still hold a reusable cached prefix."""
-        return self.pool.num_cached_free
-
-    @property
-    def usage(self) -> float:
-        return self.pool.usage
-
     def pool_usage(self) -> list[tuple[str, int, int]]:
         """(pool, capacity, used blocks) of each table: one here; the split tables have two."""
-        return [(self.pool_name, self.pool.num_blocks, self.pool.num_blocks - self.pool.num_free_blocks)]
+        return [("unified", self.pool.num_blocks, self.pool.num_blocks - self.pool.num_free_blocks)]
 
     def block_ids(self, request: Request) -> list[int]:
         held = self._held.get(request)
@@ -142,11 +119,8 @@ class KVCacheManager:
         self._block_hashes.pop(request, None)
 
     def recompute_cost(self, request: Request) -> int:
-        """Tokens the request must compute again if preempted now.
-
-        Leading blocks another live request also holds stay in the cache for sure, so they are
-        not counted; the rest are, since memory pressure is what evicts freed blocks.
-        """
+        """Tokens the request must compute again if preempted now: leading blocks another request also
+        holds stay cached for sure; the rest count, since memory pressure is what evicts freed blocks."""
         kept_blocks = self.pool.num_shared_leading(self.block_ids(request))
         return max(0, request.num_computed_tokens - kept_blocks * self.block_size)
 
@@ -196,9 +170,7 @@ class KVCacheManager:
 
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
         """The request's block hashes, computed up to at least `num_blocks` full blocks."""
-        hashes = self._block_hashes.get(request)
-        if hashes is None:
-            hashes = self._block_hashes[request] = []
+        hashes = self._block_hashes.setdefault(request, [])
         if len(hashes) < num_blocks:
             extend_block_hashes(hashes, request.token_ids, self.block_size)
         return hashes

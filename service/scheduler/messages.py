@@ -12,18 +12,11 @@ def stop_token_ids(sampling: wire.SamplingParams, eos_token_ids: tuple[int, ...]
 
 
 def token_delta(request: Request, token: wire.SampledToken, reason: FinishReason | None) -> wire.RequestDelta:
-    if token.logprob is None:  # the common case, built with fewer fields
-        return wire.RequestDelta(
-            request_id=request.request_id,
-            token_ids=[token.token_id],
-            finish_reason=None if reason is None else reason.value,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            num_cached_tokens=request.num_cached_tokens,
-        )
+    """A token with its logprobs, or a request's last token."""
     return wire.RequestDelta(
         request_id=request.request_id,
         token_ids=[token.token_id],
-        logprobs=[token.logprob],
+        logprobs=None if token.logprob is None else [token.logprob],
         top_logprobs=None if token.top_logprobs is None else [token.top_logprobs],
         finish_reason=None if reason is None else reason.value,
         num_prompt_tokens=len(request.prompt_token_ids),

@@ -64,7 +64,7 @@ class _LiveCollector(Collector):
         yield gauge(
             "blockserve_kv_blocks_cached",
             "Free KV-cache blocks that still hold a reusable cached prefix.",
-            kv.num_cached_free_blocks if kv else 0,
+            kv.pool.num_cached_free if kv else 0,
         )
         yield gauge(
             "blockserve_num_requests_running",

@@ -20,11 +20,7 @@ class StepOutcome:
     finished: list[Request] = field(default_factory=list)  # ended, with their timings
 
     def add(self, request: Request, delta: wire.RequestDelta) -> None:
-        owned = self.deltas.get(request.owner)
-        if owned is None:
-            self.deltas[request.owner] = [delta]
-        else:
-            owned.append(delta)
+        self.deltas.setdefault(request.owner, []).append(delta)
 
     @property
     def num_tokens(self) -> int:

@@ -69,9 +69,5 @@ class Request:
         return len(self.token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
-
-    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

@@ -1,18 +1,14 @@
 """The scheduler: a pure, synchronous object that decides every step.
 
-`schedule(now)` hands the token budget to running requests first (a decode is one token, an
+`schedule(now)` gives the token budget to running requests first (a decode is one token, an
 unfinished chunked prefill continues), then admits waiting ones; `update(step, result, now)`
-takes the sampled tokens and returns what the step produced. No sockets, no clocks.
+takes the sampled tokens and returns what the step produced. No sockets, no clocks. It knows
+requests, not blocks: those come from its KV-cache manager; its admission and preemption
+strategies say who gets in and who gives blocks back (`build_scheduler`: unified or split table).
 
-It knows requests, not blocks: blocks come from its KV-cache manager (allocate or None), which
-waiting requests get in from its admission strategy, and who gives blocks back when they run
-out from its preemption strategy. The unified table and the split-table baseline are two sets
-of these three parts (`build_scheduler`).
-
-Steps may overlap (see engine.py): a step can be scheduled while earlier ones are still
-computing. A decoding request then gets one more token whose input is the token the step in
-flight samples (a placeholder the worker fills from its own state). A request that ends while a
-step in flight still computes it has that step's token discarded (a wasted decode slot, counted).
+Steps may overlap (engine.py): a decoding request then gets one more token whose input is the
+token the step in flight samples (the worker fills it in). A request that ends while a step in
+flight computes it has that token discarded (a wasted decode slot, counted).
 """
 
 from __future__ import annotations
@@ -21,7 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from service import wire
-from service.limits import request_id_problem, sampling_problem
+from service.limits import prompt_problem, request_id_problem, sampling_problem
+from service.scheduler import split_table as split
 from service.scheduler.admission import Admitted, ReserveAdmission
 from service.scheduler.counters import SchedulerCounters
 from service.scheduler.kv_cache_manager import KVCacheManager
@@ -29,12 +26,6 @@ from service.scheduler.messages import closing_delta, new_request_message, stop_
 from service.scheduler.outcome import StepOutcome
 from service.scheduler.preemption import RecomputePreemption
 from service.scheduler.request import FinishReason, Request, RequestStatus
-from service.scheduler.split_table import (
-    SplitTableAdmission,
-    SplitTableConfig,
-    SplitTableKVCacheManager,
-    SuspendPreemption,
-)
 
 
 class RequestRejected(ValueError):
@@ -114,8 +105,7 @@ class Scheduler:
         self._step_id = 0
         self._admissions = 0
         self._finished_for_worker: list[str] = []
-        # A preempted request's part in the steps scheduled until then is void: request -> the last such step.
-        self._voided_until: dict[Request, int] = {}
+        self._voided_until: dict[Request, int] = {}  # preempted request -> last step in which its part is void
 
     @property
     def has_work(self) -> bool:
@@ -124,31 +114,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: wire.SamplingParams,
-        now: float,
-        owner: bytes = b"",
-    ) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling, now: float, owner=b"") -> None:
         """Queue a request, or raise RequestRejected if it could never be served."""
         cfg = self.config
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use", status=409)
-        if not prompt_token_ids:
-            raise RequestRejected("the prompt is empty")
-        if cfg.vocab_size is not None and not all(0 <= token_id < cfg.vocab_size for token_id in prompt_token_ids):
-            raise RequestRejected(f"prompt token ids must lie in [0, {cfg.vocab_size})")
-        if problem := request_id_problem(request_id) or sampling_problem(sampling, cfg.vocab_size):
-            raise RequestRejected(problem)
-        if len(prompt_token_ids) >= cfg.max_model_len:
-            raise RequestRejected(
-                f"the prompt has {len(prompt_token_ids)} tokens; the maximum context length "
-                f"(max_model_len) is {cfg.max_model_len}, prompt plus at least one output token"
-            )
         max_len = min(len(prompt_token_ids) + sampling.max_tokens, cfg.max_model_len)
-        if problem := self.kv.admission_problem(len(prompt_token_ids), max_len):
+        if problem := (
+            prompt_problem(prompt_token_ids, cfg.vocab_size, cfg.max_model_len)
+            or request_id_problem(request_id)
+            or sampling_problem(sampling, cfg.vocab_size)
+            or self.kv.admission_problem(len(prompt_token_ids), max_len)
+        ):
             raise RequestRejected(problem)
         stops = stop_token_ids(sampling, cfg.eos_token_ids)
         request = Request(request_id, list(prompt_token_ids), sampling, now, owner, stops, max_len)
@@ -289,10 +266,10 @@ class Scheduler:
             else:
                 gaps.append(now - request.last_token_time)
             request.last_token_time = now
-            if token_id in request.stop_token_ids:
-                self._finish_with(request, sampled_token, FinishReason.STOP, now, outcome)
-            elif len(token_ids) >= request.max_num_tokens:
-                self._finish_with(request, sampled_token, FinishReason.LENGTH, now, outcome)
+            if token_id in request.stop_token_ids or len(token_ids) >= request.max_num_tokens:
+                reason = FinishReason.STOP if token_id in request.stop_token_ids else FinishReason.LENGTH
+                outcome.add(request, token_delta(request, sampled_token, reason))
+                self._finish(request, reason, now, outcome)
             else:
                 if sampled_token.logprob is not None:
                     outcome.add(request, token_delta(request, sampled_token, None))
@@ -391,20 +368,7 @@ class Scheduler:
         output.reset = self._step_id == 1  # a new scheduler knows nothing the worker may still hold
         return step
 
-    def _finish_with(self, request: Request, token: wire.SampledToken, reason: FinishReason, now, outcome) -> None:
-        """End a request with its last token."""
-        outcome.add(request, token_delta(request, token, reason))
-        self._finish(request, reason, now, outcome)
-
-    def _end(
-        self,
-        request: Request,
-        reason: FinishReason,
-        error: str | None,
-        now: float,
-        outcome: StepOutcome,
-        error_status: int = 500,
-    ) -> None:
+    def _end(self, request: Request, reason, error: str | None, now, outcome: StepOutcome, error_status=500) -> None:
         """Finish a request and give its api replica the closing delta."""
         outcome.add(request, closing_delta(request, reason, error, error_status))
         self._finish(request, reason, now, outcome)
@@ -423,12 +387,15 @@ class Scheduler:
 
 
 def build_scheduler(
-    config: SchedulerConfig, split_table: SplitTableConfig | None = None, counters: SchedulerCounters | None = None
+    config: SchedulerConfig,
+    split_table: split.SplitTableConfig | None = None,
+    counters: SchedulerCounters | None = None,
 ) -> Scheduler:
     """The unified-table scheduler, or the split-table baseline when `split_table` is given."""
     if split_table is None:
         kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         admission = ReserveAdmission(kv, config.max_skip_ahead, config.max_head_skips)
         return Scheduler(config, kv, admission, RecomputePreemption(kv, config.preemption_policy), counters)
-    kv = SplitTableKVCacheManager(config.num_blocks, config.block_size, split_table)
-    return Scheduler(config, kv, SplitTableAdmission(kv), SuspendPreemption(kv, split_table.disable_recover), counters)
+    kv = split.SplitTableKVCacheManager(config.num_blocks, config.block_size, split_table)
+    fcfs = ReserveAdmission(kv, max_skip_ahead=0, init_ratio=0.0, min_ratio=0.0)  # no reserve: quotas decide
+    return Scheduler(config, kv, fcfs, split.SuspendPreemption(kv, split_table.disable_recover), counters)

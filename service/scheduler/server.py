@@ -1,18 +1,14 @@
-"""The scheduler process: sockets around the pure Scheduler.
+"""The scheduler process: sockets, frames and liveness around the engine loop (engine.py).
 
-Two ROUTER sockets: api replicas connect to `scheduler_addr` (requests, aborts, status; token
-deltas go back to the replica that sent each request), workers to `worker_addr` (hello, step
-results). The engine loop (engine.py) decides the steps; this module knows sockets, frames and
-liveness. Each
-step's deltas go to each api replica as one `DeltaBatch`. The worker is pinged every second,
-computing or not (its link thread answers mid-step): a worker that disconnects, or leaves pings
-unanswered for `worker_timeout_s`, is dead, however long a step takes: readiness turns false and
-every request in flight ends with an error; only its own connection's disconnect counts (matched
-by fd). A hello from another worker replaces it (and every connected api replica is welcomed again
-with its model); its own repeated hello changes nothing. An api
-replica whose connection closes (or falls silent past the zmq heartbeat timeout, which closes
-it) has its requests aborted. A frame that is malformed, unexpected or nonsense is dropped and
-counted in blockserve_dropped_frames_total; no frame handler's exception ends the process.
+Two ROUTER sockets: api replicas connect to `scheduler_addr` (requests, aborts, status; each
+step's deltas go to each replica as one `DeltaBatch`), workers to `worker_addr` (hello, step
+results). The worker is pinged every second, computing or not: one that disconnects (its own
+connection, matched by fd) or leaves pings unanswered for `worker_timeout_s` is dead, however
+long a step takes: readiness turns false and every request ends with an error. A hello from
+another worker replaces it (connected api replicas are welcomed again with its model); its own
+repeated hello changes nothing. An api replica whose connection closes (or falls silent past
+the zmq heartbeat timeout) has its requests aborted. A malformed, unexpected or nonsense frame
+is dropped and counted in blockserve_dropped_frames_total; no handler's exception ends the process.
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from service import curve, limits, wire
+from service import limits, socket_auth, wire
 from service.config import Settings
 from service.scheduler.counters import SchedulerCounters
 from service.scheduler.engine import EngineLoop
@@ -59,7 +55,7 @@ class SchedulerServer:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.context = zmq.Context()
-        self.curve = curve.CurveServer(
+        self.curve = socket_auth.CurveServer(
             settings, self.context, lambda socket: self.metrics.auth_failures.labels(socket).inc()
         )
         self.api_socket = self._router(settings.scheduler_addr)
@@ -250,8 +246,8 @@ class SchedulerServer:
             num_workers=int(self.worker_id is not None),
             num_running=len(scheduler.running) if scheduler else 0,
             num_waiting=len(scheduler.waiting) if scheduler else 0,
-            num_free_blocks=scheduler.kv.num_free_blocks if scheduler else 0,
-            num_total_blocks=scheduler.kv.num_blocks if scheduler else 0,
+            num_free_blocks=scheduler.kv.pool.num_free_blocks if scheduler else 0,
+            num_total_blocks=scheduler.kv.pool.num_blocks if scheduler else 0,
             unknown_request_ids=[request_id for request_id in request_ids if request_id not in held],
         )
 

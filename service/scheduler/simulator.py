@@ -103,7 +103,7 @@ def simulate(
         scheduled_ids = [r.request_id for r in step.new_requests] + [r.request_id for r in step.running_requests]
         context = sum(worker.requests[request_id].num_computed_tokens for request_id in scheduled_ids)
         duration = cost.step_time(step.num_scheduled_tokens, context)
-        usage_time += scheduler.kv.usage * duration
+        usage_time += scheduler.kv.pool.usage * duration
         now += duration
         steps += 1
         finished += engine.complete(result, now).finished

@@ -1,11 +1,11 @@
 """The split-table baseline (`ENABLE_V1_KVCACHE_SCHEDULER=0`): FastDeploy's v0 block management.
 
-It runs on the same scheduler and worker, so every claim about the unified table is measured
-against it. The one physical pool is split by `KV_CACHE_RATIO` into a prefill share and a
-decode share (quotas):
+Every claim about the unified table is measured against it, on the same scheduler and worker.
+The pool is split by `KV_CACHE_RATIO` into a prefill share and a decode share (quotas):
 
 - admission takes `ceil((prompt_len + dec_token_num) / block_size)` blocks from the prefill
-  share, whole prompt at once, first come first served;
+  share, whole prompt at once, first come first served (the unified admission with no reserve
+  and no skip-ahead, `build_scheduler`);
 - a sequence that outgrows them takes blocks from the decode share, one step at a time;
 - when the decode share is empty, the running request holding the most decode blocks loses
   them (its prompt blocks and its seat stay), is suspended, and is recovered by recomputing
@@ -15,10 +15,8 @@ decode share (quotas):
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
-from service.scheduler.admission import Admitted
 from service.scheduler.kv_cache_manager import KVCacheManager, blocks_for
 from service.scheduler.request import Request
 
@@ -139,32 +137,6 @@ class SplitTableKVCacheManager(KVCacheManager):
 
     def _recovery_blocks(self, request: Request) -> int:
         return blocks_for(len(request.token_ids), self.block_size) - len(self._suspended[request])
-
-
-class SplitTableAdmission:
-    """First come, first served from the prefill share: the head waits, and so does everyone behind it."""
-
-    def __init__(self, kv: SplitTableKVCacheManager):
-        self.kv = kv
-
-    def on_step(self) -> None:
-        pass  # no reserve to adapt
-
-    def on_preemption(self) -> None:
-        pass
-
-    def admit(self, waiting: deque[Request], budget: int, num_seats: int) -> list[Admitted]:
-        admitted: list[Admitted] = []
-        while waiting and budget > 0 and len(admitted) < num_seats:
-            request = waiting[0]
-            block_ids = self.kv.allocate_slots(request, len(request.token_ids))
-            if block_ids is None:
-                break
-            waiting.popleft()
-            num_new = min(len(request.token_ids), budget)
-            admitted.append(Admitted(request, 0, num_new, block_ids))
-            budget -= num_new
-        return admitted
 
 
 class SuspendPreemption:

@@ -350,9 +350,9 @@ def test_curve_is_off_by_default():
 
 
 def test_each_container_gets_only_its_own_curve_keys_and_they_work(tmp_path, monkeypatch):
-    from service import curve
+    from service import socket_auth
 
-    resources = helm_template("--set", "curve.enabled=true", "--set", "curve.existingSecret=team-curve")
+    resources = helm_template("--set", "socket_auth.enabled=true", "--set", "socket_auth.existingSecret=team-curve")
     assert not [r for r in resources if r["kind"] == "Secret"]
     mounted = curve_mounts(resources)
     assert {name: files.pop("(secret)") for name, files in mounted.items()} == dict.fromkeys(
@@ -383,25 +383,29 @@ def test_each_container_gets_only_its_own_curve_keys_and_they_work(tmp_path, mon
         for setting, key in files.items():
             (folder / setting).write_text(secret[key])
         settings[name] = settings_from({"BLOCKSERVE_SECRETS_DIR": str(folder)}, monkeypatch)
-    api, worker = curve.client_keys(settings["api"]), curve.client_keys(settings["worker"])
+    api, worker = socket_auth.client_keys(settings["api"]), socket_auth.client_keys(settings["worker"])
     server_secret = settings["scheduler"].curve_server_secret_key.get_secret_value()
-    assert api.server_public_key == worker.server_public_key == curve.key_pair_from_secret(server_secret, "").public_key
+    assert (
+        api.server_public_key
+        == worker.server_public_key
+        == socket_auth.key_pair_from_secret(server_secret, "").public_key
+    )
     assert settings["scheduler"].curve_api_client_keys == api.own.public_key.decode()
     assert settings["scheduler"].curve_worker_client_keys == worker.own.public_key.decode()
 
 
 def test_the_chart_makes_the_curve_secret_from_values_and_a_new_key_rolls_the_pods(tmp_path):
-    from service import curve
+    from service import socket_auth
 
     def render(pairs: dict) -> list[dict]:
         values = tmp_path / f"curve-{len(list(tmp_path.iterdir()))}.yaml"  # a new name: renderings are cached
-        values.write_text(yaml.safe_dump({"curve": {"enabled": True, "keys": curve.secret_entries(pairs)}}))
+        values.write_text(yaml.safe_dump({"curve": {"enabled": True, "keys": socket_auth.secret_entries(pairs)}}))
         return helm_template("--values", str(values))
 
-    pairs = {owner: curve.new_key_pair() for owner in curve.KEY_OWNERS}
+    pairs = {owner: socket_auth.new_key_pair() for owner in socket_auth.KEY_OWNERS}
     resources = render(pairs)
     secret = find(resources, "Secret", "-curve")
-    assert {k: base64.b64decode(v).decode() for k, v in secret["data"].items()} == curve.secret_entries(pairs)
+    assert {k: base64.b64decode(v).decode() for k, v in secret["data"].items()} == socket_auth.secret_entries(pairs)
     assert set(curve_mounts(resources)) == {"api", "scheduler", "worker"}
 
     def checksums(resources: list[dict]) -> dict[str, str]:
@@ -412,14 +416,14 @@ def test_the_chart_makes_the_curve_secret_from_values_and_a_new_key_rolls_the_po
         }
 
     before = checksums(resources)
-    after = checksums(render({**pairs, "api": curve.new_key_pair()}))
+    after = checksums(render({**pairs, "api": socket_auth.new_key_pair()}))
     assert all(after[name] != before[name] for name in before) and len(before) == 2
 
 
 def test_curve_without_keys_or_with_keys_in_config_is_refused():
     with pytest.raises(HelmError, match="blockserve keys"):
-        helm_template("--set", "curve.enabled=true")
-    with pytest.raises(HelmError, match="curve.existingSecret"):
+        helm_template("--set", "socket_auth.enabled=true")
+    with pytest.raises(HelmError, match="socket_auth.existingSecret"):
         helm_template("--set", "config.BLOCKSERVE_CURVE_SERVER_KEY=x")
 
 

@@ -28,8 +28,8 @@ class ApiPeer:
         self.on_message = lambda message: None  # sees every message, in arrival order
 
     @property
-    def open_request_ids(self) -> set[str]:
-        return self.outputs.keys() - self.finished.keys()
+    def all_finished(self) -> bool:
+        return len(self.finished) == len(self.outputs)
 
     def send(self, message: wire.Message) -> None:
         self.socket.send(wire.encode(message))
@@ -42,15 +42,17 @@ class ApiPeer:
         return request_id
 
     def pump(self, timeout_s: float) -> None:
+        """Take every message that has come (waiting up to `timeout_s` for the first). Lean: a benchmark's
+        scheduler and worker share the machine with it."""
         if not self.socket.poll(int(timeout_s * 1000)):
             return
         while self.socket.poll(0):
             message = wire.decode(self.socket.recv())
             self.on_message(message)
             if isinstance(message, wire.DeltaBatch):
-                deltas = message.all_deltas()
-                self.batch_sizes.append(len(deltas))
-                for delta in deltas:
+                self.batch_sizes.append(len(message.token_ids) + len(message.deltas))
+                self._on_tokens(message.token_request_ids, message.token_ids)
+                for delta in message.deltas:
                     self.on_delta(delta)
             elif isinstance(message, wire.RequestDelta):
                 self.on_delta(message)
@@ -58,14 +60,21 @@ class ApiPeer:
                 self.statuses.append(message)
 
     def on_delta(self, delta: wire.RequestDelta) -> None:
-        assert delta.request_id not in self.finished, "a delta after the request ended"
-        self.outputs[delta.request_id].extend(delta.token_ids)
-        if delta.token_ids:
-            self.num_tokens += len(delta.token_ids)
-            self.last_token_at = time.perf_counter()
-            self.first_token_at = self.first_token_at or self.last_token_at
+        self._on_tokens([delta.request_id] * len(delta.token_ids), delta.token_ids)
         if delta.finish_reason is not None:
+            assert delta.request_id not in self.finished, "a delta after the request ended"
             self.finished[delta.request_id] = delta
+
+    def _on_tokens(self, request_ids: list[str], token_ids: list[int]) -> None:
+        if not token_ids:
+            return
+        outputs, finished = self.outputs, self.finished
+        for request_id, token_id in zip(request_ids, token_ids):
+            assert request_id not in finished, "a token after the request ended"
+            outputs[request_id].append(token_id)
+        self.num_tokens += len(token_ids)
+        self.last_token_at = time.perf_counter()
+        self.first_token_at = self.first_token_at or self.last_token_at
 
     def wait_until(self, condition, timeout_s: float) -> float:
         start_time = time.monotonic()

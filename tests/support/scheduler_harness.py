@@ -143,7 +143,4 @@ class Harness:
         if isinstance(self.kv, SplitTableKVCacheManager):
             return
         owed = [self.kv.owed_blocks(r) for r in self.scheduler.running]
-        assert (self.kv.owed_prompt_blocks, self.kv.owed_output_blocks) == (
-            sum(p for p, _ in owed),
-            sum(o for _, o in owed),
-        )
+        assert (self.kv.owed_prompt_blocks, self.kv.owed_output_blocks) == tuple(map(sum, zip((0, 0), *owed)))

@@ -39,7 +39,7 @@ def test_preempted_request_resumes_with_identical_output(policy, overlapped):
     assert stats.num_recomputed_tokens > 0
     for request_id, prompt in prompts.items():
         assert harness.outputs[request_id] == reference_output(prompt, greedy(30), cfg)
-    assert harness.kv.num_free_blocks == cfg.num_blocks
+    assert harness.kv.pool.num_free_blocks == cfg.num_blocks
 
 
 @MODES
@@ -158,7 +158,7 @@ def test_abort_frees_blocks_and_tells_the_worker():
     harness.add("a", [1, 2, 3, 4, 5], greedy(20))
     harness.step()
     harness.abort("a")
-    assert harness.kv.num_free_blocks == 16
+    assert harness.kv.pool.num_free_blocks == 16
     assert harness.finish_reasons["a"] == "abort"
     assert harness.step().finished_request_ids == ["a"]
     assert "a" not in harness.worker.requests
@@ -173,7 +173,7 @@ def test_abort_while_a_step_computes_it_frees_its_blocks_at_once_and_drops_that_
     tokens_before = list(harness.outputs["a"])
     harness.abort("a")
     assert harness.finish_reasons["a"] == "abort"
-    assert harness.kv.num_free_blocks == 4
+    assert harness.kv.pool.num_free_blocks == 4
     prompt = list(range(6, 21))
     harness.add("b", prompt, greedy(1))  # needs every block
     harness.step()  # step 2 returns: its token for "a" is dropped; step 3 gives "b" the blocks "a" had
@@ -182,7 +182,7 @@ def test_abort_while_a_step_computes_it_frees_its_blocks_at_once_and_drops_that_
     harness.run_until_idle()
     assert harness.outputs["b"] == reference_output(prompt, greedy(1), harness.config)
     assert "a" not in harness.worker.requests
-    assert harness.kv.num_free_blocks == 4
+    assert harness.kv.pool.num_free_blocks == 4
 
 
 @MODES
@@ -197,7 +197,7 @@ def test_stop_token_sampled_while_the_next_step_is_in_flight_ends_the_request_th
     assert harness.outputs["capped"] == reference_output([9, 9], greedy(3), cfg)
     # The overlapped loop computed one token past the stop; max_tokens is known ahead, so no slot is lost there.
     assert harness.scheduler.counters.num_wasted_decode_slots == int(overlapped)
-    assert harness.kv.num_free_blocks == cfg.num_blocks
+    assert harness.kv.pool.num_free_blocks == cfg.num_blocks
 
 
 def test_overlapped_loop_keeps_two_steps_in_flight_and_schedules_decodes_ahead():
@@ -222,7 +222,7 @@ def test_an_errored_step_ends_its_requests_and_frees_their_slots(overlapped):
     harness.worker.execute(first)  # computed, but the worker reports an error instead of its tokens
     harness.record(harness.loop.complete(wire.StepResult(step_id=first.step_id, error="boom"), 1.0))
     assert harness.errors["a"] == "worker error: boom"
-    assert not harness.scheduler.running and harness.kv.num_free_blocks == 16
+    assert not harness.scheduler.running and harness.kv.pool.num_free_blocks == 16
     harness.add("b", [4, 5], greedy(3))  # one slot: "b" runs only if "a" gave it back
     harness.run_until_idle(max_steps=20)
     assert harness.outputs["b"] == reference_output([4, 5], greedy(3), harness.config)
@@ -275,7 +275,7 @@ def test_split_table_without_recovery_ends_suspended_requests_incomplete(overlap
     harness.run_until_idle()
     assert harness.errors and all(e.startswith("incomplete") for e in harness.errors.values())
     assert len(harness.errors) < 4  # the others finished
-    assert harness.kv.num_free_blocks == 16
+    assert harness.kv.pool.num_free_blocks == 16
 
 
 def test_split_table_rejects_a_prompt_larger_than_the_prefill_share():
@@ -311,7 +311,7 @@ def test_split_table_request_ended_inside_schedule_reports_at_once_even_if_the_s
         assert [r.request_id for r in step.outcome.finished] == [d.request_id for d in step.outcome.all_deltas()]
     assert steps[-1].output.is_empty and [d.request_id for d in ended] == ["long"]
     assert ended[0].error.startswith("incomplete") and scheduler.requests == {}
-    assert scheduler.kv.num_free_blocks == 16
+    assert scheduler.kv.pool.num_free_blocks == 16
 
 
 def test_plain_tokens_go_to_each_replica_as_columns_and_the_rest_as_deltas():

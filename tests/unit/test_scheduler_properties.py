@@ -125,5 +125,5 @@ def test_split_tables_keep_their_share_and_recovery_yields_the_same_tokens(overl
             assert harness.outputs[request_id] == reference[: len(harness.outputs[request_id])]
             if not split_table.disable_recover:
                 assert "more blocks than the decode table holds" in error
-    assert harness.kv.num_free_blocks == config.num_blocks, "blocks leaked"
+    assert harness.kv.pool.num_free_blocks == config.num_blocks, "blocks leaked"
     assert harness.kv.prefill_used == harness.kv.decode_used == 0

@@ -55,7 +55,7 @@ def test_the_reserve_for_running_output_holds_back_a_prompt_that_fits_the_free_b
     harness.add("big", [2] * 36, greedy(8))
     harness.step()
     assert status(harness, "big") is RequestStatus.WAITING
-    assert harness.kv.num_free_blocks >= 9  # it would fit, but for the reserve
+    assert harness.kv.pool.num_free_blocks >= 9  # it would fit, but for the reserve
     while status(harness, "long") is not None:
         assert status(harness, "big") is RequestStatus.WAITING
         harness.step()

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from service import curve, wire
+from service import socket_auth, wire
 from tests.support.processes import loopback_env, scrape, start, stop_all, wait_ready
 from tests.support.tiny_model import tiny_model_info
 
@@ -23,8 +23,8 @@ SILENCE_S = 1.5  # how long a refused peer waits for any answer
 def stack(tmp_path_factory):
     """scheduler, worker and api, each with its own keys; the worker reads its keys from files."""
     logs = tmp_path_factory.mktemp("curve")
-    pairs = {owner: curve.new_key_pair() for owner in curve.KEY_OWNERS}
-    role_keys = curve.key_settings(pairs)
+    pairs = {owner: socket_auth.new_key_pair() for owner in socket_auth.KEY_OWNERS}
+    role_keys = socket_auth.key_settings(pairs)
     worker_secrets = logs / "worker-secrets"  # a Kubernetes Secret mounted as files looks like this
     worker_secrets.mkdir()
     for name, value in role_keys["worker"].items():
@@ -49,18 +49,18 @@ def stack(tmp_path_factory):
     stop_all(processes)
 
 
-def peer(addr: str, own: curve.KeyPair | None, server_key: bytes) -> tuple[zmq.Context, zmq.Socket]:
+def peer(addr: str, own: socket_auth.KeyPair | None, server_key: bytes) -> tuple[zmq.Context, zmq.Socket]:
     """A DEALER at `addr`: plain without `own`, else a CURVE client with that key pair."""
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.linger = 0
     if own is not None:
-        curve.secure_client(socket, curve.ClientKeys(server_key, own))
+        socket_auth.secure_client(socket, socket_auth.ClientKeys(server_key, own))
     socket.connect(addr)
     return context, socket
 
 
-def answers(addr: str, own: curve.KeyPair | None, server_key: bytes, *messages: wire.Message) -> list:
+def answers(addr: str, own: socket_auth.KeyPair | None, server_key: bytes, *messages: wire.Message) -> list:
     """Every message the scheduler sends back within SILENCE_S after `messages`."""
     context, socket = peer(addr, own, server_key)
     try:
@@ -109,7 +109,7 @@ def test_api_peers_without_an_api_key_get_no_answer_and_are_counted(stack):
     addr = env["BLOCKSERVE_SCHEDULER_ADDR"]
 
     assert answers(addr, None, server_key, *messages) == []  # plain: the handshake fails
-    assert answers(addr, curve.new_key_pair(), server_key, *messages) == []  # an unknown key
+    assert answers(addr, socket_auth.new_key_pair(), server_key, *messages) == []  # an unknown key
     assert answers(addr, pairs["worker"], server_key, *messages) == []  # a worker's key is not an api's
 
     assert auth_failures(env, "api") >= before + 2
@@ -127,7 +127,7 @@ def test_worker_peers_without_a_worker_key_cannot_register(stack):
     addr = env["BLOCKSERVE_WORKER_ADDR"]
 
     assert answers(addr, None, server_key, evil, wire.Pong()) == []
-    assert answers(addr, curve.new_key_pair(), server_key, evil, wire.Pong()) == []
+    assert answers(addr, socket_auth.new_key_pair(), server_key, evil, wire.Pong()) == []
     assert answers(addr, pairs["api"], server_key, evil, wire.Pong()) == []
 
     assert auth_failures(env, "worker") >= before + 2

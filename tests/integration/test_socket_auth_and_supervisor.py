@@ -9,21 +9,23 @@ import sys
 import pytest
 import zmq
 
-from service import curve, supervisor
+from service import socket_auth, supervisor
 from service.config import SettingsError, load_settings
 
 
 def test_half_configured_or_malformed_keys_fail_naming_the_setting():
-    server = curve.new_key_pair()
+    server = socket_auth.new_key_pair()
     with pytest.raises(SettingsError, match="BLOCKSERVE_CURVE_CLIENT_SECRET_KEY"):
-        curve.client_keys(load_settings(curve_server_key=server.public_key.decode()))
+        socket_auth.client_keys(load_settings(curve_server_key=server.public_key.decode()))
     with pytest.raises(SettingsError, match="BLOCKSERVE_CURVE_SERVER_KEY"):
-        curve.client_keys(load_settings(curve_server_key="short", curve_client_secret_key=server.secret_key.decode()))
+        socket_auth.client_keys(
+            load_settings(curve_server_key="short", curve_client_secret_key=server.secret_key.decode())
+        )
     with pytest.raises(SettingsError, match="BLOCKSERVE_CURVE_API_CLIENT_KEYS"):
-        curve.CurveServer(load_settings(curve_server_secret_key=server.secret_key.decode()), zmq.Context(), print)
+        socket_auth.CurveServer(load_settings(curve_server_secret_key=server.secret_key.decode()), zmq.Context(), print)
     with pytest.raises(SettingsError, match="BLOCKSERVE_CURVE_SERVER_SECRET_KEY"):
-        curve.CurveServer(load_settings(curve_server_secret_key="x" * 12), zmq.Context(), print)
-    assert curve.client_keys(load_settings()) is None  # no keys: plain sockets, as before
+        socket_auth.CurveServer(load_settings(curve_server_secret_key="x" * 12), zmq.Context(), print)
+    assert socket_auth.client_keys(load_settings()) is None  # no keys: plain sockets, as before
 
 
 def test_serve_gives_each_role_loopback_sockets_and_fresh_keys_that_fit_together(tmp_path):

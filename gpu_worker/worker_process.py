@@ -186,8 +186,10 @@ def serve_serially(runner: Runner, link: SchedulerLink, serving: Callable[[], bo
         step = link.next_step(POLL_S)
         if step is None:
             continue
+        started = time.perf_counter()
         result = runner.execute(step)
         if not step.is_empty:
+            result.compute_s = time.perf_counter() - started
             link.send(result)
 
 
@@ -205,11 +207,14 @@ def serve_pipelined(runner: PipelinedRunner, link: SchedulerLink, serving: Calla
         (step, prepared), ahead = ahead, None
         if step.is_empty:
             continue  # state to drop only: no answer expected
+        started = time.perf_counter()
         launched = runner.launch(prepared)
         # The device computes: take the next step in meanwhile.
         if (following := link.next_step(runner.remaining_s(launched))) is not None:
             ahead = following, runner.prepare(following)
-        link.send(runner.finish(launched))
+        result = runner.finish(launched)
+        result.compute_s = time.perf_counter() - started  # what a stream waits between two tokens
+        link.send(result)
 
 
 def run_worker(settings: Settings) -> None:

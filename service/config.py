@@ -22,6 +22,7 @@ UNPREFIXED_ENV_NAMES = {
     "kv_cache_ratio": "KV_CACHE_RATIO",
 }
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TARGET_ITL_MS = 500.0  # see README "Who is served first": never binds on a GPU, keeps a 2-core CPU's streams moving
 
 
 class SettingsError(ValueError):
@@ -68,6 +69,20 @@ class Settings(BaseSettings):
         default="min_recompute", description="Victim choice when blocks run out"
     )
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of identical prefixes")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        default="fcfs", description="Who is served first: arrival order, or the requests' `priority` (lower first)"
+    )
+    priority_aging_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Priority policy: a request of priority p is served as if it arrived p times this later",
+    )
+    target_itl_ms: float = Field(
+        default=TARGET_ITL_MS,
+        ge=0,
+        description="Step time to keep while streams decode or requests wait: prompt chunks are sized to it "
+        "from the learned step cost (0 = off: the token budget alone)",
+    )
     async_scheduling: bool = Field(
         default=True, description="Decide the next step while the worker computes one (false = one step at a time)"
     )

@@ -18,6 +18,7 @@ MAX_TOP_K = 2**31 - 1
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
 MAX_REQUEST_ID_CHARS = 256
+MAX_ABS_PRIORITY = 2**31 - 1  # priorities lie in [-MAX_ABS_PRIORITY, MAX_ABS_PRIORITY]
 MAX_BLOCK_SIZE = 1024
 
 
@@ -70,6 +71,12 @@ def prompt_problem(prompt_token_ids: list[int], vocab_size: int | None, max_mode
             f"the prompt has {len(prompt_token_ids)} tokens; the maximum context length "
             f"(max_model_len) is {max_model_len}, prompt plus at least one output token"
         )
+    return None
+
+
+def priority_problem(priority: int) -> str | None:
+    if not -MAX_ABS_PRIORITY <= priority <= MAX_ABS_PRIORITY:
+        return f"priority must lie in [{-MAX_ABS_PRIORITY}, {MAX_ABS_PRIORITY}]; got {priority}"
     return None
 
 

@@ -19,7 +19,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class WireError(ValueError):
@@ -79,6 +79,7 @@ class GenerateRequest(Message, tag="generate"):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    priority: int = 0  # lower is served first, under the scheduler's `priority` policy
 
 
 class AbortRequest(Message, tag="abort"):
@@ -205,6 +206,7 @@ class StepResult(Message, tag="step_result"):
     step_id: int
     sampled: list[SampledToken] = []  # in the order of the step's new_requests, then running_requests
     error: str | None = None
+    compute_s: float = 0.0  # how long the worker computed the step (what the scheduler learns step costs from)
 
 
 class Ping(Message, tag="ping"):

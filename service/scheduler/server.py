@@ -234,7 +234,9 @@ class SchedulerServer:
             return
         now = time.monotonic()
         try:
-            self.scheduler.add_request(request_id, message.prompt_token_ids, message.sampling, now, identity)
+            self.scheduler.add_request(
+                request_id, message.prompt_token_ids, message.sampling, now, identity, message.priority
+            )
         except RequestRejected as exc:
             self._send(self.api_socket, identity, self._error_delta(request_id, str(exc), exc.status))
 

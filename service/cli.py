@@ -88,9 +88,16 @@ def _simulate(args: argparse.Namespace) -> int:
 
     settings = load_settings()
     input_lengths, output_lengths = NAMED_WORKLOADS[args.workload]
-    trace = make_trace(
-        Workload(args.num_requests, input_lengths, output_lengths, args.request_rate, args.burstiness, seed=args.seed)
+    workload = Workload(
+        args.num_requests,
+        input_lengths,
+        output_lengths,
+        args.request_rate,
+        args.burstiness,
+        seed=args.seed,
+        high_priority_share=args.high_priority_share,
     )
+    trace = make_trace(workload)
     runs = [(policy, policy, None) for policy in (["lifo", "min_recompute"] if args.policy == "all" else [args.policy])]
     runs += [
         (
@@ -151,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run the legacy split-table scheduler at these KV_CACHE_RATIO values, e.g. 0.5,0.75",
     )
     sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument(
+        "--high-priority-share", type=float, default=0.0, help="share of requests with priority -1 (the rest 0)"
+    )
     sim.add_argument("--json", action="store_true", help="print the reports as JSON")
     sim.set_defaults(handler=_simulate)
 

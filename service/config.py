@@ -73,7 +73,7 @@ class Settings(BaseSettings):
         default="fcfs", description="Who is served first: arrival order, or the requests' `priority` (lower first)"
     )
     priority_aging_s: float = Field(
-        default=10.0,
+        default=60.0,
         gt=0,
         description="Priority policy: a request of priority p is served as if it arrived p times this later",
     )

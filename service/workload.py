@@ -43,6 +43,7 @@ class TraceRequest:
     arrival_time_s: float
     prompt_token_ids: list[int]
     max_tokens: int
+    priority: int = 0  # lower is served first (scheduling policy `priority`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,7 @@ class Workload:
     burstiness: float = 1.0  # gamma shape of inter-arrival times; 1 = Poisson
     vocab_size: int = 32_000
     seed: int = 0
+    high_priority_share: float = 0.0  # this share of the requests gets priority -1, the others 0
 
 
 def make_trace(workload: Workload) -> list[TraceRequest]:
@@ -67,6 +69,7 @@ def make_trace(workload: Workload) -> list[TraceRequest]:
         shape = workload.burstiness
         gaps = rng.gamma(shape, 1.0 / (workload.request_rate * shape), size=count)
         arrivals = np.cumsum(gaps) - gaps[0]
+    high = rng.random(count) < workload.high_priority_share
     # Token 0 is avoided: tokenizers often reserve it.
     return [
         TraceRequest(
@@ -74,6 +77,7 @@ def make_trace(workload: Workload) -> list[TraceRequest]:
             arrival_time_s=float(arrivals[index]),
             prompt_token_ids=rng.integers(1, workload.vocab_size, size=int(input_lengths[index])).tolist(),
             max_tokens=int(output_lengths[index]),
+            priority=-1 if high[index] else 0,
         )
         for index in range(count)
     ]

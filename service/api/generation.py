@@ -33,6 +33,7 @@ class ChoiceSpec:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    priority: int = 0
 
 
 @dataclass
@@ -58,7 +59,7 @@ def choice_specs(
         for choice in range(body.n):
             index = prompt_index * body.n + choice
             sampling = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs, choice=choice)
-            specs.append(ChoiceSpec(index, f"{request_id}-{index}", prompt_token_ids, sampling))
+            specs.append(ChoiceSpec(index, f"{request_id}-{index}", prompt_token_ids, sampling, body.priority))
     return specs
 
 
@@ -103,7 +104,7 @@ class Generation:
     async def _run_choice(self, spec: ChoiceSpec, pieces: asyncio.Queue) -> None:
         state = ChoiceState(spec.index, self._model.tokenizer, spec.prompt_token_ids, self._stop)
         try:
-            deltas = self._client.generate(spec.request_id, spec.prompt_token_ids, spec.sampling)
+            deltas = self._client.generate(spec.request_id, spec.prompt_token_ids, spec.sampling, spec.priority)
             async with aclosing(deltas):
                 async for delta in deltas:
                     if delta.error is not None or delta.finish_reason == "error":

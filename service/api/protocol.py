@@ -71,6 +71,12 @@ class GenerationRequest(StrictRequest):
     stop: NonEmptyText | list[NonEmptyText] | None = Field(None, description="Text that ends a choice; never returned")
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    priority: int = Field(
+        0,
+        ge=-limits.MAX_ABS_PRIORITY,
+        le=limits.MAX_ABS_PRIORITY,
+        description="Lower is served first when the server runs BLOCKSERVE_SCHEDULING_POLICY=priority (as vLLM)",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

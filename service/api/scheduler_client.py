@@ -87,14 +87,16 @@ class SchedulerClient:
         self._context.destroy(linger=0)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: wire.SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], sampling: wire.SamplingParams, priority: int = 0
     ) -> AsyncIterator[wire.RequestDelta]:
         """The deltas of one request; leaving early (or being cancelled) aborts it."""
         queue: asyncio.Queue[wire.RequestDelta] = asyncio.Queue()
         self._streams[request_id] = queue
         finished = False
         try:
-            request = wire.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling)
+            request = wire.GenerateRequest(
+                request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling, priority=priority
+            )
             if not self._send(request):
                 finished = True
                 yield lost_delta(request_id, "the scheduler is not reachable")

@@ -58,7 +58,7 @@ class SchedulerConfig:
     max_skip_ahead: int = 8  # waiting requests looked at past a head that does not fit
     max_head_skips: int = 32  # admission rounds a head may be passed over before it blocks others
     scheduling_policy: str = "fcfs"  # fcfs, or priority: waiting ordered by (priority, arrival) with aging
-    priority_aging_s: float = 10.0  # priority: a request of priority p is served as if it arrived p x this later
+    priority_aging_s: float = 60.0  # priority: a request of priority p is served as if it arrived p x this later
     target_itl_s: float | None = None  # prefill chunks sized so a step with decodes takes about this long
 
     @classmethod
@@ -182,7 +182,7 @@ class Scheduler:
         prefill_budget = self.prefill_budget = self._prefill_budget()
         chunk_budget = prefill_budget
         if self.waiting and prefill_budget < budget:  # time-limited: running prompts leave waiting ones room
-            chunk_budget = max(self.config.block_size, prefill_budget // 2)
+            chunk_budget = max(1, prefill_budget // 2)
         num_slots = self.kv.num_slots
         running_status = RequestStatus.RUNNING
         decodes: list[Request] = []  # one token into blocks they hold: the common case
@@ -261,13 +261,14 @@ class Scheduler:
         return self._build_step(chunks, new_block_ids, decodes, preempted, outcome)
 
     def _prefill_budget(self) -> int:
-        """Prompt tokens this step may compute: the token budget, or, with a latency target, as many as
-        the learned step cost lets in beside the decodes (at least a block's worth, so prompts move)."""
+        """Prompt tokens this step may compute: the token budget, or, with a latency target, no more than
+        the learned step cost lets in beside the decodes (at least a block's worth, so prompts move).
+        Without decodes the whole target goes to prompts, but no more: a request that arrives meanwhile
+        waits for at most one such step, never for a token budget's worth (seconds on a small CPU)."""
         budget, target = self.config.max_num_batched_tokens, self.config.target_itl_s
-        num_decodes, decode_attended, prefill_context = self._load
-        if target is None or not self.step_cost.ready or not self.running or not (num_decodes or self.waiting):
-            return budget  # nobody else waits for this step: a prompt may take all of it
-        fitting = self.step_cost.prefill_tokens_within(target, num_decodes, decode_attended, prefill_context)
+        if target is None or not self.step_cost.ready:
+            return budget
+        fitting = self.step_cost.prefill_tokens_within(target, *self._load)
         return min(budget, max(self.config.block_size, fitting))
 
     def _victim_for_a_better_priority(self) -> Request | None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.scheduler.block_pool import BlockPool, extend_block_hashes
+from service.block_hashes import extend_block_hashes
+from service.scheduler.block_pool import BlockPool
 from service.scheduler.request import Request
 
 MAX_OUTPUT_TOKENS_CONSIDERED = 4096  # a longer remaining output is counted as this long
@@ -50,6 +51,10 @@ class KVCacheManager:
     def pool_usage(self) -> list[tuple[str, int, int]]:
         """(pool, capacity, used blocks) of each table: one here; the split tables have two."""
         return [("unified", self.pool.num_blocks, self.pool.num_blocks - self.pool.num_free_blocks)]
+
+    def take_cache_events(self) -> tuple[list[int], list[bool]]:
+        """The hashes cached (True) or evicted (False) since the last call, in order."""
+        return self.pool.take_cache_events()
 
     def block_ids(self, request: Request) -> list[int]:
         held = self._held.get(request)

@@ -302,6 +302,7 @@ class Scheduler:
         if voided:
             for request in [r for r, until in voided.items() if until <= step_id]:
                 del voided[request]
+        outcome.cache_events = self.kv.take_cache_events()
         return outcome
 
     def _take_tokens(self, step: ScheduledStep, sampled: list, now: float, outcome: StepOutcome) -> None:
@@ -449,6 +450,7 @@ class Scheduler:
         output.finished_request_ids = finished
         output.preempted_request_ids = [r.request_id for r in preempted]
         output.reset = self._step_id == 1  # a new scheduler knows nothing the worker may still hold
+        outcome.cache_events = self.kv.take_cache_events()
         return step
 
     def _end(self, request: Request, reason, error: str | None, now, outcome: StepOutcome, error_status=500) -> None:

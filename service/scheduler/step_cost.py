@@ -20,7 +20,9 @@ MIN_OBSERVATIONS = 8  # before this many steps the model is not trusted: the tok
 DECAY = 0.98  # weight of the past per observed step (about the last 50 steps count)
 RIDGE = 1e-12  # keeps every subset's fit defined before its terms have varied
 REFIT_EVERY = 8  # observations between two fits (a fit solves 15 small systems)
-SUBSETS = [list(terms) for size in range(1, len(TERMS) + 1) for terms in itertools.combinations(range(len(TERMS)), size)]
+SUBSETS = [
+    list(terms) for size in range(1, len(TERMS) + 1) for terms in itertools.combinations(range(len(TERMS)), size)
+]
 
 
 class StepCostModel:

@@ -55,6 +55,7 @@ class Harness:
         self.outputs: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, str] = {}
         self.errors: dict[str, str] = {}
+        self.cached_hashes: set[int] = set()  # the prefix cache as the outcomes' events tell it (the api's view)
         self.now = 0.0
         self.steps = 0
 
@@ -88,13 +89,18 @@ class Harness:
         return sent[0] if sent else None
 
     def send(self, step: ScheduledStep) -> wire.SchedulerOutput:
+        self.record(step.outcome)
         self.check_step(step.output)
         self.check_victims(step.output)
-        self.record(step.outcome)
         self.to_worker.append(step.output)
         return step.output
 
     def record(self, outcome: StepOutcome) -> None:
+        for block_hash, cached in zip(*outcome.cache_events):
+            if cached:
+                self.cached_hashes.add(block_hash)
+            else:
+                self.cached_hashes.remove(block_hash)
         for delta in outcome.all_deltas():
             self.outputs[delta.request_id].extend(delta.token_ids)
             assert delta.request_id not in self.finish_reasons, "a delta after the request ended"
@@ -151,6 +157,7 @@ class Harness:
         assert self.scheduler.num_preempted_waiting == preempted
         if isinstance(self.kv, SplitTableKVCacheManager):
             self.check_split_pools()
+        assert self.cached_hashes == set(pool.cached_hashes()), "the cache events do not tell the prefix cache"
         used = sum(1 for block in pool.blocks if block.ref_count > 0)
         assert pool.num_free_blocks + used == pool.num_blocks
         assert 0 <= pool.num_cached_free <= pool.num_free_blocks

@@ -19,7 +19,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class WireError(ValueError):
@@ -70,9 +70,25 @@ class ApiHello(Message, tag="api_hello"):
     replica_id: str
 
 
+class EngineReport(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """An engine's load, and what its prefix cache gained and lost since its last report, in order:
+    `cache_event_hashes[i]` was cached if `cache_events_cached[i]`, else evicted. The api routes on it."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    steps_per_s: float  # steps completed in about the last second
+    draining: bool = False
+    cache_event_hashes: list[int] = []
+    cache_events_cached: list[bool] = []
+
+
 class ApiWelcome(Message, tag="api_welcome"):
     model: ModelInfo
     ready: bool
+    block_size: int = 0  # of the prefix cache's blocks (service/block_hashes.py hashes prompts alike)
+    cached_block_hashes: list[int] = []  # the prefix cache now; reports carry its changes from here on
 
 
 class GenerateRequest(Message, tag="generate"):
@@ -116,6 +132,7 @@ class DeltaBatch(Message, tag="deltas"):
     token_request_ids: list[str] = []
     token_ids: list[int] = []
     deltas: list[RequestDelta] = []
+    report: EngineReport | None = None  # every replica gets one each step that changed the cache, else now and then
 
     def __post_init__(self) -> None:
         if len(self.token_request_ids) != len(self.token_ids):
@@ -139,6 +156,7 @@ class SchedulerStatus(Message, tag="status"):
     num_free_blocks: int
     num_total_blocks: int
     unknown_request_ids: list[str] = []  # of the query's request ids, those this scheduler does not hold
+    report: EngineReport | None = None  # its load (no cache events: those come with the deltas)
 
 
 # ---------------------------------------------------------------- scheduler <-> worker

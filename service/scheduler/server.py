@@ -17,6 +17,7 @@ import gc
 import logging
 import signal
 import time
+from collections import deque
 
 import msgspec
 import zmq
@@ -38,6 +39,8 @@ API_FRAMES_PER_TURN = 64  # api frames handled between two worker frames (a burs
 CLOSE_LINGER_MS = 2000
 LAST_DELTAS_GRACE_S = 0.5  # between the shutdown's last deltas and closing the sockets
 GC_GEN0_THRESHOLD = 50_000
+REPORT_INTERVAL_S = 0.25  # an api replica hears the load at least this often while steps run
+MAX_CACHE_EVENTS_PER_REPORT = 4096  # more wait for the next report (in order): frames stay small
 ZMQ_HEARTBEAT_TIMEOUT_MS = 6000  # a peer silent this long is disconnected (an api replica: its requests aborted)
 # A plain (or otherwise broken) peer fails inside libzmq, before ZAP: counted as an auth failure with CURVE on.
 HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -73,6 +76,11 @@ class SchedulerServer:
             lambda: self.scheduler, self.counters, lambda: self.model.name if self.model else "", settings.redacted()
         )
         self.step_sent_at: dict[int, float] = {}  # step id -> when it went to the worker, while in flight
+        self.step_ended_at: deque[float] = deque()  # when the steps of about the last second returned
+        # Cache events the api replicas have not been told yet, in the order the scheduler made them.
+        self.cache_event_hashes: list[int] = []
+        self.cache_events_cached: list[bool] = []
+        self.last_report_at = 0.0
         self.last_ping_at = 0.0
         self.last_heard_at = 0.0
         self.draining = False
@@ -209,11 +217,18 @@ class SchedulerServer:
                 self._deliver(self.scheduler.abort_request(message.request_id, time.monotonic()))
         elif isinstance(message, wire.ApiHello):
             if self.model is not None:
-                self._send(self.api_socket, identity, wire.ApiWelcome(model=self.model, ready=self.ready))
+                self._send(self.api_socket, identity, self._welcome())
         elif isinstance(message, wire.StatusQuery):
             self._send(self.api_socket, identity, self._status(message.request_ids))
         else:
             raise DroppedFrame("unexpected", f"{type(message).__name__} on the api socket")
+
+    def _welcome(self) -> wire.ApiWelcome:
+        """The model, and the prefix cache as it is now (the reports that follow carry its changes)."""
+        kv = self.scheduler.kv
+        return wire.ApiWelcome(
+            model=self.model, ready=self.ready, block_size=kv.block_size, cached_block_hashes=kv.pool.cached_hashes()
+        )
 
     def _api_replica_lost(self, identity: bytes) -> None:
         """Its connection closed: nobody reads its requests' tokens any more; abort them, free their blocks."""
@@ -251,15 +266,53 @@ class SchedulerServer:
             num_free_blocks=scheduler.kv.pool.num_free_blocks if scheduler else 0,
             num_total_blocks=scheduler.kv.pool.num_blocks if scheduler else 0,
             unknown_request_ids=[request_id for request_id in request_ids if request_id not in held],
+            report=self._report(0),
         )
 
     def _deliver(self, outcome: StepOutcome) -> None:
-        """Send each api replica its deltas in one frame; observe the latencies."""
+        """Send each api replica its deltas in one frame; observe the latencies. When the prefix cache
+        changed, or now and then, every replica gets this engine's report (in that frame, or alone)."""
         started = time.perf_counter()
-        for owner, batch in outcome.batches().items():
+        batches = outcome.batches()
+        if self.cache_event_hashes or started - self.last_report_at >= REPORT_INTERVAL_S:
+            self.last_report_at = started
+            report = self._report(MAX_CACHE_EVENTS_PER_REPORT)
+            for replica in set(self.api_fds.values()):
+                batches.setdefault(replica, wire.DeltaBatch()).report = report
+        for owner, batch in batches.items():
             self._send(self.api_socket, owner, batch)
         self.metrics.on_outcome(outcome)
         self.metrics.step_loop_seconds["fanout"].inc(time.perf_counter() - started)
+
+    def _keep_cache_events(self, outcome: StepOutcome) -> None:
+        """Queue what a scheduler call changed in the prefix cache, in the order of the calls."""
+        self.cache_event_hashes += outcome.cache_events[0]
+        self.cache_events_cached += outcome.cache_events[1]
+
+    def _report(self, max_cache_events: int) -> wire.EngineReport:
+        """The load now, with up to `max_cache_events` of the queued cache events."""
+        scheduler = self.scheduler
+        hashes, self.cache_event_hashes = (
+            self.cache_event_hashes[:max_cache_events],
+            self.cache_event_hashes[max_cache_events:],
+        )
+        cached, self.cache_events_cached = (
+            self.cache_events_cached[:max_cache_events],
+            self.cache_events_cached[max_cache_events:],
+        )
+        now = time.monotonic()
+        while self.step_ended_at and now - self.step_ended_at[0] > 1.0:
+            self.step_ended_at.popleft()
+        return wire.EngineReport(
+            num_running=len(scheduler.running) if scheduler else 0,
+            num_waiting=len(scheduler.waiting) if scheduler else 0,
+            num_free_blocks=scheduler.kv.pool.num_free_blocks if scheduler else 0,
+            num_total_blocks=scheduler.kv.pool.num_blocks if scheduler else 0,
+            steps_per_s=float(len(self.step_ended_at)),
+            draining=self.draining,
+            cache_event_hashes=hashes,
+            cache_events_cached=cached,
+        )
 
     @staticmethod
     def _error_delta(request_id: str, reason: str, status: int) -> wire.RequestDelta:
@@ -310,7 +363,7 @@ class SchedulerServer:
         )
         # Connected api replicas were welcomed with the model before; this worker may serve another.
         for replica in set(self.api_fds.values()):
-            self._send(self.api_socket, replica, wire.ApiWelcome(model=self.model, ready=self.ready))
+            self._send(self.api_socket, replica, self._welcome())
 
     def _on_step_result(self, result: wire.StepResult) -> None:
         now = time.monotonic()
@@ -319,6 +372,8 @@ class SchedulerServer:
         self.metrics.step_loop_seconds["update"].inc(time.perf_counter() - started)
         if outcome is None:
             raise DroppedFrame("unexpected", f"a result for step {result.step_id}, which is not the oldest in flight")
+        self._keep_cache_events(outcome)
+        self.step_ended_at.append(now)
         self.metrics.on_step(now - self.step_sent_at.pop(result.step_id))
         self._maybe_step(now)  # the next step first: the worker must not wait for the fan-out
         self._deliver(outcome)
@@ -330,6 +385,7 @@ class SchedulerServer:
 
     def _send_step(self, step: ScheduledStep) -> None:
         self.metrics.step_loop_seconds["schedule"].inc(step.schedule_s)
+        self._keep_cache_events(step.outcome)
         output = step.output
         if not output.is_empty or output.finished_request_ids or output.preempted_request_ids or output.reset:
             started = time.perf_counter()

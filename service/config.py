@@ -104,7 +104,17 @@ class Settings(BaseSettings):
     # Processes and addresses
     host: str = Field(default="0.0.0.0", description="api listen address")
     port: int = Field(default=8000, gt=0, lt=65536, description="api listen port")
-    scheduler_addr: str = Field(default="tcp://127.0.0.1:5560", description="ZMQ address of the scheduler's api socket")
+    scheduler_addr: str = Field(
+        default="tcp://127.0.0.1:5560",
+        description="ZMQ address of the scheduler's api socket; an api routes over several, separated by commas",
+    )
+    engine_discovery: str = Field(
+        default="",
+        description="api: find the engines by DNS instead, dns://NAME:PORT (a headless Service), resolved every 5 s",
+    )
+    routing: Literal["prefix", "load", "round_robin"] = Field(
+        default="prefix", description="api: how a request picks its engine (see README, Many engines)"
+    )
     worker_addr: str = Field(default="tcp://127.0.0.1:5561", description="ZMQ address of the scheduler's worker socket")
     metrics_port: int = Field(default=9400, gt=0, lt=65536, description="Port of the scheduler's /metrics")
     api_key: SecretStr | None = Field(default=None, description="If set, requests need Authorization: Bearer <key>")

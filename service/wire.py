@@ -117,6 +117,7 @@ class RequestDelta(Message, tag="delta", gc=False):
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     error_status: int | None = None  # HTTP status the api should use for `error`
+    refused: bool = False  # ended before it started (engine not ready, or draining): another engine may take it
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
 

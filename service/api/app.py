@@ -19,11 +19,11 @@ from service.api import chat, completions
 from service.api.auth import ApiKeyMiddleware
 from service.api.body_limit import BodyLimitMiddleware
 from service.api.context import ApiContext, get_context
+from service.api.engines import EngineSet
 from service.api.errors import ApiError, install_error_handlers
 from service.api.metrics import ApiMetrics, MetricsMiddleware
 from service.api.openapi import errors, install_openapi
 from service.api.protocol import ChatCompletionChunk, CompletionResponse, Health, ModelCard, ModelList, Readiness
-from service.api.scheduler_client import SchedulerClient
 from service.config import Settings
 
 READY_TIMEOUT_S = 1.0
@@ -40,12 +40,15 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = SchedulerClient(
+        client = EngineSet(
             settings.scheduler_addr,
+            settings.engine_discovery,
+            settings.routing,
             replica_id(),
             idle_check_s=settings.worker_timeout_s,
             on_malformed_frame=metrics.malformed_frames.inc,
             client_keys=client_keys,
+            on_route=metrics.on_route,
         )
         await client.start()
         app.state.context = ApiContext(client)

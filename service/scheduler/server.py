@@ -245,7 +245,7 @@ class SchedulerServer:
         request_id = message.request_id
         if self.scheduler is None or not self.ready:
             reason = "the service is shutting down" if self.draining else "no worker is available"
-            self._send(self.api_socket, identity, self._error_delta(request_id, reason, 503))
+            self._send(self.api_socket, identity, self._error_delta(request_id, reason, 503, refused=True))
             return
         now = time.monotonic()
         try:
@@ -315,9 +315,14 @@ class SchedulerServer:
         )
 
     @staticmethod
-    def _error_delta(request_id: str, reason: str, status: int) -> wire.RequestDelta:
+    def _error_delta(request_id: str, reason: str, status: int, refused: bool = False) -> wire.RequestDelta:
         return wire.RequestDelta(
-            request_id=request_id, token_ids=[], finish_reason="error", error=reason, error_status=status
+            request_id=request_id,
+            token_ids=[],
+            finish_reason="error",
+            error=reason,
+            error_status=status,
+            refused=refused,
         )
 
     @staticmethod

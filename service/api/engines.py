@@ -121,7 +121,6 @@ class EngineSet:
                 return
             client = next(client for client in candidates if client.view is route.engine)
             tried.add(client.addr)
-            client.view.num_sent_since_report += 1
             block_size = client.view.block_size
             num_blocks = (len(prompt_token_ids) - 1) // block_size if block_size else 0
             reason = route.reason if len(tried) == 1 else "retry"

@@ -95,6 +95,7 @@ class SchedulerClient:
         """The deltas of one request; leaving early (or being cancelled) aborts it."""
         queue: asyncio.Queue[wire.RequestDelta] = asyncio.Queue()
         self._streams[request_id] = queue
+        self.view.num_open_here = len(self._streams)
         finished = False
         try:
             request = wire.GenerateRequest(
@@ -110,6 +111,7 @@ class SchedulerClient:
                 yield delta
         finally:
             del self._streams[request_id]
+            self.view.num_open_here = len(self._streams)
             if not finished:
                 self._send(wire.AbortRequest(request_id=request_id))
 

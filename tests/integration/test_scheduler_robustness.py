@@ -165,7 +165,7 @@ def test_nonsense_hellos_and_frames_are_dropped_counted_and_the_scheduler_lives(
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_an_api_replica_lost_mid_stream_has_its_requests_aborted_and_blocks_freed(tmp_path, how):
     with FakeStack(tmp_path, FAKE_STEP_DELAY_S="0.2") as stack:
-        api = stack.processes[2]
+        api = stack.processes["api"]
         model = httpx.get(f"{stack.url}/v1/models", timeout=5).json()["data"][0]["id"]
         body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 80, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=10) as response:

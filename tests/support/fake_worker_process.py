@@ -3,7 +3,7 @@
 Run as `python -m tests.support.fake_worker_process`; settings come from the environment as for
 `blockserve worker`, plus FAKE_STEP_DELAY_S and FAKE_TOKEN_DELAY_S to slow steps down (a fixed
 time a step, and a time per scheduled token) and FAKE_MODEL_NAME to serve the tiny model under
-another name.
+another name (FAKE_MAX_MODEL_LEN: with a longer context).
 """
 
 import os
@@ -30,6 +30,8 @@ class FakeRunner:
         self.model_info = tiny_model_info()
         if model_name:
             self.model_info = msgspec.structs.replace(self.model_info, name=model_name)
+        if max_model_len := int(os.environ.get("FAKE_MAX_MODEL_LEN", "0")):
+            self.model_info = msgspec.structs.replace(self.model_info, max_model_len=max_model_len)
         self.kernels: dict[str, str] = {}
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size

@@ -109,3 +109,61 @@ class run_concurrently_in_background:
         for thread in self.threads:
             thread.join()
         return self.statuses
+
+
+def test_engines_found_by_dns_are_used_and_dropped_when_the_name_stops_naming_them(monkeypatch):
+    """localhost resolves to the scheduler's loopback address: the api finds it, serves from it, and
+    drops it (its requests ending) once the name no longer resolves to it."""
+    from service.api import engines
+    from tests.support.fake_scheduler import ApiServer, FakeScheduler, free_tcp_addr
+
+    addr = free_tcp_addr()
+    port = addr.rsplit(":", 1)[1]
+    monkeypatch.setattr(engines, "DISCOVERY_INTERVAL_S", 0.2)
+    with FakeScheduler(addr) as fake, ApiServer("", engine_discovery=f"dns://localhost:{port}") as api:
+        api.wait_ready()
+        reply = httpx.post(
+            f"{api.base_url}/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}
+        )
+        assert reply.status_code == 200 and len(fake.generated) == 1
+        fake.lose_requests = True  # a request that stays open on the engine
+        pending = threading.Thread(
+            target=lambda: statuses.append(
+                httpx.post(
+                    f"{api.base_url}/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi"}, timeout=30
+                ).status_code
+            )
+        )
+        statuses: list[int] = []
+        pending.start()
+        threading.Event().wait(0.5)
+
+        async def nowhere(_discovery: str) -> list[str]:
+            return ["tcp://127.0.0.1:9"]  # the name now points elsewhere (nothing listens there)
+
+        monkeypatch.setattr(engines, "resolve", nowhere)
+        pending.join(timeout=20)
+        assert statuses == [503]  # the request on the engine that went away ended
+        assert httpx.get(f"{api.base_url}/ready", timeout=10).status_code == 503
+
+
+def test_an_engine_that_comes_back_is_used_again(tmp_path):
+    from tests.support.processes import start, wait_ready
+
+    with FakeStack(tmp_path, num_engines=2, BLOCKSERVE_NUM_KV_BLOCKS="128") as stack:
+        stack.processes["scheduler-0"].send_signal(signal.SIGKILL)
+        stack.processes["scheduler-0"].wait()
+        assert all(complete(stack.url, [5, 6, i]).status_code == 200 for i in range(4))  # the other engine serves
+        before = requests_per_engine(stack).get(stack.engines[0]["BLOCKSERVE_SCHEDULER_ADDR"], 0.0)
+        stack.processes["scheduler-0"] = start(
+            ["-m", "service.cli", "scheduler"], stack.engines[0], tmp_path / "scheduler-0-again.log"
+        )
+        wait_ready(stack.url)
+        deadline = threading.Event()
+        for attempt in range(200):  # until its worker has registered again and the api routes to it
+            assert complete(stack.url, [7, 8, attempt]).status_code == 200
+            if requests_per_engine(stack).get(stack.engines[0]["BLOCKSERVE_SCHEDULER_ADDR"], 0.0) > before:
+                break
+            deadline.wait(0.1)
+        else:
+            raise AssertionError("the engine that came back never got a request")

@@ -19,7 +19,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class WireError(ValueError):
@@ -41,6 +41,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # None = no logprobs; k = chosen token's plus top-k
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -205,6 +206,7 @@ class StepResult(Message, tag="step_result"):
     step_id: int
     sampled: list[SampledToken] = []  # in the order of the step's new_requests, then running_requests
     error: str | None = None
+    refused: dict[str, str] = {}  # request id -> why the worker computes it not (its parameters): no token for it
 
 
 class Ping(Message, tag="ping"):

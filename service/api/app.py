@@ -64,6 +64,13 @@ def create_app(settings: Settings) -> FastAPI:
         model = context.served_model()
         return ModelList(data=[ModelCard(id=model.name, max_model_len=model.max_model_len)])
 
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(401, 404, 503))
+    async def retrieve_model(model_id: str, context: ApiContext = Depends(get_context)) -> ModelCard:
+        """The served model, by its name or an alias (the card names it as /v1/models does)."""
+        model = context.served_model()
+        model.check_name(model_id)
+        return ModelCard(id=model.name, max_model_len=model.max_model_len)
+
     @app.get("/health", response_model=Health)
     async def health() -> Health:
         """The process is alive (says nothing about the scheduler or the model)."""
@@ -96,13 +103,20 @@ def create_app(settings: Settings) -> FastAPI:
         """The api's own metrics in Prometheus' text format (the scheduler serves its own)."""
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    install_openapi(app, stream_chunks=[CompletionResponse, ChatCompletionChunk])
+    install_openapi(app, [CompletionResponse, ChatCompletionChunk], lambda: served_vocab_size(app))
     metrics.start_series(app.openapi()["paths"])
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=int(settings.max_request_body_bytes))
     if settings.api_key is not None and settings.api_key.get_secret_value():
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value())
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts the 401s and 413s too
     return app
+
+
+def served_vocab_size(app: FastAPI) -> int | None:
+    """The vocabulary size of the model the scheduler named, or None before it has."""
+    context = getattr(app.state, "context", None)  # None: before the lifespan started
+    model = context.client.model if context is not None else None
+    return model.vocab_size if model is not None else None
 
 
 class DrainingServer(uvicorn.Server):

@@ -85,6 +85,6 @@ class MetricsMiddleware:
         finally:
             self.metrics.in_flight.dec()
             route = scope.get("route")
-            route_path = getattr(route, "path", UNMATCHED_ROUTE)
+            route_path = getattr(route, "path_format", UNMATCHED_ROUTE)  # as the OpenAPI document names it
             self.metrics.requests.labels(route_path, scope["method"], str(status_code)).inc()
             self.metrics.duration.labels(route_path).observe(time.perf_counter() - started_s)

@@ -11,19 +11,32 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from service import limits
-from service.limits import MAX_TOP_LOGPROBS
+from service.limits import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from service.wire import SamplingParams
 
 MAX_CHOICES = 128
 MAX_SEED = limits.MAX_SEED - MAX_CHOICES  # choice i samples with seed + i
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
+# A token id; "x-token-id" marks it in the OpenAPI document, which bounds it by the served model's vocabulary.
+TOKEN_ID_MARK = "x-token-id"
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True})]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+TOKEN_ID_TEXT = r"^(0|[1-9][0-9]{0,17})$"  # a decimal int64, no leading zeros
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=TOKEN_ID_TEXT)], Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+    WithJsonSchema(  # pydantic would write patternProperties, which lets any other key through
+        {
+            "type": "object",
+            "propertyNames": {"type": "string", "pattern": TOKEN_ID_TEXT, TOKEN_ID_MARK: True},
+            "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
+        }
+    ),
+]
 
 
 class StrictRequest(BaseModel):
@@ -70,6 +83,9 @@ class GenerationRequest(StrictRequest):
     repetition_penalty: float | None = Field(None, gt=0.0, le=limits.MAX_REPETITION_PENALTY)
     stop: NonEmptyText | list[NonEmptyText] | None = Field(None, description="Text that ends a choice; never returned")
     stop_token_ids: list[TokenId] | None = None
+    logit_bias: LogitBias | None = Field(
+        None, description="Token id (as text) -> a number in [-100, 100] added to its logit before sampling"
+    )
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -96,6 +112,9 @@ class GenerationRequest(StrictRequest):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(token_id): bias for token_id, bias in (self.logit_bias or {}).items()}
+
     def sampling_params(self, *, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -110,11 +129,19 @@ class GenerationRequest(StrictRequest):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            logit_bias=self.logit_bias_ids(),
         )
 
 
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions."""
+
+    # The route refuses echo with logprobs (no prompt logprobs): the document says so too.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [{"properties": {"echo": {"const": False}}}, {"properties": {"logprobs": {"type": "null"}}}]
+        }
+    )
 
     prompt: (
         NonEmptyText
@@ -208,6 +235,16 @@ ChatMessage = Annotated[
 
 class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions."""
+
+    # The route refuses top_logprobs without logprobs: the document says so too.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"properties": {"top_logprobs": {"type": "null"}}},
+                {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+            ]
+        }
+    )
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of max_completion_tokens")

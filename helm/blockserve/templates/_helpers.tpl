@@ -88,6 +88,9 @@ which print as 5.36870912e+08; whole numbers are printed as integers instead.
 {{- if or (eq $name "BLOCKSERVE_SECRETS_DIR") (hasPrefix "BLOCKSERVE_CURVE_" $name) }}
 {{- fail (printf "config.%s is set by the chart: use curve.enabled and curve.existingSecret instead" $name) }}
 {{- end }}
+{{- if eq $name "BLOCKSERVE_ALLOW_UNAUTHENTICATED" }}
+{{- fail "config.BLOCKSERVE_ALLOW_UNAUTHENTICATED is set by the chart: curve.enabled=false sets it on the scheduler" }}
+{{- end }}
 {{- if not (or (kindIs "invalid" $value) (eq (toString $value) "")) }}
 {{ $name }}: {{ include "blockserve.settingValue" $value | quote }}
 {{- end }}
@@ -124,13 +127,12 @@ checksum/config: {{ include "blockserve.configData" . | sha256sum }}
   mountPath: /home/blockserve
 {{- end }}
 
-{{/* Pod-level settings shared by the api and engine pods. */}}
+{{/* Pod-level settings shared by every pod of the chart. */}}
 {{- define "blockserve.podSpecCommon" -}}
 {{- with .Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-automountServiceAccountToken: false
 # Service links would add variables such as BLOCKSERVE_PORT=tcp://... for a Service named
 # "blockserve", colliding with the settings' BLOCKSERVE_ prefix.
 enableServiceLinks: false
@@ -138,19 +140,38 @@ securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- end }}
 
-{{/* CURVE keys (see values.yaml, `curve`): the Secret's name; the chart makes it unless existingSecret. */}}
+{{/*
+CURVE keys (see values.yaml, `curve`): the Secret's name. Without existingSecret the chart makes it from
+curve.keys, or, with no keys given, the hook Job makes it once.
+*/}}
 {{- define "blockserve.curveSecretName" -}}
 {{ .Values.curve.existingSecret | default (printf "%s-curve" (include "blockserve.fullname" .)) }}
 {{- end }}
 
 {{- define "blockserve.curveSecretCreated" -}}
-{{- if and .Values.curve.enabled (not .Values.curve.existingSecret) }}
+{{- if and .Values.curve.enabled (not .Values.curve.existingSecret) .Values.curve.keys }}
 {{- range $key := list "server-public-key" "server-secret-key" "api-public-key" "api-secret-key" "worker-public-key" "worker-secret-key" }}
 {{- if not (get $.Values.curve.keys $key) }}
-{{- fail (printf "curve.enabled needs curve.existingSecret or curve.keys.%s (make the keys with `blockserve keys`)" $key) }}
+{{- fail (printf "curve.keys needs all six keys of `blockserve keys` (curve.keys.%s is missing), or none: the keys Job then makes them" $key) }}
 {{- end }}
 {{- end }}true
 {{- end }}
+{{- end }}
+
+{{- define "blockserve.curveKeysJob" -}}
+{{- if and .Values.curve.enabled (not .Values.curve.existingSecret) (not .Values.curve.keys) }}true{{ end }}
+{{- end }}
+
+{{/* The keys Job's ServiceAccount, Role and RoleBinding share this name. */}}
+{{- define "blockserve.curveKeysJobName" -}}
+{{ include "blockserve.fullname" . }}-curve-keys
+{{- end }}
+
+{{/* The hook annotations of the keys Job and what it needs, created in `weight` order before it. */}}
+{{- define "blockserve.curveKeysHook" -}}
+helm.sh/hook: pre-install,pre-upgrade
+helm.sh/hook-weight: {{ . | quote }}
+helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
 {{- end }}
 
 {{/*

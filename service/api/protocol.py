@@ -1,6 +1,7 @@
 """OpenAI request and response bodies; these models are the API's documentation.
 
-Requests are validated strictly (no "5" for 5, no true for 1, no NaN or infinities). A
+Requests are validated strictly (no "5" for 5, no true for 1, no NaN or infinities; 5.0 is 5, as
+JSON has one number type and JSON Schema calls 5.0 an integer). A
 parameter sent as JSON null means its default, as OpenAI's clients expect. Unknown parameters
 are ignored. Numeric ranges are OpenAI's, and vLLM's for its extra parameters. Text must be
 valid Unicode: a lone surrogate (`"\\ud800"` in JSON) is rejected before it reaches the tokenizer.
@@ -11,7 +12,15 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from service import limits
@@ -20,7 +29,6 @@ from service.wire import SamplingParams
 
 MAX_CHOICES = 128
 MAX_SEED = limits.MAX_SEED - MAX_CHOICES  # choice i samples with seed + i
-
 NonEmptyText = Annotated[str, Field(min_length=1)]
 # A token id; "x-token-id" marks it in the OpenAPI document, which bounds it by the served model's vocabulary.
 TOKEN_ID_MARK = "x-token-id"
@@ -37,6 +45,16 @@ LogitBias = Annotated[
         }
     ),
 ]
+
+
+def whole_numbers(value: object) -> object:
+    """`value` with each float that has no fraction as an int, in lists too: JSON has one number type, and JSON
+    Schema calls 5.0 an integer. Strings, booleans and other floats stay as they came (and fail as ints)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [whole_numbers(item) for item in value]
+    return value
 
 
 class StrictRequest(BaseModel):
@@ -90,6 +108,8 @@ class GenerationRequest(StrictRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+
+    _shared_integers = field_validator("n", "top_k", "seed", "stop_token_ids", mode="before")(whole_numbers)
 
     @model_validator(mode="before")
     @classmethod
@@ -153,6 +173,8 @@ class CompletionRequest(GenerationRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Top alternatives per token")
     echo: bool = Field(False, description="Prepend the prompt to the text")
 
+    _completion_integers = field_validator("prompt", "max_tokens", "logprobs", mode="before")(whole_numbers)
+
 
 class TextPart(StrictRequest):
     type: Literal["text"]
@@ -174,6 +196,7 @@ class MessageParam(BaseModel):
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "\n".join(part.text for part in self.content)
+        message.setdefault("content", "")  # an assistant's tool calls alone: templates read content (as vLLM's)
         return message
 
 
@@ -206,6 +229,15 @@ class ToolCall(StrictRequest):
 class AssistantMessageParam(MessageParam):
     """An earlier reply: text, tool calls, or both."""
 
+    # The document says so too (pydantic writes no schema for the validator below).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+                {"required": ["tool_calls"], "properties": {"tool_calls": {"not": {"type": "null"}}}},
+            ]
+        }
+    )
     role: Literal["assistant"]
     content: Content | None = None
     refusal: str | None = None
@@ -251,6 +283,10 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="Default: what is left of the context")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    _chat_integers = field_validator("max_tokens", "max_completion_tokens", "top_logprobs", mode="before")(
+        whole_numbers
+    )
 
 
 # ---------------------------------------------------------------- responses

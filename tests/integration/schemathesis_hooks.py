@@ -1,8 +1,10 @@
 """Schemathesis hooks for the conformance run (SCHEMATHESIS_HOOKS): keep each generation small.
 
 On a CPU the real model makes a few tokens per second per sequence, so a generated request for
-128 choices of the whole context would take minutes. Sizes the spec allows are capped here;
-everything else (invalid values, missing fields, odd types) goes out as generated.
+128 choices of the whole context would take minutes. Sizes the spec allows are capped here: choices,
+new tokens, and the text and token ids of a prompt, so that a request also fits the model's context
+(how many tokens a text makes, no schema can say). Only requests generated as valid are changed: a
+request generated to break the schema goes out as generated (the server refuses it before generating).
 """
 
 from __future__ import annotations
@@ -12,12 +14,16 @@ import schemathesis
 MAX_CHOICES = 2
 MAX_NEW_TOKENS = 4
 NEW_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+# With these a request stays under the conformance run's context (1,024 tokens) even at 4 tokens a character.
+MAX_ITEMS = 3  # messages, content parts, prompts of a batch
+MAX_TEXT_CHARS = 24
+MAX_PROMPT_TOKEN_IDS = 64
 
 
 @schemathesis.hook
 def before_call(context, case, kwargs) -> None:
     body = case.body
-    if not isinstance(body, dict):
+    if not isinstance(body, dict) or (case.meta is not None and case.meta.generation.mode.is_negative):
         return
     if _is_count(body.get("n")) and body["n"] > MAX_CHOICES:
         body["n"] = MAX_CHOICES
@@ -26,6 +32,26 @@ def before_call(context, case, kwargs) -> None:
             body[field] = MAX_NEW_TOKENS
     if not any(field in body for field in NEW_TOKEN_FIELDS):
         body["max_tokens"] = MAX_NEW_TOKENS  # the defaults: 16 tokens, or a chat's whole remaining context
+    if "prompt" in body:
+        body["prompt"] = _shortened(body["prompt"])
+    if isinstance(body.get("messages"), list):
+        body["messages"] = body["messages"][:MAX_ITEMS]
+        for message in body["messages"]:
+            if isinstance(message, dict) and "content" in message:
+                message["content"] = _shortened(message["content"])
+
+
+def _shortened(value: object) -> object:
+    """A text, token-id list, batch or content-part list cut to the caps (never below one item or character)."""
+    if isinstance(value, str):
+        return value[:MAX_TEXT_CHARS]
+    if isinstance(value, dict) and isinstance(value.get("text"), str):
+        return {**value, "text": value["text"][:MAX_TEXT_CHARS]}
+    if isinstance(value, list):
+        if value and all(_is_count(item) for item in value):
+            return value[:MAX_PROMPT_TOKEN_IDS]
+        return [_shortened(item) for item in value[:MAX_ITEMS]]
+    return value
 
 
 def _is_count(value: object) -> bool:

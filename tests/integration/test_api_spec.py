@@ -5,7 +5,7 @@ import msgspec
 import pytest
 
 from service.api.errors import ApiError
-from service.api.protocol import ChatCompletionChunk
+from service.api.protocol import ChatCompletionChunk, ChatCompletionRequest
 from service.api.served_model import ServedModel
 from tests.support.fake_scheduler import ApiServer, FakeScheduler
 from tests.support.tiny_model import MODEL_NAME, tiny_model_info
@@ -181,6 +181,14 @@ def request_validator(spec: dict, schema_name: str):
         ("/v1/completions", "CompletionRequest", {"echo": True, "logprobs": 0}),
         ("/v1/completions", "CompletionRequest", {"echo": True, "logprobs": None}),
         ("/v1/completions", "CompletionRequest", {"echo": False, "logprobs": 2}),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": [{"role": "assistant"}]}),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": [{"role": "assistant", "content": None}]}),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": [{"role": "assistant", "content": "hi"}]}),
+        (
+            "/v1/chat/completions",
+            "ChatCompletionRequest",
+            {"messages": [{"role": "assistant", "tool_calls": [TOOL_CALL]}, {"role": "user", "content": "and?"}]},
+        ),
     ],
 )
 def test_the_documents_cross_field_rules_are_the_servers(spec, http, path, schema_name, body):
@@ -216,3 +224,14 @@ def test_the_document_lists_the_model_route(spec):
     operation = spec["paths"]["/v1/models/{model_id}"]["get"]
     assert {"200", "404"} <= set(operation["responses"])
     assert [parameter["name"] for parameter in operation["parameters"]] == ["model_id"]
+
+
+def test_an_assistant_message_of_tool_calls_alone_reaches_the_template_with_empty_content():
+    # SmolLM2's template adds message['content'] to text, as many do; vLLM gives such a message "" too.
+    template = "{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] }}{% endfor %}"
+    model = ServedModel(msgspec.structs.replace(tiny_model_info(), chat_template=template))
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [TOOL_CALL]}]}
+    )
+    prompt = model.encode_chat([message.template_dict() for message in body.messages])
+    assert model.decode(prompt) == "<user>Weather?<assistant>"

@@ -1,15 +1,19 @@
 """Schemathesis hooks for the conformance run (SCHEMATHESIS_HOOKS): keep each generation small.
 
 On a CPU the real model makes a few tokens per second per sequence, so a generated request for
-128 choices of the whole context would take minutes. Sizes the spec allows are capped here: choices,
-new tokens, and the text and token ids of a prompt, so that a request also fits the model's context
-(how many tokens a text makes, no schema can say). Only requests generated as valid are changed: a
-request generated to break the schema goes out as generated (the server refuses it before generating).
+128 choices of the whole context would take minutes. Sizes the spec allows are capped here, to
+values it allows too, so a request stays as valid or invalid as it was generated: choices and new
+tokens in every request (one generated to break the schema elsewhere, say in a header, may still be
+served), and the text and token ids of a valid request, so that it also fits the model's context (how
+many tokens a text makes, no schema can say). An invalid request keeps its text: cutting it could cut
+what makes it invalid.
 """
 
 from __future__ import annotations
 
 import schemathesis
+
+from service.api.protocol import MAX_CHOICES as ALLOWED_CHOICES
 
 MAX_CHOICES = 2
 MAX_NEW_TOKENS = 4
@@ -23,15 +27,17 @@ MAX_PROMPT_TOKEN_IDS = 64
 @schemathesis.hook
 def before_call(context, case, kwargs) -> None:
     body = case.body
-    if not isinstance(body, dict) or (case.meta is not None and case.meta.generation.mode.is_negative):
+    if not isinstance(body, dict):
         return
-    if _is_count(body.get("n")) and body["n"] > MAX_CHOICES:
+    if _is_count(body.get("n")) and MAX_CHOICES < body["n"] <= ALLOWED_CHOICES:
         body["n"] = MAX_CHOICES
     for field in NEW_TOKEN_FIELDS:
         if _is_count(body.get(field)) and body[field] > MAX_NEW_TOKENS:
             body[field] = MAX_NEW_TOKENS
-    if not any(field in body for field in NEW_TOKEN_FIELDS):
+    if all(body.get(field) is None for field in NEW_TOKEN_FIELDS):  # absent or null: the default
         body["max_tokens"] = MAX_NEW_TOKENS  # the defaults: 16 tokens, or a chat's whole remaining context
+    if case.meta is not None and case.meta.generation.mode.is_negative:
+        return
     if "prompt" in body:
         body["prompt"] = _shortened(body["prompt"])
     if isinstance(body.get("messages"), list):

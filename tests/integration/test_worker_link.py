@@ -349,4 +349,4 @@ def test_a_worker_declared_dead_registers_again_under_the_same_identity(fake_wor
     request_id = peer.submit([1, 2, 3], max_tokens=4)
     peer.wait_until(lambda: request_id in peer.finished, 10)
     assert peer.finished[request_id].finish_reason == "length", peer.finished[request_id].error
-    assert dropped_worker_frames(env)["slot_taken"] == 0
+    assert dropped_worker_frames(env).get("slot_taken", 0) == 0  # its own hello is not another worker's

@@ -548,6 +548,28 @@ def test_the_network_policy_admits_only_the_api_pods_to_the_scheduler_and_monito
     assert not [r for r in helm_template("--set", "networkPolicy.enabled=false") if r["kind"] == "NetworkPolicy"]
 
 
+def install_notes(*values: str) -> str:
+    """What `helm install` prints after installing (NOTES.txt), from a client-side dry run."""
+    result = subprocess.run(
+        [_helm(), "install", "bs", str(CHART), "--namespace", "llm", "--dry-run=client", *values],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    return " ".join(result.stdout.split("NOTES:", 1)[1].split())  # one line: the notes wrap their sentences
+
+
+def test_the_install_notes_say_what_protects_the_internal_sockets():
+    notes = install_notes()
+    assert "CURVE" in notes and "Secret bs-blockserve-curve" in notes and "bs-blockserve-curve-keys hook Job" in notes
+    assert "WARNING" not in notes
+    notes = install_notes(*RENDERINGS["curve off"])
+    assert "BLOCKSERVE_ALLOW_UNAUTHENTICATED=1" in notes
+    assert "What protects them is NetworkPolicy bs-blockserve-engine" in notes and "CNI" in notes
+    notes = install_notes(*RENDERINGS["curve and network policy off"])
+    assert "WARNING: CURVE is off and so is the NetworkPolicy" in notes
+
+
 def fresh_ports_values(**ports: int) -> tuple[str, ...]:
     """--set arguments that put every port of the rendered pods on free loopback ports of this machine."""
     scheduler, metrics, worker, api = (

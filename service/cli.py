@@ -80,9 +80,8 @@ def _keys(args: argparse.Namespace) -> int:
     if args.kubernetes_secret:
         from service.kube_secret import KubernetesError, create_secret_once
 
-        labels = dict(label.split("=", 1) for label in args.label)
         try:
-            created = create_secret_once(args.kubernetes_secret, entries, labels)
+            created = create_secret_once(args.kubernetes_secret, entries, dict(args.label))
         except KubernetesError as exc:
             print(f"blockserve keys: {exc}", file=sys.stderr)
             return 1
@@ -91,6 +90,13 @@ def _keys(args: argparse.Namespace) -> int:
     for name, value in entries.items():
         print(f"{name}={value}")
     return 0
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, equals, value = text.partition("=")
+    if not (key and equals):
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -149,7 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="inside a pod: create Secret NAME in its namespace with new keys unless it exists (the chart's Job)",
     )
     keys.add_argument(
-        "--label", action="append", default=[], metavar="KEY=VALUE", help="a label of that Secret (repeatable)"
+        "--label",
+        action="append",
+        default=[],
+        type=_label,
+        metavar="KEY=VALUE",
+        help="a label of that Secret (repeatable)",
     )
     keys.set_defaults(handler=_keys)
     for role, description in (

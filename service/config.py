@@ -102,7 +102,9 @@ class Settings(BaseSettings):
     legacy_disable_recover: bool = Field(default=False, description="Legacy mode: end suspended requests as incomplete")
 
     # Processes and addresses
-    host: str = Field(default="0.0.0.0", description="api listen address")
+    host: str = Field(
+        default="0.0.0.0", description="Listen address of the HTTP ports: the api's and the scheduler's /metrics"
+    )
     port: int = Field(default=8000, gt=0, lt=65536, description="api listen port")
     scheduler_addr: str = Field(
         default="tcp://127.0.0.1:5560",
@@ -136,6 +138,10 @@ class Settings(BaseSettings):
     )
     curve_api_client_keys: str = Field(default="", description="scheduler: api replicas' public keys (comma-separated)")
     curve_worker_client_keys: str = Field(default="", description="scheduler: workers' public keys (comma-separated)")
+    allow_unauthenticated: bool = Field(
+        default=False,
+        description="scheduler: listen beyond loopback without CURVE (only where a network policy keeps peers out)",
+    )
     max_request_body_bytes: ByteSize = Field(
         default=ByteSize(4 * 1024**2), gt=0, description="api: largest request body accepted (413 above), e.g. 4MiB"
     )

@@ -19,7 +19,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 class WireError(ValueError):
@@ -41,6 +41,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # None = no logprobs; k = chosen token's plus top-k
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -226,6 +227,7 @@ class StepResult(Message, tag="step_result"):
     sampled: list[SampledToken] = []  # in the order of the step's new_requests, then running_requests
     error: str | None = None
     compute_s: float = 0.0  # how long the worker computed the step (what the scheduler learns step costs from)
+    refused: dict[str, str] = {}  # request id -> why the worker computes it not (its parameters): no token for it
 
 
 class Ping(Message, tag="ping"):

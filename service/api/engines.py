@@ -57,6 +57,7 @@ class EngineSet:
         on_malformed_frame: Callable[[], None] = lambda: None,
         client_keys: socket_auth.ClientKeys | None = None,
         on_route: Callable[[str, str, int, int], None] = lambda engine, reason, matched, blocks: None,
+        on_engines_changed: Callable[[list[str], list[str]], None] = lambda added, dropped: None,
     ) -> None:
         self._scheduler_addr = scheduler_addr
         self._discovery = discovery
@@ -65,6 +66,7 @@ class EngineSet:
         self._on_malformed_frame = on_malformed_frame
         self._client_keys = client_keys
         self._on_route = on_route
+        self._on_engines_changed = on_engines_changed
         self.router = Router(routing)
         self.clients: dict[str, SchedulerClient] = {}  # address -> its connection, in the order they came
         self._discovery_task: asyncio.Task[None] | None = None
@@ -137,7 +139,10 @@ class EngineSet:
 
     async def _use(self, addresses: list[str]) -> None:
         """Connect to engines that are new in `addresses`; drop the ones no longer there."""
-        for addr in [addr for addr in self.clients if addr not in addresses]:
+        dropped = [addr for addr in self.clients if addr not in addresses]
+        added = [addr for addr in dict.fromkeys(addresses) if addr not in self.clients]
+        self._on_engines_changed(added, dropped)
+        for addr in dropped:
             log.warning("engine %s is gone: its requests end", addr)
             client = self.clients.pop(addr)
             client.fail_open_requests("the engine that had this request is gone")

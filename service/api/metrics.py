@@ -86,6 +86,13 @@ class ApiMetrics:
         self.routed_matched_blocks.inc(num_matched_blocks)
         self.routed_prompt_blocks.inc(num_prompt_blocks)
 
+    def on_engines_changed(self, added: list[str], dropped: list[str]) -> None:
+        """An engine's request counter exists from when it is found (at 0) until it is gone."""
+        for engine in added:
+            self.engine_requests.labels(engine)
+        for engine in dropped:
+            self.engine_requests.remove(engine)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -116,6 +123,6 @@ class MetricsMiddleware:
         finally:
             self.metrics.in_flight.dec()
             route = scope.get("route")
-            route_path = getattr(route, "path", UNMATCHED_ROUTE)
+            route_path = getattr(route, "path_format", UNMATCHED_ROUTE)  # as the OpenAPI document names it
             self.metrics.requests.labels(route_path, scope["method"], str(status_code)).inc()
             self.metrics.duration.labels(route_path).observe(time.perf_counter() - started_s)

@@ -295,14 +295,16 @@ class Scheduler:
             for request, num_computed_tokens in step.filled:
                 if not request.is_finished and voided.get(request, 0) < step_id:
                     self.kv.cache_blocks(request, num_computed_tokens)
-            self._take_tokens(step, result.sampled, now, outcome)
+            self._take_tokens(step, result.sampled, now, outcome, result.refused)
         if voided:
             for request in [r for r, until in voided.items() if until <= step_id]:
                 del voided[request]
         outcome.cache_events = self.kv.take_cache_events()
         return outcome
 
-    def _take_tokens(self, step: ScheduledStep, sampled: list, now: float, outcome: StepOutcome) -> None:
+    def _take_tokens(
+        self, step: ScheduledStep, sampled: list, now: float, outcome: StepOutcome, refused: dict[str, str]
+    ) -> None:
         """Each sampling request's token: appended, ended on a stop, and sent. A plain token (no logprobs, not
         the last) goes to its replica's columns. This loop runs per request per step: keep it lean."""
         step_id, voided, not_sampling = step.step_id, self._voided_until, step.not_sampling
@@ -325,7 +327,10 @@ class Scheduler:
                 continue
             request.num_output_placeholders -= 1
             if sampled_token is None:
-                self._end(request, FinishReason.ERROR, "the worker returned no token", now, outcome)
+                if (refusal := refused.get(request.request_id)) is not None:  # its own parameters: a 400
+                    self._end(request, FinishReason.ERROR, f"the worker refused it: {refusal}", now, outcome, 400)
+                else:
+                    self._end(request, FinishReason.ERROR, "the worker returned no token", now, outcome)
                 continue
             token_id, token_ids = sampled_token.token_id, request.token_ids
             token_ids.append(token_id)

@@ -119,7 +119,7 @@ class EngineSet:
             candidates = [client for client in self.serving() if client.addr not in tried]
             route = self.router.choose([client.view for client in candidates], prompt_token_ids)
             if route is None:
-                yield lost_delta(request_id, "no engine is available")
+                yield lost_delta(request_id, self._why_none_serves())
                 return
             client = next(client for client in candidates if client.view is route.engine)
             tried.add(client.addr)
@@ -136,6 +136,13 @@ class EngineSet:
                     yield delta
                 else:
                     return
+
+    def _why_none_serves(self) -> str:
+        if not self.clients:
+            return "no engine is known (none configured, or discovery finds none)"
+        if not self.connected:
+            return "no engine is reachable"
+        return "no engine is ready: no worker is available, or the engines are draining"
 
     async def _use(self, addresses: list[str]) -> None:
         """Connect to engines that are new in `addresses`; drop the ones no longer there."""

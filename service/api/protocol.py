@@ -28,7 +28,9 @@ from service.limits import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from service.wire import SamplingParams
 
 MAX_CHOICES = 128
-MAX_SEED = limits.MAX_SEED - MAX_CHOICES  # choice i samples with seed + i
+# Choice i samples with seed + i. Below 2**53, as JSON's number type (a double) holds every integer:
+# a client or checker comparing as doubles draws the same line.
+MAX_SEED = min(limits.MAX_SEED, 2**53 - 1) - MAX_CHOICES
 NonEmptyText = Annotated[str, Field(min_length=1)]
 # A token id; "x-token-id" marks it in the OpenAPI document, which bounds it by the served model's vocabulary.
 TOKEN_ID_MARK = "x-token-id"
@@ -115,7 +117,7 @@ class GenerationRequest(StrictRequest):
     stream_options: StreamOptions | None = None
     user: str | None = None
 
-    _shared_integers = field_validator("n", "top_k", "seed", "stop_token_ids", mode="before")(whole_numbers)
+    _shared_integers = field_validator("n", "top_k", "seed", "stop_token_ids", "priority", mode="before")(whole_numbers)
 
     @model_validator(mode="before")
     @classmethod

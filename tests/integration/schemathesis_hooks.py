@@ -61,4 +61,7 @@ def _shortened(value: object) -> object:
 
 
 def _is_count(value: object) -> bool:
+    """A whole number, as JSON has it: 5 or 5.0 (the server takes both)."""
+    if isinstance(value, float):
+        return value.is_integer()
     return isinstance(value, int) and not isinstance(value, bool)

@@ -171,7 +171,7 @@ OUT_OF_RANGE = {
     "repetition_penalty": [0.0, -1.0, 2.01],
     "max_tokens": [0, -1],
     "n": [0, 129],
-    "seed": [-1, 2**63],
+    "seed": [-1, 2**53, 2**63],
     "logprobs": [-1, 21],
 }
 

@@ -199,8 +199,13 @@ def test_logit_bias_reaches_the_scheduler_as_token_ids(fake, client):
 def test_whole_numbers_written_as_floats_are_integers(fake, client):
     # JSON has one number type: 3.0 is the integer 3 (JSON Schema says so too); 2.5 is refused elsewhere.
     client.completions.create(
-        model=MODEL_NAME, prompt=[5.0, 6.0], max_tokens=3.0, n=1.0, extra_body={"seed": 7.0, "stop_token_ids": [9.0]}
+        model=MODEL_NAME,
+        prompt=[5.0, 6.0],
+        max_tokens=3.0,
+        n=1.0,
+        extra_body={"seed": 7.0, "stop_token_ids": [9.0], "priority": -2.0},
     )
     sent = fake.generated[-1]
     assert sent.prompt_token_ids == [5, 6] and (sent.sampling.max_tokens, sent.sampling.seed) == (3, 7)
+    assert sent.priority == -2
     assert sent.sampling.stop_token_ids == [9]

@@ -312,7 +312,10 @@ def test_several_engines_are_all_reached_from_every_api_pod_over_curve():
     api_env = env_of(containers(resources)["api"], config_map)
     assert "BLOCKSERVE_SCHEDULER_ADDR" not in api_env
     discovery = api_env["BLOCKSERVE_ENGINE_DISCOVERY"]
-    assert urlparse(discovery)[:2] == ("dns", f"{find(resources, 'Service', '-engine-headless')['metadata']['name']}:{scheduler_port}")
+    assert urlparse(discovery)[:2] == (
+        "dns",
+        f"{find(resources, 'Service', '-engine-headless')['metadata']['name']}:{scheduler_port}",
+    )
     assert asyncio.run(resolve(discovery)) == []  # well formed (a ValueError if not); no such name here
     assert set(curve_mounts(resources)["api"]) == {
         "BLOCKSERVE_CURVE_SERVER_KEY",

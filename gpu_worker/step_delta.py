@@ -70,7 +70,9 @@ def pack_step_delta(requests: Sequence[ScheduledRequest]) -> StepDelta:
     records[:, StepRecord.NUM_NEW_BLOCKS] = new_counts
     records[:, StepRecord.NEW_BLOCKS_OFFSET] = records.size + np.cumsum(new_counts) - new_counts
     records[:, StepRecord.NUM_KNOWN_TOKENS] = known_counts
-    records[:, StepRecord.KNOWN_TOKENS_OFFSET] = records.size + new_counts.sum() + np.cumsum(known_counts) - known_counts
+    records[:, StepRecord.KNOWN_TOKENS_OFFSET] = (
+        records.size + new_counts.sum() + np.cumsum(known_counts) - known_counts
+    )
     packed = np.concatenate(
         [
             records.reshape(-1),

@@ -128,7 +128,11 @@ def step_inputs_from_delta(
     }
     out["block_table"] = np.zeros((num_requests, table_width), dtype=np.int64)
     for request, record in enumerate(records):
-        slot, before, count = record[StepRecord.SLOT], record[StepRecord.NUM_BLOCKS_BEFORE], record[StepRecord.NUM_NEW_BLOCKS]
+        slot, before, count = (
+            record[StepRecord.SLOT],
+            record[StepRecord.NUM_BLOCKS_BEFORE],
+            record[StepRecord.NUM_NEW_BLOCKS],
+        )
         offset = record[StepRecord.NEW_BLOCKS_OFFSET]
         block_tables[slot, before : before + count] = delta[offset : offset + count]
     for request, record in enumerate(records):

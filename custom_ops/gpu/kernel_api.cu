@@ -27,18 +27,12 @@ int report(Status status, const char* problem = nullptr) {
   return static_cast<int>(status);
 }
 
-// Calls body(T{}) with T the element type of `dtype`.
 template <class Body>
 int with_dtype(int dtype, Body body) {
-  switch (static_cast<Dtype>(dtype)) {
-    case Dtype::kFloat32:
-      return report(body(float{}));
-    case Dtype::kBFloat16:
-      return report(body(__nv_bfloat16{}));
-    case Dtype::kFloat16:
-      return report(body(__half{}));
+  if (dtype < 0 || dtype > static_cast<int>(Dtype::kFloat16)) {
+    return report(kInvalidArgument, "dtype must be 0 (float32), 1 (bfloat16) or 2 (float16)");
   }
-  return report(kInvalidArgument, "dtype must be 0 (float32), 1 (bfloat16) or 2 (float16)");
+  return report(dispatch_dtype(static_cast<Dtype>(dtype), body));
 }
 
 AttentionShape attention_shape(int64_t num_tokens, int64_t num_requests, int64_t table_width, int num_heads,

@@ -32,6 +32,20 @@ BS_HOST_DEVICE inline __half from_float<__half>(float value) {
   return __float2half(value);
 }
 
+// Returns body(T{}) with T the element type of `dtype`.
+template <class Body>
+Status dispatch_dtype(Dtype dtype, Body body) {
+  switch (dtype) {
+    case Dtype::kFloat32:
+      return body(float{});
+    case Dtype::kBFloat16:
+      return body(__nv_bfloat16{});
+    case Dtype::kFloat16:
+      return body(__half{});
+  }
+  return kInvalidArgument;
+}
+
 // 16 bytes of T: the unit of the attention kernel's vector loads (rows must be 16-byte aligned).
 template <class T>
 struct Chunk {

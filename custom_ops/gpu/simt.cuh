@@ -30,6 +30,12 @@ constexpr Status kInvalidArgument = cudaErrorInvalidValue;
 
 inline const char* status_text(Status status) { return cudaGetErrorString(status); }
 
+// Multiprocessors of `device`, or 0 where it cannot be read.
+inline int multiprocessor_count(int device) {
+  int count = 0;
+  return cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess ? count : 0;
+}
+
 // The launch's own error (bad configuration, too much shared memory), not a later fault.
 inline Status launch_status() { return cudaGetLastError(); }
 

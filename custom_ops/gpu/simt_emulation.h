@@ -140,6 +140,8 @@ Status launch(Kernel kernel, dim3 grid, dim3 block, size_t shared_bytes, Args...
 
 }  // namespace emu
 
+inline int multiprocessor_count(int) { return 1; }
+
 inline Status launch_status() {
   const Status status = emu::last_status;
   emu::last_status = kSuccess;

@@ -190,6 +190,38 @@ def check_prepare_step_inputs(library, dtype: str) -> None:
         np.testing.assert_array_equal(tables, reference_tables)
 
 
+def decode_batch(rng, num_sequences: int, context: int, block_size: int) -> dict[str, np.ndarray]:
+    """One decode per sequence, every sequence `context` tokens long, blocks scattered over the cache."""
+    blocks_per_sequence = -(-context // block_size)
+    num_blocks = num_sequences * blocks_per_sequence
+    block_table = rng.permutation(num_blocks).reshape(num_sequences, blocks_per_sequence).astype(np.int64)
+    context_lens = np.full(num_sequences, context, dtype=np.int64)
+    positions = context_lens - 1
+    return dict(
+        num_blocks=num_blocks,
+        query_start=np.arange(num_sequences + 1, dtype=np.int64),
+        context_lens=context_lens,
+        block_table=block_table,
+        positions=positions,
+        slot_mapping=block_table[:, -1] * block_size + positions % block_size,
+    )
+
+
+def check_paged_attention_decode_batch(library, dtype: str) -> None:
+    """64 decodes of 1k tokens, a Llama-3-8B layer's heads: as the GPU is planned for (one split each)."""
+    rng = np.random.default_rng(17)
+    batch = decode_batch(rng, 64, 1024, 16)
+    attend_and_compare(library, dtype, rng, batch, 32, 8, 128, 16, 16, library.arrays.num_sms)
+
+
+def check_paged_attention_long_contexts(library, dtype: str) -> None:
+    """4 decodes of 16k tokens: split over the keys to fill the GPU."""
+    rng = np.random.default_rng(18)
+    batch = decode_batch(rng, 4, 16384, 16)
+    plan = attend_and_compare(library, dtype, rng, batch, 32, 8, 128, 16, 16, library.arrays.num_sms)
+    assert plan["max_splits"] > 1, plan
+
+
 CHECKS = [
     check_add_rms_norm,
     check_silu_and_mul,
@@ -198,3 +230,5 @@ CHECKS = [
     check_paged_attention_split_keys,
     check_prepare_step_inputs,
 ]
+# Shapes too large for the emulation: on a GPU only.
+GPU_ONLY_CHECKS = [check_paged_attention_decode_batch, check_paged_attention_long_contexts]

@@ -62,6 +62,7 @@ class HostArrays:
     """NumPy memory for the emulated kernels."""
 
     name = "emulated"
+    num_sms = 1  # as the emulation's multiprocessor_count says
 
     def put(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array).copy()

@@ -56,6 +56,23 @@ class Settings(BaseSettings):
         default="auto",
         description="Worker kernels: custom C++ CPU ops, pure Paddle, or auto = custom where they build and run",
     )
+    device: str = Field(
+        default="auto",
+        pattern=r"^(auto|cpu|gpu(:\d+)?)$",
+        description="Worker device: cpu, gpu (gpu:0) or gpu:N; auto = gpu:0 where Paddle has CUDA and sees a GPU",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="Worker weights, activations and KV cache (sums in float32); auto = bfloat16 on a GPU with "
+        "the CUDA kernels, float32 elsewhere",
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9,
+        gt=0.0,
+        le=1.0,
+        description="GPU: share of the device's memory the worker may use (weights, activations, KV cache); "
+        "the KV cache gets the rest unless kv_cache_memory or num_kv_blocks is set",
+    )
 
     # KV cache and scheduling
     block_size: int = Field(default=16, gt=0, le=1024, description="Tokens per KV-cache block")

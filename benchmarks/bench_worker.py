@@ -72,7 +72,7 @@ def instrument(runner: ModelRunner, timers: Timers) -> None:
     runner.attention.prepare = timers.wrap("input building", runner.attention.prepare)
     model_runner_module.build_step_inputs = timers.wrap("input building", build_step_inputs)
     model.compute_logits = timers.wrap("lm_head", model.compute_logits)
-    runner.sampler.sample = timers.wrap("sampling", runner.sampler.sample)
+    runner.sampler.draw = timers.wrap("sampling", runner.sampler.draw)
 
 
 class Workload:

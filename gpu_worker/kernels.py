@@ -1,4 +1,5 @@
-"""The worker's kernels, chosen once at start-up: blockserve's custom C++ CPU ops or plain Paddle.
+"""The worker's kernels, chosen once at start-up: blockserve's custom ops (C++ on a CPU, CUDA on a GPU:
+gpu_worker/cuda_kernels.py) or plain Paddle.
 
 Both paths offer the same calls to the model: `add_rms_norm`, `silu_and_mul` and an attention
 backend (`prepare(inputs)` once per step, `attend_qkv(qkv, caches, metadata)` per layer, which
@@ -23,7 +24,7 @@ from gpu_worker.models.rope import RotaryEmbedding
 
 log = logging.getLogger(__name__)
 
-KERNEL_MODES = ("auto", "custom", "paddle")  # auto = custom where it builds and the CPU can run it
+KERNEL_MODES = ("auto", "custom", "paddle")  # auto = custom where it builds and the device can run it
 REPORTED_CPU_FEATURES = ("avx2", "fma", "avx512f")
 
 
@@ -85,7 +86,7 @@ class KernelChoice:
     def describe(self) -> dict[str, str]:
         """What the worker reports (log, hello, the scheduler's settings_info)."""
         features = cpu_features()
-        isa = "avx512" if self.kernels.avx512 else "avx2" if self.kernels.name == "custom" else "paddle"
+        isa = "avx512" if self.kernels.avx512 else "avx2" if self.kernels.name == "custom" else self.kernels.name
         return {
             "kernels": self.kernels.name,
             "kernels_isa": isa,
@@ -113,8 +114,13 @@ def select_kernels(mode: str, force_avx2: bool = False) -> KernelChoice:
 
 
 def _custom_kernels(force_avx2: bool) -> CustomKernels:
+    if paddle.get_device().startswith("gpu"):
+        from gpu_worker.cuda_kernels import CudaKernels  # it builds on this module's classes
+        from gpu_worker.cuda_ops import load_cuda_ops
+
+        return CudaKernels(load_cuda_ops())
     if paddle.get_device() != "cpu":
-        raise CustomOpsUnavailable(f"the custom ops are CPU kernels and the device is {paddle.get_device()}")
+        raise CustomOpsUnavailable(f"the custom ops are CPU or CUDA kernels and the device is {paddle.get_device()}")
     features = cpu_features()
     missing = [feature for feature in REQUIRED_CPU_FEATURES if feature not in features]
     if missing:

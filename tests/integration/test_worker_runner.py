@@ -170,7 +170,7 @@ def test_a_failed_sample_in_one_step_ends_only_its_requests_in_the_step_prepared
         raise FloatingPointError("sampling failed")
 
     with monkeypatch.context() as patch:
-        patch.setattr(runner.sampler, "sample", failing_sample)
+        patch.setattr(runner.sampler, "draw", failing_sample)
         assert "sampling failed" in runner.finish(launched).error
     result = runner.finish(runner.launch(prepared))
 

@@ -27,6 +27,7 @@ GEOMETRIES = [("Llama-3-8B", 32, 8, 128), ("Qwen2.5-7B", 28, 4, 128), ("SmolLM2-
 SEQUENCES = (64, 256)
 CONTEXT = 2048
 BLOCK_SIZE = 16
+COPY_BYTES = 2**30
 ATTENTION_GOAL = 0.70
 STEP_INPUT_GOAL_S = 50e-6
 
@@ -44,7 +45,7 @@ def device_seconds(cupy, launch, repeats: int) -> float:
     return cupy.cuda.get_elapsed_time(start, end) / 1e3 / repeats
 
 
-def copy_bandwidth(cupy, num_bytes: int = 2**30) -> float:
+def copy_bandwidth(cupy, num_bytes: int) -> float:
     """Bytes per second of a device-to-device copy, counting the bytes read and those written."""
     source, target = cupy.empty(num_bytes, dtype=cupy.uint8), cupy.empty(num_bytes, dtype=cupy.uint8)
     source.fill(1)
@@ -154,7 +155,7 @@ def main() -> int:
         return 2
     cupy = library.arrays.cupy
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    copy = copy_bandwidth(cupy)
+    copy = copy_bandwidth(cupy, COPY_BYTES)
     print(
         f"{device['name'].decode()}: {library.arrays.num_sms} SMs, copy bandwidth {copy / 1e9:.0f} GB/s (read + write)"
     )

@@ -22,7 +22,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   python -c 'import numpy, cupy; print("numpy", numpy.__version__, "cupy", cupy.__version__)'
 } 2>&1 | tee "$out_dir/environment.txt"
 
-timeout 360 python -m tests.gpu.check_kernels 2>&1 | tee "$out_dir/checks.txt"
+timeout 300 python -m tests.gpu.check_kernels 2>&1 | tee "$out_dir/checks.txt"
 checks=${PIPESTATUS[0]}
 timeout 150 python -m tests.gpu.bench_kernels --json "$out_dir/bench.json" 2>&1 | tee "$out_dir/bench.txt"
 bench=${PIPESTATUS[0]}

@@ -207,11 +207,14 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
     __syncthreads();
     for (int c = tid; c < num_keys * chunks_per_key; c += kAttentionThreads) {
       const int j = c / chunks_per_key, first = (c % chunks_per_key) * chunk;
-      float loaded[Chunk<T>::kElements];
-      load_chunk(p.key_cache + key_offsets[j] + first, loaded);
-      for (int i = 0; i < chunk; ++i) keys[j * (dim + 4) + first + i] = loaded[i];
-      load_chunk(p.value_cache + key_offsets[j] + first, loaded);
-      for (int i = 0; i < chunk; ++i) values[j * dim + first + i] = loaded[i];
+      float key[Chunk<T>::kElements], value[Chunk<T>::kElements];
+      load_chunk(p.key_cache + key_offsets[j] + first, key);
+      load_chunk(p.value_cache + key_offsets[j] + first, value);
+      for (int i = 0; i < chunk; i += 4) {  // 16-byte stores: rows and chunks start at multiples of 4 floats
+        *reinterpret_cast<float4*>(keys + j * (dim + 4) + first + i) = float4{key[i], key[i + 1], key[i + 2], key[i + 3]};
+        *reinterpret_cast<float4*>(values + j * dim + first + i) =
+            float4{value[i], value[i + 1], value[i + 2], value[i + 3]};
+      }
     }
     __syncthreads();
     // Warp w scores rows w, w + 4, ... against the tile (lane j: key j) and updates their softmax.

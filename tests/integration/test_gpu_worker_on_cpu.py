@@ -168,3 +168,37 @@ def test_moving_a_model_converts_every_weight_once_and_keeps_the_rotary_tables_f
     assert {model.rotary.cos.dtype, model.rotary.sin.dtype} == {paddle.float32}
     num_weights = 2 + model.config.num_layers * 6  # embedding, final norm; per layer 2 norms and 4 linears
     assert calls.count(True) == num_weights and calls.count(False) == 3  # cos, sin, rotate_half
+
+
+def test_a_step_copies_from_the_model_to_the_host_once(runner, monkeypatch):
+    """What waits for a GPU: launch queues the forward without a copy back, finish copies the samples once."""
+
+    def new_request(request_id: str, prompt: list[int], sampling: wire.SamplingParams, block: int):
+        return wire.NewRequest(
+            request_id=request_id,
+            token_ids=prompt,
+            num_prompt_tokens=len(prompt),
+            sampling=sampling,
+            block_ids=[block],
+            num_computed_tokens=0,
+            num_scheduled_tokens=len(prompt),
+        )
+
+    greedy_with_logprobs, drawn = wire.SamplingParams(temperature=0.0, logprobs=2), wire.SamplingParams(temperature=0.8)
+    step = wire.SchedulerOutput(
+        step_id=1,
+        new_requests=[
+            new_request("a", PROMPT_IDS, greedy_with_logprobs, 0),
+            new_request("b", PROMPT_IDS[:5], drawn, 1),
+        ],
+    )
+    copies = []
+    to_host = paddle.Tensor.numpy
+    monkeypatch.setattr(paddle.Tensor, "numpy", lambda tensor: copies.append(tensor.shape) or to_host(tensor))
+
+    launched = runner.launch(runner.prepare(step))
+    assert copies == []
+    result = runner.finish(launched)
+
+    assert result.error is None and len(result.sampled) == 2 and len(copies) == 1
+    runner.execute(wire.SchedulerOutput(step_id=2, finished_request_ids=["a", "b"]))

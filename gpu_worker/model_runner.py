@@ -11,6 +11,7 @@ from gpu_worker.cpu_memory import keep_freed_memory
 from gpu_worker.kernels import select_kernels
 from gpu_worker.kv_cache import KVCache, num_blocks_for
 from gpu_worker.model_loader import load_model
+from gpu_worker.precision import resolve_precision
 from gpu_worker.sampler import Sampler
 from gpu_worker.step_inputs import RequestState, StepError, StepInputs, build_step_inputs, fill_pending_tokens
 from gpu_worker.tensor_ops import take_rows
@@ -46,17 +47,28 @@ class ModelRunner:
         if paddle.get_device() == "cpu":
             keep_freed_memory()
         choice = select_kernels(settings.kernels)
-        self.kernels = choice.describe()  # reported in the hello and the scheduler's settings_info
-        log.info("kernels: %s (%s)", " ".join(f"{k}={v}" for k, v in self.kernels.items()), choice.reason)
-        loaded = load_model(settings, choice.kernels)
+        custom = choice.kernels.name == "custom"
+        precision = resolve_precision(
+            settings.dtype, settings.quantization, custom_kernels=custom, bf16_dot=custom and choice.kernels.isa.bf16
+        )
+        log.info("kernels: %s (%s)", " ".join(f"{k}={v}" for k, v in choice.describe().items()), choice.reason)
+        log.info("dtype=%s quantization=%s (%s)", precision.dtype, precision.quantization, precision.reason)
+        loaded = load_model(settings, choice.kernels, precision)
+        # Reported in the hello and the scheduler's settings_info (worker_kernels, worker_dtype, ...).
+        self.kernels = {
+            **choice.describe(),
+            "dtype": precision.dtype,
+            "quantization": precision.quantization,
+            "weights_mib": f"{loaded.weight_bytes / 2**20:.1f}",
+        }
         config = loaded.config
         self.model = loaded.model
         self.model_info = loaded.info
         self.block_size = settings.block_size
         self.num_kv_blocks = num_blocks_for(
-            config, self.block_size, int(settings.kv_cache_memory), settings.num_kv_blocks
+            config, self.block_size, int(settings.kv_cache_memory), settings.num_kv_blocks, precision.kv_cache_dtype
         )
-        self.kv_cache = KVCache(config, self.num_kv_blocks, self.block_size)
+        self.kv_cache = KVCache(config, self.num_kv_blocks, self.block_size, precision.kv_cache_dtype)
         self.attention = choice.kernels.attention(config, self.block_size, self.model.rotary)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
@@ -64,10 +76,11 @@ class ModelRunner:
         # skipped in later steps until the scheduler says they are finished.
         self.refused_request_ids: set[str] = set()
         log.info(
-            "KV cache on %s: %d blocks of %d tokens, %.1f MiB",
+            "KV cache on %s: %d blocks of %d tokens, %s, %.1f MiB",
             paddle.get_device(),
             self.num_kv_blocks,
             self.block_size,
+            self.kv_cache.dtype,
             self.kv_cache.num_bytes / 2**20,
         )
 

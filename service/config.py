@@ -55,6 +55,14 @@ class Settings(BaseSettings):
         default="auto",
         description="Worker kernels: custom C++ CPU ops, pure Paddle, or auto = custom where they build and run",
     )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto",
+        description="Worker weights and KV cache (sums in float32); auto = bfloat16 where the CPU has AVX512-BF16",
+    )
+    quantization: Literal["none", "int8", "gguf"] = Field(
+        default="none",
+        description="Worker weights: int8 per output channel (quantized at load), gguf = a GGUF file's own blocks",
+    )
 
     # KV cache and scheduling
     block_size: int = Field(default=16, gt=0, le=1024, description="Tokens per KV-cache block")

@@ -33,7 +33,7 @@ void rope_write(const bs::KernelSet& kernels, const float* src, const int64_t* p
                 const float* cos_table, const float* sin_table, float* q_out, Cache* k_cache, Cache* v_cache,
                 int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
   const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim, kv_width = num_kv_heads * head_dim;
-#pragma omp parallel for schedule(static) if (tokens > 1)
+#pragma omp parallel for schedule(static) if (tokens * row >= bs::kParallelFloats)
   for (int64_t t = 0; t < tokens; ++t) {
     const float* token = src + t * row;
     const float *c = cos_table + pos[t] * head_dim, *s = sin_table + pos[t] * head_dim;
@@ -99,7 +99,7 @@ void attend(void (*attend_tile)(const bs::AttentionTile<Cache>&), const std::vec
             int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const int64_t num_items = static_cast<int64_t>(work.size());
-#pragma omp parallel
+#pragma omp parallel if (num_items > 1)
   {
     std::vector<float> scratch(scratch_floats);
 #pragma omp for schedule(dynamic, 1)

@@ -20,7 +20,7 @@ std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, const paddle::Tenso
   auto out = paddle::empty({rows, width}, paddle::DataType::FLOAT32, x.place());
   const float *src = x.data<float>(), *w = weight.data<float>();
   float* dst = out.data<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * width >= bs::kParallelFloats)
   for (int64_t r = 0; r < rows; ++r) kernels.rms_norm_row(src + r * width, nullptr, w, dst + r * width, nullptr, width, eps);
   return {out};
 }
@@ -36,7 +36,7 @@ std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x, const paddle::Te
   auto summed = paddle::empty({rows, width}, paddle::DataType::FLOAT32, x.place());
   const float *src = x.data<float>(), *res = residual.data<float>(), *w = weight.data<float>();
   float *dst = out.data<float>(), *sum = summed.data<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * width >= bs::kParallelFloats)
   for (int64_t r = 0; r < rows; ++r) {
     kernels.rms_norm_row(src + r * width, res + r * width, w, dst + r * width, sum + r * width, width, eps);
   }
@@ -51,7 +51,7 @@ std::vector<paddle::Tensor> SiluAndMul(const paddle::Tensor& gate_up, int isa) {
   auto out = paddle::empty({rows, width}, paddle::DataType::FLOAT32, gate_up.place());
   const float* src = gate_up.data<float>();
   float* dst = out.data<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * width >= bs::kParallelFloats)
   for (int64_t r = 0; r < rows; ++r) kernels.silu_and_mul_row(src + r * 2 * width, dst + r * width, width);
   return {out};
 }

@@ -69,10 +69,16 @@ static void gemm(const float* x, int64_t m, int64_t k, const uint8_t* packed, in
   const int64_t num_words = num_blocks(Dot::kFormat, k);
   const int64_t fitting_rows = kBlockBytes / (num_words * 4) / kMaxRows * kMaxRows;
   const int64_t block_rows = fitting_rows > kMaxRows ? fitting_rows : kMaxRows;
+  const bool rows_in_parallel = m > kMaxRows;  // a tile's worth of rows is prepared faster than a barrier
+  if (!rows_in_parallel) {
+    for (int64_t r = 0; r < m; ++r) Dot::prepare_row(x + r * k, k, words + r * num_words, row_scales + r);
+  }
 #pragma omp parallel
   {
+    if (rows_in_parallel) {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < m; ++r) Dot::prepare_row(x + r * k, k, words + r * num_words, row_scales + r);
+      for (int64_t r = 0; r < m; ++r) Dot::prepare_row(x + r * k, k, words + r * num_words, row_scales + r);
+    }
     for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
       const int64_t m_end = m < m0 + block_rows ? m : m0 + block_rows;
 #pragma omp for schedule(static) nowait

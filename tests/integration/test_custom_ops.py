@@ -21,6 +21,7 @@ from gpu_worker.model_config import ModelConfig, RopeConfig
 from gpu_worker.models.rope import RotaryEmbedding
 from gpu_worker.step_inputs import RequestState, build_step_inputs
 from service import wire
+from tests.support.numerics import bf16_rounded
 
 MAX_POSITIONS = 1024
 
@@ -37,13 +38,6 @@ def custom(request):
 
 def tensor(array: np.ndarray) -> paddle.Tensor:
     return paddle.to_tensor(np.ascontiguousarray(array))
-
-
-def bf16_rounded(array: np.ndarray) -> np.ndarray:
-    """fp32 values rounded to the nearest bf16 (ties to even), as fp32."""
-    bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
-    return bits.astype(np.uint32).view(np.float32)
 
 
 @pytest.mark.parametrize("rows, width", [(1, 576), (7, 64), (33, 72), (5, 37)])

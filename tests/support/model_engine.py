@@ -47,13 +47,18 @@ class LocalEngine:
     def num_chunked_prefills(self) -> int:
         """Prompt chunks that did not reach the end of their prompt."""
         return sum(
-            not samples and count > 1 for step in self.steps for count, samples in zip(self._counts(step), step.samples)
+            request in step.not_sampling and count > 1
+            for step in self.steps
+            for count, request in zip(self._counts(step), step.requests)
         )
 
     def num_mixed_steps(self) -> int:
         """Steps that computed a prompt chunk beside a decode."""
         return sum(
-            any(count == 1 and samples for count, samples in zip(self._counts(step), step.samples))
+            any(
+                count == 1 and request not in step.not_sampling
+                for count, request in zip(self._counts(step), step.requests)
+            )
             and any(count > 1 for count in self._counts(step))
             for step in self.steps
         )

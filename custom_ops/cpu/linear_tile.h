@@ -1,8 +1,8 @@
 // The packed-weight GEMM body for every weight format, widened to fp32 in registers: included once per
 // instruction set inside a `#pragma GCC target` region of linear_gemm.cc (no include guard, no includes:
 // standard headers come before the region, and nothing from the standard library is instantiated
-// here). Needs `Vec` (the instruction set's native fp32 vector), `kMaxRows` (rows of x per register
-// tile) and `load_halves` (kLanes IEEE halves -> floats).
+// here). Needs unroll.h, `Vec` (the instruction set's native fp32 vector), `kMaxRows` (rows of x per
+// register tile) and `load_halves` (kLanes IEEE halves -> floats).
 
 constexpr int kLanes = sizeof(Vec) / sizeof(float);
 constexpr int kVecs = kPanelWidth / kLanes;  // vectors per row of a tile
@@ -15,19 +15,6 @@ typedef UVec UnalignedUVec __attribute__((aligned(4)));
 struct Row {
   Vec v[kVecs];
 };
-
-template <int kIndex>
-using Index = std::integral_constant<int, kIndex>;
-
-// f(Index<0>{}), ..., f(Index<N - 1>{}): loop indices that stay compile-time constants.
-template <class F, int... kIndices>
-static inline __attribute__((always_inline)) void unrolled(F&& f, std::integer_sequence<int, kIndices...>) {
-  (f(Index<kIndices>{}), ...);
-}
-template <int N, class F>
-static inline __attribute__((always_inline)) void static_for(F&& f) {
-  unrolled(f, std::make_integer_sequence<int, N>{});
-}
 
 static inline Vec load(const void* from) { return *reinterpret_cast<const UnalignedVec*>(from); }
 static inline UVec load_lanes(const void* from) { return *reinterpret_cast<const UnalignedUVec*>(from); }
@@ -70,10 +57,11 @@ struct Decoder<Format::kBF16> {
   static inline void finish(const uint8_t*, Row&) {}
 };
 
-// Byte j of each lane, sign-extended, as floats.
+// Byte j of each lane holding a value + 128, as the value in floats.
 template <int j>
-static inline Vec signed_byte(UVec lanes) {
-  return to_float(reinterpret_cast<IVec>(lanes << (24 - 8 * j)) >> 24);
+static inline Vec biased_byte(UVec lanes) {
+  const UVec flipped = lanes ^ 0x80808080u;  // value + 128 -> the value's two's complement
+  return to_float(reinterpret_cast<IVec>(flipped << (24 - 8 * j)) >> 24);
 }
 
 template <>
@@ -82,7 +70,7 @@ struct Decoder<Format::kInt8> {
   static inline void decode(const uint8_t* block, Use&& use) {
     static_for<4>([&](auto j) {
       Row w;
-      for (int v = 0; v < kVecs; ++v) w.v[v] = signed_byte<decltype(j)::value>(load_lanes(block + v * sizeof(Vec)));
+      for (int v = 0; v < kVecs; ++v) w.v[v] = biased_byte<decltype(j)::value>(load_lanes(block + v * sizeof(Vec)));
       use(j, w);
     });
   }
@@ -101,7 +89,7 @@ struct Decoder<Format::kQ8_0> {
       static_for<4>([&](auto j) {
         Row w;
         for (int v = 0; v < kVecs; ++v) {
-          w.v[v] = signed_byte<decltype(j)::value>(load_lanes(lanes + v * sizeof(Vec))) * d.v[v];
+          w.v[v] = biased_byte<decltype(j)::value>(load_lanes(lanes + v * sizeof(Vec))) * d.v[v];
         }
         use(Index<4 * decltype(g)::value + decltype(j)::value>{}, w);
       });
@@ -126,9 +114,10 @@ struct Q4Decoder {
     static_for<4>([&](auto g) {
       const uint8_t* lanes = block + kQuants + decltype(g)::value * 64;
       static_for<8>([&](auto j) {
+        constexpr int kShift = decltype(j)::value < 4 ? 8 * decltype(j)::value : 8 * (decltype(j)::value - 4) + 4;
         Row w;
         for (int v = 0; v < kVecs; ++v) {
-          const UVec nibbles = load_lanes(lanes + v * sizeof(Vec)) >> (4 * decltype(j)::value);
+          const UVec nibbles = load_lanes(lanes + v * sizeof(Vec)) >> kShift;
           const Vec q = to_float(reinterpret_cast<IVec>(nibbles & 0xfu));
           w.v[v] = q * d.v[v] + offset.v[v];
         }
@@ -203,12 +192,6 @@ static inline __attribute__((flatten)) void tile(const float* x, int64_t ldx, co
   }
 }
 
-template <Format kFormat, int... kRows>
-static inline void tile_of(int rows, std::integer_sequence<int, kRows...>, const float* x, int64_t ldx,
-                           const uint8_t* panel, int64_t depth, const float* start, float* y, int64_t ldy, int cols) {
-  ((rows == kRows + 1 ? tile<kFormat, kRows + 1>(x, ldx, panel, depth, start, y, ldy, cols) : void()), ...);
-}
-
 // y[m, n] = x[m, k] @ W (+ bias) with W packed in kFormat. Threads split the weight panels; each panel meets
 // a block of x rows small enough to stay in L2 (block_rows) over the whole depth, so every output tile is
 // summed in registers and written once.
@@ -231,8 +214,10 @@ static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed,
       if (bias != nullptr) __builtin_memcpy(start, bias + p * kPanelWidth, cols * sizeof(float));
       for (int64_t r0 = m0; r0 < m_end; r0 += kTileRows) {
         const int rows = static_cast<int>(m_end - r0 < kTileRows ? m_end - r0 : kTileRows);
-        tile_of<kFormat>(rows, std::make_integer_sequence<int, kTileRows>{}, x + r0 * k, k, packed + p * bytes, k,
-                         start, y + r0 * n + p * kPanelWidth, n, cols);
+        with_rows<kTileRows>(rows, [&](auto tile_rows) {
+          tile<kFormat, decltype(tile_rows)::value>(x + r0 * k, k, packed + p * bytes, k, start,
+                                                    y + r0 * n + p * kPanelWidth, n, cols);
+        });
       }
     }
   }

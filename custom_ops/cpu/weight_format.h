@@ -3,14 +3,16 @@
 // all 16 columns so that the GEMM reads one panel front to back. Format ids are GGML's type ids
 // where GGML has the format (gpu_worker/weight_format.py names the same ids).
 //
-// Block layouts (c = column in the panel, lanes are 32 bits, one per column):
-//   F32   float[16]                                   w[k0][c]
+// Block layouts (c = column in the panel, lanes are 32 bits, one per column). Every lane holds
+// consecutive rows k of its column, so that one lane is an operand of vpdpbusd (four unsigned bytes)
+// as it is; 8-bit values are stored with 128 added (unsigned), 4-bit ones as they are:
+//   F32   float[16]                                             w[k0][c]
 //   BF16  lane c = bf16 w[k0][c] | bf16 w[k0 + 1][c] << 16
-//   INT8  lane c = bytes q[k0 + j][c], j = 0..3; header: float scale[16], int32 column_sum[16];
-//         w = q * scale[c]
-//   Q8_0  f16 d[16]; 8 groups g: lane c = bytes q[k0 + 4g + j][c];        w = d[c] * q
-//   Q4_0  f16 d[16]; 4 groups g: lane c = nibbles q[k0 + 8g + j][c] at bit 4j;  w = d[c] * (q - 8)
-//   Q4_1  f16 d[16], f16 m[16]; 4 groups as Q4_0;                       w = d[c] * q + m[c]
+//   INT8  lane c = bytes q[k0 + j][c] + 128, j = 0..3; header: float scale[16];   w = q * scale[c]
+//   Q8_0  f16 d[16]; 8 groups g: lane c = bytes q[k0 + 4g + j][c] + 128;         w = d[c] * q
+//   Q4_0  f16 d[16]; 4 groups g: lane c = byte j holds q[k0 + 8g + j][c] in its low nibble and
+//         q[k0 + 8g + 4 + j][c] in its high nibble;                              w = d[c] * (q - 8)
+//   Q4_1  f16 d[16], f16 m[16]; 4 groups as Q4_0;                               w = d[c] * q + m[c]
 // The Q formats are GGUF's blocks of 32 (scales per column and block) regrouped, not re-quantized.
 #pragma once
 
@@ -48,7 +50,7 @@ constexpr Geometry geometry(Format format) {
     case Format::kBF16:
       return {2, 64, 0};
     case Format::kInt8:
-      return {4, 64, 128};
+      return {4, 64, 64};
     case Format::kQ8_0:
       return {32, 32 + 8 * 64, 0};
     case Format::kQ4_0:

@@ -99,6 +99,7 @@ void pack_float(Format format, const float* w, int64_t k, int64_t n, uint8_t* pa
 
 void pack_int8(const int8_t* q, const float* scales, int64_t k, int64_t n, uint8_t* packed) {
   const int64_t panels = num_panels(n), bytes = panel_bytes(Format::kInt8, k);
+  const int64_t header = geometry(Format::kInt8).header_bytes;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
     uint8_t* panel = packed + p * bytes;
@@ -106,14 +107,11 @@ void pack_int8(const int8_t* q, const float* scales, int64_t k, int64_t n, uint8
     const int64_t cols = std::min<int64_t>(kPanelWidth, n - p * kPanelWidth);
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t column = p * kPanelWidth + c;
-      int32_t column_sum = 0;
-      for (int64_t row = 0; row < k; ++row) {
-        const int8_t value = q[row * n + column];
-        column_sum += value;
-        panel[128 + (row / 4) * 64 + 4 * c + row % 4] = static_cast<uint8_t>(value);
-      }
       std::memcpy(panel + 4 * c, scales + column, sizeof(float));
-      std::memcpy(panel + 64 + 4 * c, &column_sum, sizeof column_sum);
+      for (int64_t row = 0; row < (k + 3) / 4 * 4; ++row) {  // padding rows hold q = 0
+        const int value = row < k ? q[row * n + column] : 0;
+        panel[header + (row / 4) * 64 + 4 * c + row % 4] = static_cast<uint8_t>(value + 128);
+      }
     }
   }
 }
@@ -137,13 +135,16 @@ void pack_gguf(Format format, const uint8_t* rows, int64_t row_bytes, int64_t k,
         if (format == Format::kQ4_1) std::memcpy(block + 32 + 2 * c, from + 2, 2);  // m
         const uint8_t* values = from + source.quants_offset;
         if (format == Format::kQ8_0) {
-          for (int e = 0; e < 32; ++e) block[quants + (e / 4) * 64 + 4 * c + e % 4] = values[e];
+          for (int e = 0; e < 32; ++e) {
+            block[quants + (e / 4) * 64 + 4 * c + e % 4] = static_cast<uint8_t>(static_cast<int8_t>(values[e]) + 128);
+          }
           continue;
         }
         for (int g = 0; g < 4; ++g) {
-          uint32_t lane = 0;
-          for (int j = 0; j < 8; ++j) lane |= q4_value(values, 8 * g + j) << (4 * j);
-          store_u32(block + quants + g * 64 + 4 * c, lane);
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t pair = q4_value(values, 8 * g + j) | q4_value(values, 8 * g + 4 + j) << 4;
+            block[quants + g * 64 + 4 * c + j] = static_cast<uint8_t>(pair);
+          }
         }
       }
     }
@@ -152,10 +153,10 @@ void pack_gguf(Format format, const uint8_t* rows, int64_t row_bytes, int64_t k,
 
 void unpack_column(Format format, const uint8_t* packed, int64_t k, int64_t column, float* out) {
   const Geometry g = geometry(format);
-  const uint8_t* panel = packed + (column / kPanelWidth) * panel_bytes(format, k) + g.header_bytes;
+  const uint8_t* panel = packed + (column / kPanelWidth) * panel_bytes(format, k);
   const int64_t c = column % kPanelWidth;
   for (int64_t row = 0; row < k; ++row) {
-    const uint8_t* block = panel + (row / g.block_k) * g.block_bytes;
+    const uint8_t* block = panel + g.header_bytes + (row / g.block_k) * g.block_bytes;
     const int64_t e = row % g.block_k;
     switch (format) {
       case Format::kF32:
@@ -166,17 +167,18 @@ void unpack_column(Format format, const uint8_t* packed, int64_t k, int64_t colu
         break;
       case Format::kInt8: {
         float scale;
-        std::memcpy(&scale, packed + (column / kPanelWidth) * panel_bytes(format, k) + 4 * c, sizeof scale);
-        out[row] = static_cast<int8_t>(block[4 * c + e]) * scale;
+        std::memcpy(&scale, panel + 4 * c, sizeof scale);
+        out[row] = static_cast<float>(block[4 * c + e] - 128) * scale;
         break;
       }
       case Format::kQ8_0:
-        out[row] = from_f16(load_u16(block + 2 * c)) * static_cast<int8_t>(block[32 + (e / 4) * 64 + 4 * c + e % 4]);
+        out[row] = from_f16(load_u16(block + 2 * c)) * static_cast<float>(block[32 + (e / 4) * 64 + 4 * c + e % 4] - 128);
         break;
       case Format::kQ4_0:
       case Format::kQ4_1: {
         const float d = from_f16(load_u16(block + 2 * c));
-        const float q = static_cast<float>((load_u32(block + scale_bytes(format) + (e / 8) * 64 + 4 * c) >> (4 * (e % 8))) & 0xf);
+        const uint8_t pair = block[scale_bytes(format) + (e / 8) * 64 + 4 * c + e % 4];
+        const float q = static_cast<float>(e % 8 < 4 ? pair & 0xf : pair >> 4);
         out[row] = format == Format::kQ4_0 ? d * (q - 8.0f) : d * q + from_f16(load_u16(block + 32 + 2 * c));
         break;
       }

@@ -54,12 +54,17 @@ def reference(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.
     return expected if bias is None else expected + bias
 
 
-def int8_reference(x: np.ndarray, q: np.ndarray, scales: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-    """vpdpbusd's arithmetic: x quantized per row to rint(x * 127 / max|x|), integer sums, then both scales."""
-    max_abs = np.abs(x).max(axis=1, keepdims=True)
-    x_q = np.rint(x * (np.float32(127) / max_abs))
-    expected = (x_q.astype(np.int64) @ q.astype(np.int64)) * scales.astype(np.float64) * (max_abs / np.float32(127))
-    return expected if bias is None else expected + bias
+def int8_activations(x: np.ndarray) -> np.ndarray:
+    """x as vpdpbusd multiplies it: quantized per row and group of 32 inputs to rint(x * 127 / max|x|), times
+    max|x| / 127."""
+    rows, width = x.shape
+    padded = np.zeros((rows, -(-width // 32) * 32), np.float32)
+    padded[:, :width] = x
+    groups = padded.reshape(rows, -1, 32)
+    max_abs = np.abs(groups).max(axis=2, keepdims=True)
+    inverse = np.where(max_abs > 0, np.float32(127) / np.where(max_abs > 0, max_abs, 1), 0).astype(np.float32)
+    quantized = np.rint(groups * inverse) * (max_abs / np.float32(127))
+    return quantized.reshape(rows, -1)[:, :width]
 
 
 def pack(
@@ -112,7 +117,7 @@ def test_bf16_weights_are_rounded_once_and_summed_in_float32(custom, in_features
 
 @pytest.mark.parametrize("in_features, out_features", SHAPES)
 def test_int8_weights_with_a_scale_per_output_feature(custom, in_features, out_features):
-    """VNNI also quantizes x per row; elsewhere the int8 weights are widened and x stays fp32."""
+    """VNNI also quantizes x per 32 inputs; elsewhere the int8 weights are widened and x stays fp32."""
     rng = np.random.default_rng(3 * in_features + out_features)
     weight, bias = random(rng, in_features, out_features), random(rng, out_features)
     q, scales = quantize_int8(weight)
@@ -122,14 +127,16 @@ def test_int8_weights_with_a_scale_per_output_feature(custom, in_features, out_f
 
     for rows in ROWS:
         x = random(rng, rows, in_features)
-        expected = int8_reference(x, q, scales, bias) if custom.isa.vnni else reference(x, values, bias)
+        x_used = int8_activations(x) if custom.isa.vnni else x
         got = layer(paddle.to_tensor(x)).numpy()
+        expected = reference(x_used, values, bias)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.sqrt(in_features))
 
 
 @pytest.mark.parametrize("weight_format", list(GGUF_TYPES), ids=lambda f: f.name)
 @pytest.mark.parametrize("in_features, out_features", GGUF_SHAPES)
 def test_gguf_blocks_multiply_as_the_values_they_stand_for(custom, weight_format, in_features, out_features):
+    """On VNNI as llama.cpp multiplies them: x quantized per 32 inputs (a GGUF block) to int8."""
     rng = np.random.default_rng(in_features * 7 + out_features)
     layer, values = pack(custom, weight_format, random(rng, in_features, out_features))
     file_bytes = out_features * in_features // 32 * {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[weight_format.name]
@@ -137,8 +144,9 @@ def test_gguf_blocks_multiply_as_the_values_they_stand_for(custom, weight_format
 
     for rows in ROWS:
         x = random(rng, rows, in_features)
+        x_used = int8_activations(x) if custom.isa.vnni else x
         got = layer(paddle.to_tensor(x)).numpy()
-        np.testing.assert_allclose(got, reference(x, values, None), rtol=1e-4, atol=1e-4 * np.sqrt(in_features))
+        np.testing.assert_allclose(got, reference(x_used, values, None), rtol=1e-4, atol=1e-4 * np.sqrt(in_features))
 
 
 @pytest.mark.parametrize("weight_format", list(WeightFormat), ids=lambda f: f.name)

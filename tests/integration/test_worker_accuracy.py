@@ -1,8 +1,8 @@
 """Each weight precision against float32 on SmolLM2, with the thresholds of the README's configuration table:
 the mean KL divergence of the next-token distributions over tests/data/english_text.txt, and the share of
 float32's greedy tokens on the 8 reference prompts that the precision picks too (tests/support/accuracy.py).
-Run on everything this CPU has (the default path) and with AVX2 forced where the arithmetic differs
-(bf16 and int8 weights are widened to fp32 there, x is not rounded)."""
+Run on everything this CPU has (the default path) and with AVX2 forced, where the arithmetic differs
+(weights are widened to fp32 there, x is neither rounded nor quantized)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,18 @@ from gpu_worker.custom_ops import cpu_features
 from gpu_worker.kernels import select_kernels
 from tests.support.accuracy import Float32Reference, load_runner
 
-# precision (DTYPE:QUANTIZATION) -> (largest mean KL in nats, smallest greedy agreement)
+# precision (DTYPE:QUANTIZATION) -> (largest mean KL in nats, smallest greedy agreement). Where VNNI multiplies
+# int8 and GGUF weights, x is quantized per 32 inputs too (as llama.cpp does); elsewhere only the weights differ.
 THRESHOLDS = {
     "bfloat16:none": (0.01, 0.95),
-    "float32:int8": (0.05, 0.75),
-    "bfloat16:int8": (0.05, 0.75),
-    "float32:gguf": (1e-5, 0.99),  # the file's own values: float32 up to the order of the sums
-    "bfloat16:gguf": (0.01, 0.95),
+    "float32:int8": (0.05, 0.9),
+    "bfloat16:int8": (0.05, 0.9),
+    "float32:gguf": (0.01, 0.9),
+    "bfloat16:gguf": (0.01, 0.9),
 }
-CASES = [(precision, "all") for precision in THRESHOLDS] + [("bfloat16:none", "avx2"), ("float32:int8", "avx2")]
+CASES = [(precision, "all") for precision in THRESHOLDS] + [
+    (precision, "avx2") for precision in ("bfloat16:none", "float32:int8", "float32:gguf")
+]
 
 
 @pytest.fixture(scope="module")

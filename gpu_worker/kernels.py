@@ -16,7 +16,7 @@ import paddle
 import paddle.nn.functional as F
 
 from gpu_worker.attention import PagedAttentionBackend, RotaryPagedAttention
-from gpu_worker.custom_attention import CustomPagedAttention
+from gpu_worker.custom_attention import CustomAttentionMetadata, CustomPagedAttention
 from gpu_worker.custom_ops import REQUIRED_CPU_FEATURES, CustomOpsUnavailable, IsaSet, cpu_features, load_ops
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.rope import RotaryEmbedding
@@ -47,6 +47,10 @@ class PaddleKernels:
         backend = PagedAttentionBackend(config.num_heads, config.num_kv_heads, config.head_dim, block_size)
         return RotaryPagedAttention(backend, rotary)
 
+    def fused_layer(self, attention, config: ModelConfig):
+        """None: the model runs its layers op by op."""
+        return None
+
 
 class CustomKernels:
     """blockserve's custom ops (custom_ops/cpu): AVX2 + FMA, and AVX-512 with its BF16 and VNNI dot products
@@ -54,9 +58,10 @@ class CustomKernels:
 
     name = "custom"
 
-    def __init__(self, ops: ModuleType, isa: IsaSet):
+    def __init__(self, ops: ModuleType, isa: IsaSet, fuse_layers: bool = True):
         self.ops = ops
         self.isa = isa
+        self.fuse_layers = fuse_layers  # one bs_decoder_layer call per layer instead of nine ops
 
     def add_rms_norm(self, x, weight, residual, eps: float):
         if residual is None:
@@ -71,6 +76,51 @@ class CustomKernels:
             log.warning("head_dim %d is not a multiple of 16: pure-Paddle attention", config.head_dim)
             return PaddleKernels().attention(config, block_size, rotary)
         return CustomPagedAttention(self.ops, config.num_heads, config.num_kv_heads, rotary, self.isa.bits)
+
+    def fused_layer(self, attention, config: ModelConfig):
+        """A callable running one whole decoder layer in one op, or None where the layer runs op by op (the
+        attention fell back to pure Paddle, or fusing is off)."""
+        if not self.fuse_layers or not isinstance(attention, CustomPagedAttention):
+            return None
+        return FusedDecoderLayer(self.ops, attention, config)
+
+
+class FusedDecoderLayer:
+    """`(layer, hidden, residual, key_cache, value_cache, metadata) -> (hidden, residual)` through
+    bs_decoder_layer: the same kernels as the single ops, one Paddle op call per layer."""
+
+    def __init__(self, ops: ModuleType, attention: CustomPagedAttention, config: ModelConfig):
+        self.ops = ops
+        self.attention = attention
+        self.config = config
+
+    def __call__(self, layer, hidden, residual, key_cache, value_cache, metadata: CustomAttentionMetadata):
+        linears = layer.linears
+        hidden, residual, _, _ = self.ops.bs_decoder_layer(
+            hidden,
+            residual,
+            layer.input_norm,
+            layer.post_attention_norm,
+            *(linear.packed for linear in linears),
+            *(linear.bias for linear in linears),
+            key_cache,
+            value_cache,
+            metadata.positions,
+            metadata.slot_mapping,
+            metadata.query_start,
+            metadata.context_lens,
+            metadata.block_table,
+            self.attention.rotary.cos,
+            self.attention.rotary.sin,
+            [int(linear.format) for linear in linears],
+            self.config.num_heads,
+            self.config.num_kv_heads,
+            self.config.intermediate_size,
+            self.config.rms_norm_eps,
+            self.attention.query_tile,
+            self.attention.isa,
+        )
+        return hidden, residual
 
 
 Kernels = PaddleKernels | CustomKernels

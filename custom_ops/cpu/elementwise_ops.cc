@@ -4,6 +4,7 @@
 #include "cpu_isa.h"
 #include "kernel_set.h"
 #include "paddle/extension.h"
+#include "row_ops.h"
 
 namespace {
 
@@ -18,10 +19,7 @@ std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, const paddle::Tenso
   const int64_t rows = x.shape()[0], width = x.shape()[1];
   PD_CHECK(weight.numel() == width, "weight must have one entry per column");
   auto out = paddle::empty({rows, width}, paddle::DataType::FLOAT32, x.place());
-  const float *src = x.data<float>(), *w = weight.data<float>();
-  float* dst = out.data<float>();
-#pragma omp parallel for schedule(static) if (rows * width >= bs::kParallelFloats)
-  for (int64_t r = 0; r < rows; ++r) kernels.rms_norm_row(src + r * width, nullptr, w, dst + r * width, nullptr, width, eps);
+  bs::rms_norm_rows(kernels, x.data<float>(), nullptr, weight.data<float>(), out.data<float>(), nullptr, rows, width, eps);
   return {out};
 }
 
@@ -34,12 +32,8 @@ std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x, const paddle::Te
   PD_CHECK(weight.numel() == width, "weight must have one entry per column");
   auto out = paddle::empty({rows, width}, paddle::DataType::FLOAT32, x.place());
   auto summed = paddle::empty({rows, width}, paddle::DataType::FLOAT32, x.place());
-  const float *src = x.data<float>(), *res = residual.data<float>(), *w = weight.data<float>();
-  float *dst = out.data<float>(), *sum = summed.data<float>();
-#pragma omp parallel for schedule(static) if (rows * width >= bs::kParallelFloats)
-  for (int64_t r = 0; r < rows; ++r) {
-    kernels.rms_norm_row(src + r * width, res + r * width, w, dst + r * width, sum + r * width, width, eps);
-  }
+  bs::rms_norm_rows(kernels, x.data<float>(), residual.data<float>(), weight.data<float>(), out.data<float>(),
+                    summed.data<float>(), rows, width, eps);
   return {out, summed};
 }
 
@@ -49,10 +43,7 @@ std::vector<paddle::Tensor> SiluAndMul(const paddle::Tensor& gate_up, int isa) {
   const int64_t rows = gate_up.shape()[0], width = gate_up.shape()[1] / 2;
   PD_CHECK(gate_up.shape()[1] % 2 == 0, "gate_up must hold gate and up halves");
   auto out = paddle::empty({rows, width}, paddle::DataType::FLOAT32, gate_up.place());
-  const float* src = gate_up.data<float>();
-  float* dst = out.data<float>();
-#pragma omp parallel for schedule(static) if (rows * width >= bs::kParallelFloats)
-  for (int64_t r = 0; r < rows; ++r) kernels.silu_and_mul_row(src + r * 2 * width, dst + r * width, width);
+  bs::silu_and_mul_rows(kernels, gate_up.data<float>(), out.data<float>(), rows, width);
   return {out};
 }
 

@@ -48,7 +48,7 @@ class LlamaForCausalLM:
         self.kernels = kernels  # norms, activation (and, through the runner, attention) of the chosen path
         self.precision = precision
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
-        self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(config.num_layers)]
+        self.layers = [self._load_layer(weights, f"model.layers.{i}.") for i in range(config.num_layers)]
         self.norm = paddle.to_tensor(weights.pop("model.norm.weight"))
         self.embed_tokens, self.lm_head = embedding_and_lm_head(
             kernels, weights.pop("model.embed_tokens.weight"), weights.pop("lm_head.weight", None), precision
@@ -56,7 +56,7 @@ class LlamaForCausalLM:
         if weights:
             raise ValueError(f"unused weights: {sorted(weights)[:5]}")
 
-    def _layer(self, weights: dict[str, Weight], prefix: str) -> DecoderLayer:
+    def _load_layer(self, weights: dict[str, Weight], prefix: str) -> DecoderLayer:
         def linear(*names: str) -> Linear:
             """The projections `names` (weights [out, in] as Hugging Face stores them) as one layer."""
             found = [weights.pop(f"{prefix}{name}.weight") for name in names]
@@ -95,13 +95,23 @@ class LlamaForCausalLM:
     ) -> paddle.Tensor:
         """Hidden states [tokens, hidden] after the last layer (before the final norm)."""
         hidden, residual = self.embed_tokens(input_ids), None
+        fused = self.kernels.fused_layer(attention, self.config)
         for layer, key_cache, value_cache in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches):
-            x, residual = self._norm(hidden, layer.input_norm, residual)
-            qkv = layer.qkv(x)
-            attended = attention.attend_qkv(qkv, key_cache, value_cache, attn_metadata)  # rope, cache write, attention
-            x, residual = self._norm(layer.o(attended), layer.post_attention_norm, residual)
-            hidden = layer.down(self.kernels.silu_and_mul(layer.gate_up(x)))
+            if fused is not None:
+                hidden, residual = fused(layer, hidden, residual, key_cache, value_cache, attn_metadata)
+            else:
+                hidden, residual = self._layer_op_by_op(
+                    layer, hidden, residual, key_cache, value_cache, attention, attn_metadata
+                )
         return hidden + residual
+
+    def _layer_op_by_op(self, layer: DecoderLayer, hidden, residual, key_cache, value_cache, attention, attn_metadata):
+        """One decoder layer op by op: (hidden, residual) after it."""
+        x, residual = self._norm(hidden, layer.input_norm, residual)
+        qkv = layer.qkv(x)
+        attended = attention.attend_qkv(qkv, key_cache, value_cache, attn_metadata)  # rope, cache write, attention
+        x, residual = self._norm(layer.o(attended), layer.post_attention_norm, residual)
+        return layer.down(self.kernels.silu_and_mul(layer.gate_up(x))), residual
 
     @paddle.no_grad()
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:

@@ -1,6 +1,7 @@
 """Worker step time on SmolLM2 for each weight precision, against the time to read the weights.
 
 Run: OMP_NUM_THREADS=2 python benchmarks/bench_worker.py [--steps N] [--precision KERNELS:DTYPE:QUANTIZATION ...]
+     [--op-by-op]
 
 Decode: B requests with a 128-token context each, one token per request per step.
 Prefill: fresh prompts computed in one step (the step samples each request's first token).
@@ -47,7 +48,7 @@ PRECISIONS = (
     "custom:auto:gguf",
     "paddle:float32:none",
 )
-PARTS = ("linear matmuls", "lm_head", "attention", "input building", "sampling")
+PARTS = ("layers", "linear matmuls", "attention", "lm_head", "input building", "sampling")
 
 
 class Timers:
@@ -74,12 +75,18 @@ class Timers:
 
 def instrument(runner: ModelRunner, timers: Timers) -> None:
     model = runner.model
-    linears = ("qkv", "o", "gate_up", "down")
-    model.layers = [
-        dataclasses.replace(layer, **{name: timers.wrap("linear matmuls", getattr(layer, name)) for name in linears})
-        for layer in model.layers
-    ]
-    runner.attention.attend_qkv = timers.wrap("attention", runner.attention.attend_qkv)  # rope, KV write, attention
+    fused = model.kernels.fused_layer(runner.attention, model.config)
+    if fused is not None:
+        model.kernels.fused_layer = lambda *_: timers.wrap("layers", fused)
+    else:
+        linears = ("qkv", "o", "gate_up", "down")
+        model.layers = [
+            dataclasses.replace(
+                layer, **{name: timers.wrap("linear matmuls", getattr(layer, name)) for name in linears}
+            )
+            for layer in model.layers
+        ]
+        runner.attention.attend_qkv = timers.wrap("attention", runner.attention.attend_qkv)  # rope, KV write, attention
     runner.attention.prepare = timers.wrap("input building", runner.attention.prepare)
     model_runner_module.build_step_inputs = timers.wrap("input building", build_step_inputs)
     model.compute_logits = timers.wrap("lm_head", model.compute_logits)
@@ -164,10 +171,12 @@ class PrecisionRun:
     cases: list[tuple[str, int, float, dict[str, float]]]  # (case, tokens per step, median step s, s per part)
 
 
-def run_precision(name: str, steps: int) -> PrecisionRun:
+def run_precision(name: str, steps: int, op_by_op: bool) -> PrecisionRun:
     kernels, dtype, quantization = name.split(":")
     runner = ModelRunner(load_settings(num_kv_blocks=1024, kernels=kernels, dtype=dtype, quantization=quantization))
     assert runner.kernels["kernels"] == kernels, runner.kernels
+    if op_by_op and kernels == "custom":
+        runner.model.kernels.fuse_layers = False
     weight_bytes = runner.model.weight_bytes()
     timers = Timers()
     instrument(runner, timers)
@@ -205,9 +214,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=9, help="timed steps per decode case (the median is shown)")
     parser.add_argument("--precision", action="append", help=f"KERNELS:DTYPE:QUANTIZATION (default: {PRECISIONS})")
+    parser.add_argument("--op-by-op", action="store_true", help="custom kernels: layers op by op, timed by part")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    runs = [run_precision(name, args.steps) for name in args.precision or PRECISIONS]
+    runs = [run_precision(name, args.steps, args.op_by_op) for name in args.precision or PRECISIONS]
     bandwidth = read_bandwidth()
     reference = next((run for run in runs if run.name == "custom:float32:none"), runs[0])
     print(
@@ -237,15 +247,17 @@ def main() -> None:
 
 
 def print_breakdown(run: PrecisionRun) -> None:
-    print(f"\n{run.name}: where the median step's time goes (ms; rest = embedding, norms, activation, python)")
+    print(
+        f"\n{run.name}: where the median step's time goes (ms; rest = embedding, final norm, python; op by op also "
+        "the layers' norms and activation)"
+    )
     print(f"{'case':<16}" + "".join(f"{part:>16}" for part in PARTS) + f"{'rest':>9}{'attention %':>13}")
     for case, _, step_s, seconds in run.cases:
         per_step = {part: seconds.get(part, 0.0) for part in PARTS}
         rest = step_s - sum(per_step.values())
+        share = f"{100 * per_step['attention'] / step_s:>12.0f}%" if per_step["attention"] else f"{'-':>13}"
         print(
-            f"{case:<16}"
-            + "".join(f"{per_step[part] * 1e3:>16.1f}" for part in PARTS)
-            + f"{rest * 1e3:>9.1f}{100 * per_step['attention'] / step_s:>12.0f}%"
+            f"{case:<16}" + "".join(f"{per_step[part] * 1e3:>16.1f}" for part in PARTS) + f"{rest * 1e3:>9.1f}{share}"
         )
 
 

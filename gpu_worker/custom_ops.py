@@ -1,5 +1,9 @@
 """Load blockserve's C++ custom CPU operators: JIT-built once from custom_ops/ and cached, or the
-extension that custom_ops/setup.py installed (the Docker image), and the CPU features they need."""
+extension that custom_ops/setup.py installed (the Docker image), and the CPU features they need.
+
+A cached build that does not load (a truncated or otherwise corrupt library) is rebuilt once from
+the sources, under the same lock; only a failed build falls back to pure Paddle (one warning, where
+the kernels are chosen)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -93,8 +98,11 @@ def load_ops(source_dir: Path | None = None) -> ModuleType:
     try:
         return _jit_build(build, source_dir)
     except Exception as exc:
-        message = " ".join(str(exc).split())  # one line: the compiler's own errors went to stderr above
-        raise CustomOpsUnavailable(f"building {source_dir} failed: {type(exc).__name__}: {message}") from None
+        raise CustomOpsUnavailable(f"building {source_dir} failed: {_one_line(exc)}") from None
+
+
+def _one_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"  # the compiler's own errors went to stderr
 
 
 def _jit_build(build: ModuleType, source_dir: Path) -> ModuleType:
@@ -102,10 +110,9 @@ def _jit_build(build: ModuleType, source_dir: Path) -> ModuleType:
 
     build_dir = Path(get_build_directory()) / f"{build.EXTENSION_NAME}_{build.source_hash(source_dir)}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    # Workers and tests may start together: one builds, the others wait and reuse its result.
-    with open(build_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        log.info("loading custom ops from %s (built on first use)", build_dir)
+    output_dir = build_dir / build.EXTENSION_NAME  # Paddle's: the library, its version file, the objects
+
+    def build_and_load() -> ModuleType:
         return load(
             name=build.EXTENSION_NAME,
             sources=build.sources(source_dir),
@@ -114,3 +121,17 @@ def _jit_build(build: ModuleType, source_dir: Path) -> ModuleType:
             extra_include_paths=[*build.EXTRA_INCLUDE_DIRS, str(source_dir)],
             build_directory=os.fspath(build_dir),
         )
+
+    # Workers and tests may start together: one builds, the others wait and reuse its result.
+    with open(build_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        log.info("loading custom ops from %s (built on first use)", build_dir)
+        if not (output_dir / f"{build.EXTENSION_NAME}.so").exists():
+            return build_and_load()  # built just now: a failure is the build's, and final
+        try:
+            return build_and_load()
+        except Exception as exc:
+            # Paddle takes the library as up to date while its sources and flags are, whatever its bytes.
+            log.info("the cached custom ops do not load (%s): rebuilding them from the sources", _one_line(exc))
+            shutil.rmtree(output_dir)
+            return build_and_load()

@@ -72,9 +72,9 @@ class ModelRunner:
         self.attention = choice.kernels.attention(config, self.block_size, self.model.rotary)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
-        # Requests refused for their own parameters: never computed (no token: the scheduler ends them alone),
-        # skipped in later steps until the scheduler says they are finished.
-        self.refused_request_ids: set[str] = set()
+        # Requests refused for their own parameters, and why: never computed (no token; each result that skips
+        # one says why, and the scheduler ends it alone with that reason), until the scheduler says they finished.
+        self.refused_requests: dict[str, str] = {}
         log.info(
             "KV cache on %s: %d blocks of %d tokens, %s, %.1f MiB",
             paddle.get_device(),
@@ -141,14 +141,23 @@ class ModelRunner:
                 sampled = self.sampler.sample(launched.logits, sampling)
                 for state, token in zip(sampling, sampled):
                     state.token_ids.append(token.token_id)
-                return wire.StepResult(step_id=step_id, sampled=sampled)
+                return wire.StepResult(step_id=step_id, sampled=sampled, refused=self._refusals(prepared.step))
         except Exception as exc:
             log.exception("step %d failed", step_id)
             error = f"{type(exc).__name__}: {exc}"
         finally:
             for state in sampling:
                 state.awaiting_token = False
-        return wire.StepResult(step_id=step_id, error=error) if error else wire.StepResult(step_id=step_id)
+        if error:
+            return wire.StepResult(step_id=step_id, error=error)
+        return wire.StepResult(step_id=step_id, refused=self._refusals(prepared.step))
+
+    def _refusals(self, step: wire.SchedulerOutput) -> dict[str, str]:
+        """Why each refused request of `step` goes without a token."""
+        if not self.refused_requests:
+            return {}
+        request_ids = [r.request_id for r in step.new_requests] + [r.request_id for r in step.running_requests]
+        return {i: self.refused_requests[i] for i in request_ids if i in self.refused_requests}
 
     def forward(self, inputs: StepInputs) -> paddle.Tensor:
         """Write the step's KV into the cache; hidden states [tokens, hidden] before the final norm."""
@@ -165,15 +174,15 @@ class ModelRunner:
         """Apply the step's deltas; return (state, tokens to compute) of every scheduled request."""
         if step.reset:  # a new scheduler: whatever this worker holds belongs to no request any more
             self.requests.clear()
-            self.refused_request_ids.clear()
+            self.refused_requests.clear()
         for request_id in (*step.finished_request_ids, *step.preempted_request_ids):
             self.requests.pop(request_id, None)
-            self.refused_request_ids.discard(request_id)
+            self.refused_requests.pop(request_id, None)
         scheduled = []
         for new in step.new_requests:
             if problem := sampling_problem(new.sampling, self.model_info.vocab_size):
                 log.warning("refused request %s: %s", new.request_id, problem)
-                self.refused_request_ids.add(new.request_id)
+                self.refused_requests[new.request_id] = problem
                 continue
             state = RequestState(
                 request_id=new.request_id,
@@ -187,7 +196,7 @@ class ModelRunner:
             scheduled.append((state, new.num_scheduled_tokens))
         for running in step.running_requests:
             state = self.requests.get(running.request_id)
-            if state is None and running.request_id in self.refused_request_ids:
+            if state is None and running.request_id in self.refused_requests:
                 continue
             if state is None:
                 raise StepError(f"request {running.request_id} is unknown to this worker")

@@ -72,7 +72,8 @@ class SchedulerLink:
         self._socket.setsockopt(zmq.IDENTITY, hello.worker_id.encode())
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-        self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+        # A scheduler silent this long is disconnected; the scheduler gives the worker as long (one setting).
+        self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(1000 * settings.worker_timeout_s))
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         socket_auth.secure_client(self._socket, socket_auth.client_keys(settings))
         self._socket.connect(settings.worker_addr)
@@ -186,8 +187,10 @@ def serve_serially(runner: Runner, link: SchedulerLink, serving: Callable[[], bo
         step = link.next_step(POLL_S)
         if step is None:
             continue
+        started = time.perf_counter()
         result = runner.execute(step)
         if not step.is_empty:
+            result.compute_s = time.perf_counter() - started
             link.send(result)
 
 
@@ -205,11 +208,14 @@ def serve_pipelined(runner: PipelinedRunner, link: SchedulerLink, serving: Calla
         (step, prepared), ahead = ahead, None
         if step.is_empty:
             continue  # state to drop only: no answer expected
+        started = time.perf_counter()
         launched = runner.launch(prepared)
         # The device computes: take the next step in meanwhile.
         if (following := link.next_step(runner.remaining_s(launched))) is not None:
             ahead = following, runner.prepare(following)
-        link.send(runner.finish(launched))
+        result = runner.finish(launched)
+        result.compute_s = time.perf_counter() - started  # what a stream waits between two tokens
+        link.send(result)
 
 
 def run_worker(settings: Settings) -> None:

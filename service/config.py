@@ -22,6 +22,7 @@ UNPREFIXED_ENV_NAMES = {
     "kv_cache_ratio": "KV_CACHE_RATIO",
 }
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TARGET_ITL_MS = 500.0  # see README "Who is served first": never binds on a GPU, keeps a 2-core CPU's streams moving
 
 
 class SettingsError(ValueError):
@@ -76,6 +77,20 @@ class Settings(BaseSettings):
         default="min_recompute", description="Victim choice when blocks run out"
     )
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of identical prefixes")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        default="fcfs", description="Who is served first: arrival order, or the requests' `priority` (lower first)"
+    )
+    priority_aging_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Priority policy: a request of priority p is served as if it arrived p times this later",
+    )
+    target_itl_ms: float = Field(
+        default=TARGET_ITL_MS,
+        ge=0,
+        description="Step time to keep while streams decode or requests wait: prompt chunks are sized to it "
+        "from the learned step cost (0 = off: the token budget alone)",
+    )
     async_scheduling: bool = Field(
         default=True, description="Decide the next step while the worker computes one (false = one step at a time)"
     )
@@ -95,9 +110,21 @@ class Settings(BaseSettings):
     legacy_disable_recover: bool = Field(default=False, description="Legacy mode: end suspended requests as incomplete")
 
     # Processes and addresses
-    host: str = Field(default="0.0.0.0", description="api listen address")
+    host: str = Field(
+        default="0.0.0.0", description="Listen address of the HTTP ports: the api's and the scheduler's /metrics"
+    )
     port: int = Field(default=8000, gt=0, lt=65536, description="api listen port")
-    scheduler_addr: str = Field(default="tcp://127.0.0.1:5560", description="ZMQ address of the scheduler's api socket")
+    scheduler_addr: str = Field(
+        default="tcp://127.0.0.1:5560",
+        description="ZMQ address of the scheduler's api socket; an api routes over several, separated by commas",
+    )
+    engine_discovery: str = Field(
+        default="",
+        description="api: find the engines by DNS instead, dns://NAME:PORT (a headless Service), resolved every 5 s",
+    )
+    routing: Literal["prefix", "load", "round_robin"] = Field(
+        default="prefix", description="api: how a request picks its engine (see README, Many engines)"
+    )
     worker_addr: str = Field(default="tcp://127.0.0.1:5561", description="ZMQ address of the scheduler's worker socket")
     metrics_port: int = Field(default=9400, gt=0, lt=65536, description="Port of the scheduler's /metrics")
     api_key: SecretStr | None = Field(default=None, description="If set, requests need Authorization: Bearer <key>")
@@ -119,6 +146,10 @@ class Settings(BaseSettings):
     )
     curve_api_client_keys: str = Field(default="", description="scheduler: api replicas' public keys (comma-separated)")
     curve_worker_client_keys: str = Field(default="", description="scheduler: workers' public keys (comma-separated)")
+    allow_unauthenticated: bool = Field(
+        default=False,
+        description="scheduler: listen beyond loopback without CURVE (only where a network policy keeps peers out)",
+    )
     max_request_body_bytes: ByteSize = Field(
         default=ByteSize(4 * 1024**2), gt=0, description="api: largest request body accepted (413 above), e.g. 4MiB"
     )

@@ -16,8 +16,10 @@ MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_
 MAX_REPETITION_PENALTY = 2.0  # in (0, MAX_REPETITION_PENALTY]
 MAX_TOP_K = 2**31 - 1
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI's
 MAX_SEED = 2**63 - 1
 MAX_REQUEST_ID_CHARS = 256
+MAX_ABS_PRIORITY = 2**31 - 1  # priorities lie in [-MAX_ABS_PRIORITY, MAX_ABS_PRIORITY]
 MAX_BLOCK_SIZE = 1024
 
 
@@ -50,6 +52,13 @@ def sampling_problem(sampling: wire.SamplingParams, vocab_size: int | None) -> s
         return f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}]; got {sampling.logprobs}"
     if vocab_size is not None and not all(0 <= token_id < vocab_size for token_id in sampling.stop_token_ids):
         return f"stop token ids must lie in [0, {vocab_size})"
+    for token_id, bias in sampling.logit_bias.items():
+        if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+            return f"logit_bias token ids must lie in [0, {vocab_size or 'the vocabulary size'}); got {token_id}"
+        if not _in_range(bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, False):
+            return (
+                f"logit_bias values must be finite numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]; got {bias!r}"
+            )
     return None
 
 
@@ -70,6 +79,12 @@ def prompt_problem(prompt_token_ids: list[int], vocab_size: int | None, max_mode
             f"the prompt has {len(prompt_token_ids)} tokens; the maximum context length "
             f"(max_model_len) is {max_model_len}, prompt plus at least one output token"
         )
+    return None
+
+
+def priority_problem(priority: int) -> str | None:
+    if not -MAX_ABS_PRIORITY <= priority <= MAX_ABS_PRIORITY:
+        return f"priority must lie in [{-MAX_ABS_PRIORITY}, {MAX_ABS_PRIORITY}]; got {priority}"
     return None
 
 

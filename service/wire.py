@@ -19,7 +19,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 7
 
 
 class WireError(ValueError):
@@ -41,6 +41,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # None = no logprobs; k = chosen token's plus top-k
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,15 +71,32 @@ class ApiHello(Message, tag="api_hello"):
     replica_id: str
 
 
+class EngineReport(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """An engine's load, and what its prefix cache gained and lost since its last report, in order:
+    `cache_event_hashes[i]` was cached if `cache_events_cached[i]`, else evicted. The api routes on it."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    steps_per_s: float  # steps completed in about the last second
+    draining: bool = False
+    cache_event_hashes: list[int] = []
+    cache_events_cached: list[bool] = []
+
+
 class ApiWelcome(Message, tag="api_welcome"):
     model: ModelInfo
     ready: bool
+    block_size: int = 0  # of the prefix cache's blocks (service/block_hashes.py hashes prompts alike)
+    cached_block_hashes: list[int] = []  # the prefix cache now; reports carry its changes from here on
 
 
 class GenerateRequest(Message, tag="generate"):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    priority: int = 0  # lower is served first, under the scheduler's `priority` policy
 
 
 class AbortRequest(Message, tag="abort"):
@@ -100,6 +118,7 @@ class RequestDelta(Message, tag="delta", gc=False):
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     error_status: int | None = None  # HTTP status the api should use for `error`
+    refused: bool = False  # ended before it started (engine not ready, or draining): another engine may take it
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
 
@@ -115,6 +134,7 @@ class DeltaBatch(Message, tag="deltas"):
     token_request_ids: list[str] = []
     token_ids: list[int] = []
     deltas: list[RequestDelta] = []
+    report: EngineReport | None = None  # every replica gets one each step that changed the cache, else now and then
 
     def __post_init__(self) -> None:
         if len(self.token_request_ids) != len(self.token_ids):
@@ -138,6 +158,7 @@ class SchedulerStatus(Message, tag="status"):
     num_free_blocks: int
     num_total_blocks: int
     unknown_request_ids: list[str] = []  # of the query's request ids, those this scheduler does not hold
+    report: EngineReport | None = None  # its load (no cache events: those come with the deltas)
 
 
 # ---------------------------------------------------------------- scheduler <-> worker
@@ -205,6 +226,8 @@ class StepResult(Message, tag="step_result"):
     step_id: int
     sampled: list[SampledToken] = []  # in the order of the step's new_requests, then running_requests
     error: str | None = None
+    compute_s: float = 0.0  # how long the worker computed the step (what the scheduler learns step costs from)
+    refused: dict[str, str] = {}  # request id -> why the worker computes it not (its parameters): no token for it
 
 
 class Ping(Message, tag="ping"):

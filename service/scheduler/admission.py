@@ -54,14 +54,25 @@ class ReserveAdmission:
         """Blocks kept free for the running requests: unfinished prompts in full, future output scaled."""
         return self.kv.owed_prompt_blocks + math.ceil(self.ratio * self.kv.owed_output_blocks)
 
-    def admit(self, waiting: deque[Request], budget: int, num_seats: int) -> list[Admitted]:
-        """Take the requests to admit off `waiting`; the others stay in order."""
+    def fits(self, request: Request, num_blocks_freed: int = 0) -> bool:
+        """Whether the request's whole remaining prompt fits beside the reserve (with `num_blocks_freed` more free)."""
+        computed_blocks = self.kv.get_computed_blocks(request)
+        return self.kv.fits(request, request.num_tokens, computed_blocks, self.reserved_blocks() - num_blocks_freed)
+
+    def admit(
+        self, waiting: deque[Request], budget: int, num_seats: int, priority_below: float = float("inf")
+    ) -> list[Admitted]:
+        """Take the requests to admit off `waiting`, up to the first whose priority is not below
+        `priority_below`; the others stay in order."""
         kv, size = self.kv, self.kv.block_size
         reserved = self.reserved_blocks()
         admitted: list[Admitted] = []
         passed: list[Request] = []
         while waiting and budget > 0 and len(admitted) < num_seats and len(passed) <= self.max_skip_ahead:
             request = waiting.popleft()
+            if request.priority >= priority_below:
+                waiting.appendleft(request)
+                break
             computed_blocks = kv.get_computed_blocks(request)
             num_cached = len(computed_blocks) * size
             num_new = min(request.num_tokens - num_cached, budget)

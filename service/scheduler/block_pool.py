@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-ROOT_HASH = 0
-
 
 @dataclass(slots=True)
 class KVBlock:
@@ -22,14 +20,6 @@ class KVBlock:
     ref_count: int = 0
     block_hash: int | None = None
     token_ids: tuple[int, ...] = field(default=())  # what the cached hash stands for
-
-
-def extend_block_hashes(block_hashes: list[int], token_ids: list[int], block_size: int) -> None:
-    """Append the chained hash (parent hash + token ids) of every new full block of a sequence."""
-    parent_hash = block_hashes[-1] if block_hashes else ROOT_HASH
-    for start in range(len(block_hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent_hash = hash((parent_hash, tuple(token_ids[start : start + block_size])))
-        block_hashes.append(parent_hash)
 
 
 class BlockPool:
@@ -44,6 +34,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.num_cached_free = 0  # free blocks that still hold a cached prefix
+        # Changes to the set of cached hashes, in order, until taken (the api's router follows them).
+        self._event_hashes: list[int] = []
+        self._event_cached: list[bool] = []  # True: the hash was cached; False: evicted
 
     @property
     def num_blocks(self) -> int:
@@ -140,10 +133,24 @@ class BlockPool:
                 block.block_hash = block_hash
                 block.token_ids = tuple(token_ids[index * size : (index + 1) * size])
                 self._cached[block_hash] = block.block_id
+                self._event_hashes.append(block_hash)
+                self._event_cached.append(True)
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash in the prefix cache now."""
+        return list(self._cached)
+
+    def take_cache_events(self) -> tuple[list[int], list[bool]]:
+        """The hashes cached (True) or evicted (False) since the last call, in order."""
+        events = self._event_hashes, self._event_cached
+        self._event_hashes, self._event_cached = [], []
+        return events
 
     def _evict(self, block: KVBlock) -> None:
         if self._cached.get(block.block_hash) == block.block_id:
             del self._cached[block.block_hash]
+            self._event_hashes.append(block.block_hash)
+            self._event_cached.append(False)
         block.block_hash = None
         block.token_ids = ()
         self.num_cached_free -= 1

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.scheduler.block_pool import BlockPool, extend_block_hashes
+from service.block_hashes import extend_block_hashes
+from service.scheduler.block_pool import BlockPool
 from service.scheduler.request import Request
 
 MAX_OUTPUT_TOKENS_CONSIDERED = 4096  # a longer remaining output is counted as this long
@@ -50,6 +51,10 @@ class KVCacheManager:
     def pool_usage(self) -> list[tuple[str, int, int]]:
         """(pool, capacity, used blocks) of each table: one here; the split tables have two."""
         return [("unified", self.pool.num_blocks, self.pool.num_blocks - self.pool.num_free_blocks)]
+
+    def take_cache_events(self) -> tuple[list[int], list[bool]]:
+        """The hashes cached (True) or evicted (False) since the last call, in order."""
+        return self.pool.take_cache_events()
 
     def block_ids(self, request: Request) -> list[int]:
         held = self._held.get(request)
@@ -86,16 +91,19 @@ class KVCacheManager:
         prefix) first; return the blocks it gained. None, and nothing taken, if the pool is short,
         or if `num_tokens_to_fit` tokens would not fit with `num_blocks_to_keep_free` blocks to spare."""
         computed_blocks = computed_blocks or []
-        num_held = len(self.block_ids(request)) + len(computed_blocks)
-        needed = blocks_for(num_tokens, self.block_size) - num_held
-        to_fit = blocks_for(num_tokens_to_fit, self.block_size) - num_held
-        available = self.pool.num_free_blocks - self.pool.num_free_among(computed_blocks) - num_blocks_to_keep_free
-        if max(needed, to_fit) > available:
+        if not self.fits(request, max(num_tokens, num_tokens_to_fit), computed_blocks, num_blocks_to_keep_free):
             return None
+        needed = blocks_for(num_tokens, self.block_size) - len(self.block_ids(request)) - len(computed_blocks)
         self.pool.touch(computed_blocks)
         new_block_ids = self._take(request, computed_blocks + (self.pool.allocate(needed) if needed > 0 else []))
         self._held[request].num_cached_blocks += len(computed_blocks)
         return new_block_ids
+
+    def fits(self, request: Request, num_tokens: int, computed_blocks: list[int], num_blocks_to_keep_free: int) -> bool:
+        """Whether the request's blocks could hold `num_tokens` tokens, its cached prefix `computed_blocks`
+        taken first, with `num_blocks_to_keep_free` blocks to spare."""
+        needed = blocks_for(num_tokens, self.block_size) - len(self.block_ids(request)) - len(computed_blocks)
+        return needed <= self.pool.num_free_blocks - self.pool.num_free_among(computed_blocks) - num_blocks_to_keep_free
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's full blocks among its first `num_computed_tokens` in the prefix cache."""

@@ -18,6 +18,7 @@ from service.scheduler.counters import SchedulerCounters
 from service.scheduler.outcome import StepOutcome
 from service.scheduler.request import Request
 from service.scheduler.scheduler import Scheduler
+from service.scheduler.step_cost import TERMS as STEP_COST_TERMS
 
 prometheus_client.disable_created_metrics()
 
@@ -27,7 +28,14 @@ BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 
 PREEMPTION_BUCKETS = (0, 1, 2, 3, 5, 8, 13, 21)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 STEP_LOOP_PARTS = ("schedule", "update", "fanout", "encode", "decode")
-DROP_REASONS = ("malformed", "unexpected", "invalid", "unknown_worker", "handler_error")  # server.py DroppedFrame
+# server.py's DroppedFrame reasons
+DROP_REASONS = ("malformed", "unexpected", "invalid", "unknown_worker", "slot_taken", "other_model", "handler_error")
+PRIORITY_CLASSES = ("high", "default", "low")  # priority below 0, 0, above 0
+
+
+def priority_class(request: Request) -> str:
+    """The request's priority as a label with a small fixed set of values."""
+    return "high" if request.priority < 0 else "low" if request.priority > 0 else "default"
 
 
 class _LiveCollector(Collector):
@@ -104,6 +112,22 @@ class _LiveCollector(Collector):
         yield counter(
             "blockserve_prefix_cache_hits", "Prompt tokens served from the prefix cache.", counters.prefix_cache_hits
         )
+        yield gauge(
+            "blockserve_step_prefill_budget_tokens",
+            "Prompt tokens the latest step could compute: the token budget, or fewer to keep the inter-token "
+            "latency target (BLOCKSERVE_TARGET_ITL_MS) with the learned step cost.",
+            scheduler.prefill_budget if scheduler else 0,
+        )
+        cost = GaugeMetricFamily(
+            "blockserve_step_cost_seconds",
+            "The learned cost of a step: seconds per step (fixed), per request, per token, per thousand cached "
+            "tokens read.",
+            labels=["model_name", "term"],
+        )
+        coefficients = scheduler.step_cost.coefficients() if scheduler else dict.fromkeys(STEP_COST_TERMS, 0.0)
+        for term, seconds in coefficients.items():
+            cost.add_metric([model, term], seconds)
+        yield cost
         yield counter(
             "blockserve_wasted_decode_slots",
             "Tokens computed for requests that had ended (stop token, abort) while their step was in flight.",
@@ -161,17 +185,19 @@ class SchedulerMetrics:
         self._live = _LiveCollector(get_scheduler, counters, get_model_name, labels)
         self.registry.register(self._live)
 
-        self._model_histograms: list[Histogram] = []
+        self._model_histograms: list[tuple[Histogram, bool]] = []  # (family, labelled by priority class)
 
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            family = Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
-            self._model_histograms.append(family)
+        def histogram(name: str, doc: str, buckets, by_priority: bool = False) -> Histogram:
+            labels = ["model_name", "priority_class"] if by_priority else ["model_name"]
+            family = Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+            self._model_histograms.append((family, by_priority))
             return family
 
         self.ttft = histogram(
             "blockserve_time_to_first_token_seconds",
-            "Time from arrival at the scheduler to the first token.",
+            "Time from arrival at the scheduler to the first token, by priority class (high < 0 < low).",
             LATENCY_BUCKETS_S,
+            by_priority=True,
         )
         self.itl = BatchHistogram(
             "blockserve_inter_token_latency_seconds",
@@ -184,10 +210,16 @@ class SchedulerMetrics:
             "blockserve_e2e_request_latency_seconds", "Time from arrival to the last token.", LATENCY_BUCKETS_S
         )
         self.queue = histogram(
-            "blockserve_request_queue_time_seconds", "Time from arrival to first being scheduled.", LATENCY_BUCKETS_S
+            "blockserve_request_queue_time_seconds",
+            "Time from arrival to first being scheduled, by priority class.",
+            LATENCY_BUCKETS_S,
+            by_priority=True,
         )
         self.preemptions = histogram(
-            "blockserve_request_preemptions", "Preemptions each finished request went through.", PREEMPTION_BUCKETS
+            "blockserve_request_preemptions",
+            "Preemptions each finished request went through, by priority class.",
+            PREEMPTION_BUCKETS,
+            by_priority=True,
         )
         self.step = histogram(
             "blockserve_step_duration_seconds", "Time from sending a step to the worker to its result.", STEP_BUCKETS_S
@@ -208,7 +240,9 @@ class SchedulerMetrics:
             "blockserve_dropped_frames",
             "Frames dropped by the scheduler, by socket (api, worker) and reason: malformed (not a message of "
             "this protocol), unexpected (a message that socket does not take), invalid (a nonsense hello), "
-            "unknown_worker (from a worker that is not registered), handler_error (handling it raised).",
+            "unknown_worker (from a worker that is not registered), slot_taken (a worker's hello while another "
+            "is alive), other_model (a worker's hello for another model than the one served), handler_error "
+            "(handling it raised).",
             ["socket", "reason"],
             registry=self.registry,
         )
@@ -230,11 +264,12 @@ class SchedulerMetrics:
 
     def start_series(self, model: str) -> None:
         """Show every histogram of `model` at 0 from the start, so dashboards never see "No data"."""
-        for family in self._model_histograms:
-            family.labels(model)
+        for family, by_priority in self._model_histograms:
+            for labels in [(model, name) for name in PRIORITY_CLASSES] if by_priority else [(model,)]:
+                family.labels(*labels)
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def serve(self, host: str, port: int) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
 
     def on_outcome(self, outcome: StepOutcome) -> None:
         """Latencies of what one scheduler call produced, from the requests' own timings."""
@@ -246,18 +281,19 @@ class SchedulerMetrics:
             self.on_finished(outcome.finished)
 
     def on_first_tokens(self, requests: list[Request]) -> None:
-        ttft = self.ttft.labels(self.get_model_name())
+        model = self.get_model_name()
         for request in requests:
-            ttft.observe(request.first_token_time - request.arrival_time)
+            self.ttft.labels(model, priority_class(request)).observe(request.first_token_time - request.arrival_time)
 
     def on_finished(self, requests: list[Request]) -> None:
         model = self.get_model_name()
-        e2e, queue, preemptions = self.e2e.labels(model), self.queue.labels(model), self.preemptions.labels(model)
+        e2e = self.e2e.labels(model)
         for request in requests:
             e2e.observe(request.finish_time - request.arrival_time)
+            label = priority_class(request)
             if request.first_scheduled_time is not None:
-                queue.observe(request.first_scheduled_time - request.arrival_time)
-            preemptions.observe(request.num_preemptions)
+                self.queue.labels(model, label).observe(request.first_scheduled_time - request.arrival_time)
+            self.preemptions.labels(model, label).observe(request.num_preemptions)
 
     def on_schedule(self, num_tokens: int, schedule_s: float) -> None:
         model = self.get_model_name()

@@ -18,6 +18,8 @@ class StepOutcome:
     first_tokens: list[Request] = field(default_factory=list)  # got their first token (their timings say when)
     token_gaps_s: list[float] = field(default_factory=list)  # for every other token: the time since the one before
     finished: list[Request] = field(default_factory=list)  # ended, with their timings
+    # Hashes the prefix cache gained (True) or evicted (False) meanwhile, in order (for the api's router).
+    cache_events: tuple[list[int], list[bool]] = ((), ())
 
     def add(self, request: Request, delta: wire.RequestDelta) -> None:
         self.deltas.setdefault(request.owner, []).append(delta)

@@ -36,6 +36,7 @@ class Request:
     owner: bytes = b""  # identity of the api replica that sent it: its deltas go there
     stop_token_ids: frozenset[int] = frozenset()  # a sampled one ends it (EOS unless ignored, and its own)
     max_num_tokens: int = 0  # prompt plus output never exceed this (max_tokens, max_model_len)
+    priority: int = 0  # lower is served first (scheduling policy `priority`; always 0 under `fcfs`)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     max_computed_tokens: int = 0  # tokens computed before its latest preemption: computing them again is recomputation

@@ -14,10 +14,11 @@ flight computes it has that token discarded (a wasted decode slot, counted).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from operator import attrgetter
 
 from service import wire
-from service.limits import prompt_problem, request_id_problem, sampling_problem
+from service.limits import priority_problem, prompt_problem, request_id_problem, sampling_problem
 from service.scheduler import split_table as split
 from service.scheduler.admission import Admitted, ReserveAdmission
 from service.scheduler.counters import SchedulerCounters
@@ -26,6 +27,10 @@ from service.scheduler.messages import closing_delta, new_request_message, stop_
 from service.scheduler.outcome import StepOutcome
 from service.scheduler.preemption import RecomputePreemption
 from service.scheduler.request import FinishReason, Request, RequestStatus
+from service.scheduler.step_cost import StepCostModel
+from service.scheduler.waiting_queue import PriorityWaitingQueue, priority_key
+
+_num_computed_tokens = attrgetter("num_computed_tokens")
 
 
 class RequestRejected(ValueError):
@@ -52,6 +57,9 @@ class SchedulerConfig:
     vocab_size: int | None = None  # prompt token ids must lie below it (None: not checked)
     max_skip_ahead: int = 8  # waiting requests looked at past a head that does not fit
     max_head_skips: int = 32  # admission rounds a head may be passed over before it blocks others
+    scheduling_policy: str = "fcfs"  # fcfs, or priority: waiting ordered by (priority, arrival) with aging
+    priority_aging_s: float = 60.0  # priority: a request of priority p is served as if it arrived p x this later
+    target_itl_s: float | None = None  # prefill chunks sized so a step with decodes takes about this long
 
     @classmethod
     def from_settings(cls, settings, num_blocks: int, **overrides) -> "SchedulerConfig":
@@ -64,6 +72,9 @@ class SchedulerConfig:
             max_model_len=settings.max_model_len or DEFAULT_MAX_MODEL_LEN,
             enable_prefix_caching=settings.enable_prefix_caching,
             preemption_policy=settings.preemption_policy,
+            scheduling_policy=settings.scheduling_policy,
+            priority_aging_s=settings.priority_aging_s,
+            target_itl_s=settings.target_itl_ms / 1000 if settings.target_itl_ms else None,
         )
         values.update(overrides)
         return cls(**values)
@@ -78,6 +89,7 @@ class ScheduledStep:
     requests: list[Request] = field(default_factory=list)  # scheduled, in the order of the message's requests
     not_sampling: set[Request] = field(default_factory=set)  # prompt chunks short of the end: nothing sampled
     filled: list[tuple[Request, int]] = field(default_factory=list)  # (request, computed tokens) filling a block
+    cost_terms: tuple[int, int, int] = (0, 0, 0)  # requests, tokens, cached tokens they read (see step_cost.py)
     schedule_s: float = 0.0  # how long schedule() took (the engine loop times it, for the metrics)
 
     @property
@@ -99,7 +111,11 @@ class Scheduler:
         self.preemption = preemption
         self.counters = counters or SchedulerCounters()
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.by_priority = config.scheduling_policy == "priority"
+        self.waiting = PriorityWaitingQueue(config.priority_aging_s) if self.by_priority else deque()
+        self.step_cost = StepCostModel()
+        self.prefill_budget = config.max_num_batched_tokens  # prompt tokens the latest step could take
+        self._load = (0, 0, 0)  # the latest step's decodes, the cached tokens they read, its prompts' context
         self.running: dict[Request, None] = {}  # in admission order (an ordered set)
         self.num_preempted_waiting = 0  # requests in `waiting` that ran before
         self._step_id = 0
@@ -114,7 +130,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling, now: float, owner=b"") -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling, now: float, owner=b"", priority: int = 0
+    ) -> None:
         """Queue a request, or raise RequestRejected if it could never be served."""
         cfg = self.config
         if request_id in self.requests:
@@ -124,11 +142,13 @@ class Scheduler:
             prompt_problem(prompt_token_ids, cfg.vocab_size, cfg.max_model_len)
             or request_id_problem(request_id)
             or sampling_problem(sampling, cfg.vocab_size)
+            or priority_problem(priority)
             or self.kv.admission_problem(len(prompt_token_ids), max_len)
         ):
             raise RequestRejected(problem)
         stops = stop_token_ids(sampling, cfg.eos_token_ids)
-        request = Request(request_id, list(prompt_token_ids), sampling, now, owner, stops, max_len)
+        priority = priority if self.by_priority else 0  # fcfs ignores the field, as vLLM does
+        request = Request(request_id, list(prompt_token_ids), sampling, now, owner, stops, max_len, priority)
         self.requests[request_id] = request
         self.waiting.append(request)
 
@@ -159,12 +179,17 @@ class Scheduler:
         """Decide what the worker computes in the next step."""
         outcome = StepOutcome()  # requests that scheduling itself ends (split table: incomplete)
         budget = self.config.max_num_batched_tokens
+        prefill_budget = self.prefill_budget = self._prefill_budget()
+        chunk_budget = prefill_budget
+        if self.waiting and prefill_budget < budget:  # time-limited: running prompts leave waiting ones room
+            chunk_budget = max(1, prefill_budget // 2)
         num_slots = self.kv.num_slots
         running_status = RequestStatus.RUNNING
         decodes: list[Request] = []  # one token into blocks they hold: the common case
         chunks: dict[Request, int] = {}  # the others: tokens to compute
         new_block_ids: dict[Request, list[int]] = {}
         preempted: list[Request] = []
+
         for request in list(self.running):
             if budget == 0:
                 break
@@ -178,6 +203,12 @@ class Scheduler:
             num_new = num_known + pending - computed
             if num_new > budget:
                 num_new = budget
+            if num_new > 1:  # a prompt chunk (or a recompute): within the step's time
+                num_new = min(num_new, chunk_budget)
+                if num_new == 0:
+                    continue
+                chunk_budget -= num_new
+                prefill_budget -= num_new
             if computed + num_new <= num_slots[request]:
                 if num_new == 1:
                     decodes.append(request)
@@ -189,11 +220,9 @@ class Scheduler:
                 victim = self.preemption.choose_victim(request, list(self.running))
                 if victim is None or (victim is request and request.num_output_placeholders):
                     break  # it waits (its next token is still computing: decide once it is known)
-                if victim in decodes:
-                    decodes.remove(victim)
-                    budget += 1
-                budget += chunks.pop(victim, 0)
-                new_block_ids.pop(victim, None)
+                num_decode, num_chunk = _unschedule(victim, decodes, chunks, new_block_ids)
+                budget += num_decode + num_chunk
+                prefill_budget, chunk_budget = prefill_budget + num_chunk, chunk_budget + num_chunk
                 self._preempt(victim, now, outcome)
                 if not victim.is_finished:
                     preempted.append(victim)
@@ -203,22 +232,61 @@ class Scheduler:
                 chunks[request] = num_new
                 new_block_ids[request] = block_ids
                 budget -= num_new
+            elif num_new > 1:
+                chunk_budget += num_new
+                prefill_budget += num_new
 
         if preempted:
             self.admission.on_preemption()
-        elif self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            for admitted in self.admission.admit(self.waiting, budget, self.config.max_num_seqs - len(self.running)):
-                self._admit(admitted, now)
-                chunks[admitted.request] = admitted.num_new_tokens
-                new_block_ids[admitted.request] = admitted.block_ids
+        elif self.waiting and budget > 0 and prefill_budget > 0:
+            while self.by_priority and (victim := self._victim_for_a_better_priority()) is not None:
+                num_decode, num_chunk = _unschedule(victim, decodes, chunks, new_block_ids)
+                budget, prefill_budget = budget + num_decode + num_chunk, prefill_budget + num_chunk
+                self._preempt(victim, now, outcome)
+                preempted.append(victim)
+            # What gave way made room for better priorities only.
+            priority_below = min((victim.priority for victim in preempted), default=float("inf"))
+            if len(self.running) < self.config.max_num_seqs:
+                seats = self.config.max_num_seqs - len(self.running)
+                admitting = self.admission.admit(self.waiting, min(budget, prefill_budget), seats, priority_below)
+                for admitted in admitting:
+                    self._admit(admitted, now)
+                    chunks[admitted.request] = admitted.num_new_tokens
+                    new_block_ids[admitted.request] = admitted.block_ids
         if chunks or decodes:
             self.admission.on_step()
         return self._build_step(chunks, new_block_ids, decodes, preempted, outcome)
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this step may compute: the token budget, or, with a latency target, no more than
+        the learned step cost lets in beside the decodes (at least a block's worth, so prompts move).
+        Without decodes the whole target goes to prompts, but no more: a request that arrives meanwhile
+        waits for at most one such step, never for a token budget's worth (seconds on a small CPU)."""
+        budget, target = self.config.max_num_batched_tokens, self.config.target_itl_s
+        if target is None or not self.step_cost.ready:
+            return budget
+        fitting = self.step_cost.prefill_tokens_within(target, *self._load)
+        return min(budget, max(self.config.block_size, fitting))
+
+    def _victim_for_a_better_priority(self) -> Request | None:
+        """A running request that gives way to the best waiting request, which lacks a seat or blocks:
+        of a lower priority, and not aged past it (the queue would serve the waiting one first). None if
+        it lacks nothing, or if all that may give way would not make room."""
+        head, aging_s = self.waiting.peek(), self.config.priority_aging_s
+        if len(self.running) < self.config.max_num_seqs and self.admission.fits(head):
+            return None
+        key = priority_key(head, aging_s)
+        yielding = [r for r in self.running if r.priority > head.priority and key < priority_key(r, aging_s)]
+        if not yielding or not self.admission.fits(head, sum(len(self.kv.block_ids(r)) for r in yielding)):
+            return None
+        return self.preemption.lowest_priority_victim(yielding)
 
     def update(self, step: ScheduledStep, result: wire.StepResult, now: float) -> StepOutcome:
         """Apply the worker's sampled tokens for `step`; return what they produced."""
         outcome = StepOutcome()
         step_id, voided = step.step_id, self._voided_until
+        if result.compute_s > 0 and self.config.target_itl_s is not None:
+            self.step_cost.observe(*step.cost_terms, result.compute_s)
         if result.error is not None:
             for request in step.requests:
                 if not request.is_finished and voided.get(request, 0) < step_id:
@@ -227,13 +295,16 @@ class Scheduler:
             for request, num_computed_tokens in step.filled:
                 if not request.is_finished and voided.get(request, 0) < step_id:
                     self.kv.cache_blocks(request, num_computed_tokens)
-            self._take_tokens(step, result.sampled, now, outcome)
+            self._take_tokens(step, result.sampled, now, outcome, result.refused)
         if voided:
             for request in [r for r, until in voided.items() if until <= step_id]:
                 del voided[request]
+        outcome.cache_events = self.kv.take_cache_events()
         return outcome
 
-    def _take_tokens(self, step: ScheduledStep, sampled: list, now: float, outcome: StepOutcome) -> None:
+    def _take_tokens(
+        self, step: ScheduledStep, sampled: list, now: float, outcome: StepOutcome, refused: dict[str, str]
+    ) -> None:
         """Each sampling request's token: appended, ended on a stop, and sent. A plain token (no logprobs, not
         the last) goes to its replica's columns. This loop runs per request per step: keep it lean."""
         step_id, voided, not_sampling = step.step_id, self._voided_until, step.not_sampling
@@ -256,7 +327,10 @@ class Scheduler:
                 continue
             request.num_output_placeholders -= 1
             if sampled_token is None:
-                self._end(request, FinishReason.ERROR, "the worker returned no token", now, outcome)
+                if (refusal := refused.get(request.request_id)) is not None:  # its own parameters: a 400
+                    self._end(request, FinishReason.ERROR, f"the worker refused it: {refusal}", now, outcome, 400)
+                else:
+                    self._end(request, FinishReason.ERROR, "the worker returned no token", now, outcome)
                 continue
             token_id, token_ids = sampled_token.token_id, request.token_ids
             token_ids.append(token_id)
@@ -330,7 +404,14 @@ class Scheduler:
         step = ScheduledStep(wire.SchedulerOutput(step_id=self._step_id), outcome)
         new_requests, running_requests, requests_new, requests_running = [], [], [], []
         counts_new, counts_running = [], []
+        chunk_tokens = chunk_attended = single_tokens = single_attended = 0  # for the step cost (step_cost.py)
         for request, num_new in chunks.items():
+            if num_new == 1:  # a decode that gained a block: one token, as `decodes`
+                single_tokens += 1
+                single_attended += request.num_computed_tokens + 1
+            else:
+                chunk_tokens += num_new
+                chunk_attended += num_new * (request.num_computed_tokens + num_new)
             if not request.sent_to_worker:
                 new_requests.append(new_request_message(request, self.kv.block_ids(request), num_new))
                 request.sent_to_worker = True
@@ -360,12 +441,18 @@ class Scheduler:
             if end // block_size > start // block_size:
                 filled.append((request, end))
         self.counters.num_recomputed_tokens += recomputed
+        if self.config.target_itl_s is not None:  # what the step cost model learns from and predicts with
+            decode_attended = single_attended + sum(map(_num_computed_tokens, decodes))
+            num_decodes = single_tokens + len(decodes)
+            step.cost_terms = (len(requests), chunk_tokens + num_decodes, chunk_attended + decode_attended)
+            self._load = (num_decodes, decode_attended, chunk_attended // chunk_tokens if chunk_tokens else 0)
         finished, self._finished_for_worker = self._finished_for_worker, []
         output = step.output
         output.new_requests, output.running_requests = new_requests, running_requests
         output.finished_request_ids = finished
         output.preempted_request_ids = [r.request_id for r in preempted]
         output.reset = self._step_id == 1  # a new scheduler knows nothing the worker may still hold
+        outcome.cache_events = self.kv.take_cache_events()
         return step
 
     def _end(self, request: Request, reason, error: str | None, now, outcome: StepOutcome, error_status=500) -> None:
@@ -386,6 +473,17 @@ class Scheduler:
         outcome.finished.append(request)
 
 
+def _unschedule(victim: Request, decodes: list, chunks: dict, new_block_ids: dict) -> tuple[int, int]:
+    """Take a preempted request out of the step being scheduled; return the tokens it had: (as a
+    decode, as a chunk)."""
+    new_block_ids.pop(victim, None)
+    if victim in decodes:
+        decodes.remove(victim)
+        return 1, 0
+    num_tokens = chunks.pop(victim, 0)
+    return (1, 0) if num_tokens == 1 else (0, num_tokens)
+
+
 def build_scheduler(
     config: SchedulerConfig,
     split_table: split.SplitTableConfig | None = None,
@@ -396,6 +494,7 @@ def build_scheduler(
         kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         admission = ReserveAdmission(kv, config.max_skip_ahead, config.max_head_skips)
         return Scheduler(config, kv, admission, RecomputePreemption(kv, config.preemption_policy), counters)
+    config = replace(config, scheduling_policy="fcfs")  # as v0: first come, first served
     kv = split.SplitTableKVCacheManager(config.num_blocks, config.block_size, split_table)
     fcfs = ReserveAdmission(kv, max_skip_ahead=0, init_ratio=0.0, min_ratio=0.0)  # no reserve: quotas decide
     return Scheduler(config, kv, fcfs, split.SuspendPreemption(kv, split_table.disable_recover), counters)

@@ -4,11 +4,14 @@ Two ROUTER sockets: api replicas connect to `scheduler_addr` (requests, aborts, 
 step's deltas go to each replica as one `DeltaBatch`), workers to `worker_addr` (hello, step
 results). The worker is pinged every second, computing or not: one that disconnects (its own
 connection, matched by fd) or leaves pings unanswered for `worker_timeout_s` is dead, however
-long a step takes: readiness turns false and every request ends with an error. A hello from
-another worker replaces it (connected api replicas are welcomed again with its model); its own
-repeated hello changes nothing. An api replica whose connection closes (or falls silent past
-the zmq heartbeat timeout) has its requests aborted. A malformed, unexpected or nonsense frame
-is dropped and counted in blockserve_dropped_frames_total; no handler's exception ends the process.
+long a step takes: readiness turns false and every request ends with an error. The zmq heartbeat
+of the worker socket has the same timeout, so one setting decides. A live worker's slot cannot be
+taken: another worker's hello is refused until it is dead (its own repeated hello changes
+nothing), and the scheduler serves one model for its life, the first worker's, which the api
+replicas are told: a worker of another model is refused. An api replica whose connection closes
+(or falls silent past API_HEARTBEAT_TIMEOUT_MS) has its requests aborted. A malformed,
+unexpected, nonsense or refused frame is dropped and counted in blockserve_dropped_frames_total;
+no handler's exception ends the process.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import gc
 import logging
 import signal
 import time
+from collections import deque
 
 import msgspec
 import zmq
@@ -38,7 +42,10 @@ API_FRAMES_PER_TURN = 64  # api frames handled between two worker frames (a burs
 CLOSE_LINGER_MS = 2000
 LAST_DELTAS_GRACE_S = 0.5  # between the shutdown's last deltas and closing the sockets
 GC_GEN0_THRESHOLD = 50_000
-ZMQ_HEARTBEAT_TIMEOUT_MS = 6000  # a peer silent this long is disconnected (an api replica: its requests aborted)
+REPORT_INTERVAL_S = 0.25  # an api replica hears the load at least this often while steps run
+MAX_CACHE_EVENTS_PER_REPORT = 4096  # more wait for the next report (in order): frames stay small
+ZMQ_HEARTBEAT_IVL_MS = 2000
+API_HEARTBEAT_TIMEOUT_MS = 6000  # an api replica silent this long is disconnected: its requests aborted
 # A plain (or otherwise broken) peer fails inside libzmq, before ZAP: counted as an auth failure with CURVE on.
 HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
@@ -58,13 +65,14 @@ class SchedulerServer:
         self.curve = socket_auth.CurveServer(
             settings, self.context, lambda socket: self.metrics.auth_failures.labels(socket).inc()
         )
-        self.api_socket = self._router(settings.scheduler_addr)
-        self.worker_socket = self._router(settings.worker_addr)
+        self.api_socket = self._router(settings.scheduler_addr, API_HEARTBEAT_TIMEOUT_MS)
+        self.worker_socket = self._router(settings.worker_addr, int(1000 * settings.worker_timeout_s))
         self.worker_monitor = self.worker_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
         self.api_monitor = self.api_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
         self.api_fds: dict[int, bytes] = {}  # connection fd -> the api replica that sends on it
         self.engine: EngineLoop | None = None
         self.model: wire.ModelInfo | None = None
+        self.worker_model: wire.ModelInfo | None = None  # the first worker's, as it said: every later one's must match
         self.worker_id: bytes | None = None
         self.worker_fd: int | None = None  # its connection: a disconnect of any other is not its loss
         self.frame_fd: int | None = None  # the connection of the frame being handled
@@ -73,19 +81,24 @@ class SchedulerServer:
             lambda: self.scheduler, self.counters, lambda: self.model.name if self.model else "", settings.redacted()
         )
         self.step_sent_at: dict[int, float] = {}  # step id -> when it went to the worker, while in flight
+        self.step_ended_at: deque[float] = deque()  # when the steps of about the last second returned
+        # Cache events the api replicas have not been told yet, in the order the scheduler made them.
+        self.cache_event_hashes: list[int] = []
+        self.cache_events_cached: list[bool] = []
+        self.last_report_at = 0.0
         self.last_ping_at = 0.0
         self.last_heard_at = 0.0
         self.draining = False
         self.stopping = False
 
-    def _router(self, addr: str) -> zmq.Socket:
+    def _router(self, addr: str, heartbeat_timeout_ms: int) -> zmq.Socket:
         socket = self.context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a vanished replica is dropped
         socket.setsockopt(zmq.SNDHWM, 0)  # a ROUTER at its high-water mark drops silently: no limit
         socket.setsockopt(zmq.RCVHWM, 0)
-        socket.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
+        socket.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_timeout_ms)  # a peer silent this long is disconnected
         self.curve.secure(socket, addr)
         socket.bind(addr)
         return socket
@@ -209,11 +222,18 @@ class SchedulerServer:
                 self._deliver(self.scheduler.abort_request(message.request_id, time.monotonic()))
         elif isinstance(message, wire.ApiHello):
             if self.model is not None:
-                self._send(self.api_socket, identity, wire.ApiWelcome(model=self.model, ready=self.ready))
+                self._send(self.api_socket, identity, self._welcome())
         elif isinstance(message, wire.StatusQuery):
             self._send(self.api_socket, identity, self._status(message.request_ids))
         else:
             raise DroppedFrame("unexpected", f"{type(message).__name__} on the api socket")
+
+    def _welcome(self) -> wire.ApiWelcome:
+        """The model, and the prefix cache as it is now (the reports that follow carry its changes)."""
+        kv = self.scheduler.kv
+        return wire.ApiWelcome(
+            model=self.model, ready=self.ready, block_size=kv.block_size, cached_block_hashes=kv.pool.cached_hashes()
+        )
 
     def _api_replica_lost(self, identity: bytes) -> None:
         """Its connection closed: nobody reads its requests' tokens any more; abort them, free their blocks."""
@@ -230,11 +250,13 @@ class SchedulerServer:
         request_id = message.request_id
         if self.scheduler is None or not self.ready:
             reason = "the service is shutting down" if self.draining else "no worker is available"
-            self._send(self.api_socket, identity, self._error_delta(request_id, reason, 503))
+            self._send(self.api_socket, identity, self._error_delta(request_id, reason, 503, refused=True))
             return
         now = time.monotonic()
         try:
-            self.scheduler.add_request(request_id, message.prompt_token_ids, message.sampling, now, identity)
+            self.scheduler.add_request(
+                request_id, message.prompt_token_ids, message.sampling, now, identity, message.priority
+            )
         except RequestRejected as exc:
             self._send(self.api_socket, identity, self._error_delta(request_id, str(exc), exc.status))
 
@@ -249,20 +271,63 @@ class SchedulerServer:
             num_free_blocks=scheduler.kv.pool.num_free_blocks if scheduler else 0,
             num_total_blocks=scheduler.kv.pool.num_blocks if scheduler else 0,
             unknown_request_ids=[request_id for request_id in request_ids if request_id not in held],
+            report=self._report(0),
         )
 
     def _deliver(self, outcome: StepOutcome) -> None:
-        """Send each api replica its deltas in one frame; observe the latencies."""
+        """Send each api replica its deltas in one frame; observe the latencies. When the prefix cache
+        changed, or now and then, every replica gets this engine's report (in that frame, or alone)."""
         started = time.perf_counter()
-        for owner, batch in outcome.batches().items():
+        batches = outcome.batches()
+        if self.cache_event_hashes or started - self.last_report_at >= REPORT_INTERVAL_S:
+            self.last_report_at = started
+            report = self._report(MAX_CACHE_EVENTS_PER_REPORT)
+            for replica in set(self.api_fds.values()):
+                batches.setdefault(replica, wire.DeltaBatch()).report = report
+        for owner, batch in batches.items():
             self._send(self.api_socket, owner, batch)
         self.metrics.on_outcome(outcome)
         self.metrics.step_loop_seconds["fanout"].inc(time.perf_counter() - started)
 
+    def _keep_cache_events(self, outcome: StepOutcome) -> None:
+        """Queue what a scheduler call changed in the prefix cache, in the order of the calls."""
+        self.cache_event_hashes += outcome.cache_events[0]
+        self.cache_events_cached += outcome.cache_events[1]
+
+    def _report(self, max_cache_events: int) -> wire.EngineReport:
+        """The load now, with up to `max_cache_events` of the queued cache events."""
+        scheduler = self.scheduler
+        hashes, self.cache_event_hashes = (
+            self.cache_event_hashes[:max_cache_events],
+            self.cache_event_hashes[max_cache_events:],
+        )
+        cached, self.cache_events_cached = (
+            self.cache_events_cached[:max_cache_events],
+            self.cache_events_cached[max_cache_events:],
+        )
+        now = time.monotonic()
+        while self.step_ended_at and now - self.step_ended_at[0] > 1.0:
+            self.step_ended_at.popleft()
+        return wire.EngineReport(
+            num_running=len(scheduler.running) if scheduler else 0,
+            num_waiting=len(scheduler.waiting) if scheduler else 0,
+            num_free_blocks=scheduler.kv.pool.num_free_blocks if scheduler else 0,
+            num_total_blocks=scheduler.kv.pool.num_blocks if scheduler else 0,
+            steps_per_s=float(len(self.step_ended_at)),
+            draining=self.draining,
+            cache_event_hashes=hashes,
+            cache_events_cached=cached,
+        )
+
     @staticmethod
-    def _error_delta(request_id: str, reason: str, status: int) -> wire.RequestDelta:
+    def _error_delta(request_id: str, reason: str, status: int, refused: bool = False) -> wire.RequestDelta:
         return wire.RequestDelta(
-            request_id=request_id, token_ids=[], finish_reason="error", error=reason, error_status=status
+            request_id=request_id,
+            token_ids=[],
+            finish_reason="error",
+            error=reason,
+            error_status=status,
+            refused=refused,
         )
 
     @staticmethod
@@ -291,9 +356,19 @@ class SchedulerServer:
                 raise DroppedFrame("invalid", f"worker hello: block_size {hello.block_size} disagrees with the table")
             return  # the live worker repeats its hello after a silence: nothing restarted
         if self.worker_id is not None:
-            self._worker_lost("another worker registered")
+            raise DroppedFrame(
+                "slot_taken",
+                f"hello of worker {hello.worker_id!r} while worker {self.worker_id.decode(errors='replace')!r} is alive",
+            )
+        if self.worker_model is not None and hello.model != self.worker_model:
+            raise DroppedFrame(
+                "other_model",
+                f"worker {hello.worker_id!r} serves model {hello.model.name!r}, not {self.worker_model.name!r}, which "
+                "the api replicas were told (restart the scheduler to serve another model)",
+            )
         self.engine = EngineLoop.for_worker(self.settings, hello, self.counters)
         config = self.engine.scheduler.config
+        self.worker_model = hello.model
         self.model = msgspec.structs.replace(hello.model, max_model_len=config.max_model_len)
         self.metrics.start_series(self.model.name)
         self.metrics.add_settings_info({f"worker_{key}": value for key, value in hello.kernels.items()})
@@ -306,9 +381,9 @@ class SchedulerServer:
             hello.block_size,
             hello.model.name,
         )
-        # Connected api replicas were welcomed with the model before; this worker may serve another.
+        # Api replicas that said hello before the first worker came are waiting for their welcome.
         for replica in set(self.api_fds.values()):
-            self._send(self.api_socket, replica, wire.ApiWelcome(model=self.model, ready=self.ready))
+            self._send(self.api_socket, replica, self._welcome())
 
     def _on_step_result(self, result: wire.StepResult) -> None:
         now = time.monotonic()
@@ -317,6 +392,8 @@ class SchedulerServer:
         self.metrics.step_loop_seconds["update"].inc(time.perf_counter() - started)
         if outcome is None:
             raise DroppedFrame("unexpected", f"a result for step {result.step_id}, which is not the oldest in flight")
+        self._keep_cache_events(outcome)
+        self.step_ended_at.append(now)
         self.metrics.on_step(now - self.step_sent_at.pop(result.step_id))
         self._maybe_step(now)  # the next step first: the worker must not wait for the fan-out
         self._deliver(outcome)
@@ -328,6 +405,7 @@ class SchedulerServer:
 
     def _send_step(self, step: ScheduledStep) -> None:
         self.metrics.step_loop_seconds["schedule"].inc(step.schedule_s)
+        self._keep_cache_events(step.outcome)
         output = step.output
         if not output.is_empty or output.finished_request_ids or output.preempted_request_ids or output.reset:
             started = time.perf_counter()
@@ -358,11 +436,12 @@ class SchedulerServer:
 
 def run_scheduler(settings: Settings) -> None:
     server = SchedulerServer(settings)
-    server.metrics.serve(settings.metrics_port)
+    server.metrics.serve(settings.host, settings.metrics_port)
     log.info(
-        "scheduler listening: api %s, workers %s, metrics on :%d/metrics",
+        "scheduler listening: api %s, workers %s, metrics on %s:%d/metrics",
         settings.scheduler_addr,
         settings.worker_addr,
+        settings.host,
         settings.metrics_port,
     )
     # Every request's state lives for many steps: the default gen-0 threshold (700 allocations) makes

@@ -52,6 +52,8 @@ class SimulationReport:
     ttft_p99_s: float
     tpot_p50_s: float
     tpot_p99_s: float
+    high_priority_ttft_p50_s: float  # requests of priority below 0 (0 if none)
+    high_priority_ttft_p99_s: float
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -86,7 +88,13 @@ def simulate(
             next_arrival += 1
             sampling = wire.SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
             try:
-                scheduler.add_request(request.request_id, request.prompt_token_ids, sampling, request.arrival_time_s)
+                scheduler.add_request(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    sampling,
+                    request.arrival_time_s,
+                    priority=request.priority,
+                )
             except RequestRejected:
                 rejected += 1
         engine.run(now, send)
@@ -102,7 +110,7 @@ def simulate(
         result = worker.execute(step)
         scheduled_ids = [r.request_id for r in step.new_requests] + [r.request_id for r in step.running_requests]
         context = sum(worker.requests[request_id].num_computed_tokens for request_id in scheduled_ids)
-        duration = cost.step_time(step.num_scheduled_tokens, context)
+        duration = result.compute_s = cost.step_time(step.num_scheduled_tokens, context)  # what the scheduler learns
         usage_time += scheduler.kv.pool.usage * duration
         now += duration
         steps += 1
@@ -114,7 +122,8 @@ def _report(trace, finished: list[Request], rejected, now, steps, usage_time, sc
     done = [r for r in finished if r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)]
     start = min((r.arrival_time_s for r in trace), default=0.0)
     duration = max(now - start, 1e-9)
-    ttft = np.array([r.first_token_time - r.arrival_time for r in done]) if done else np.zeros(1)
+    ttft = np.array([r.first_token_time - r.arrival_time for r in done] or [0.0])
+    high_ttft = np.array([r.first_token_time - r.arrival_time for r in done if r.priority < 0] or [0.0])
     tpot = np.array(
         [(r.finish_time - r.first_token_time) / (r.num_output_tokens - 1) for r in done if r.num_output_tokens > 1]
         or [0.0]
@@ -135,4 +144,6 @@ def _report(trace, finished: list[Request], rejected, now, steps, usage_time, sc
         ttft_p99_s=float(np.percentile(ttft, 99)),
         tpot_p50_s=float(np.percentile(tpot, 50)),
         tpot_p99_s=float(np.percentile(tpot, 99)),
+        high_priority_ttft_p50_s=float(np.percentile(high_ttft, 50)),
+        high_priority_ttft_p99_s=float(np.percentile(high_ttft, 99)),
     )

@@ -3,10 +3,13 @@ and the fallback to pure Paddle where they cannot build or run."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +24,9 @@ from gpu_worker.model_config import ModelConfig, RopeConfig
 from gpu_worker.models.rope import RotaryEmbedding
 from gpu_worker.step_inputs import RequestState, build_step_inputs
 from service import wire
+from tests.support.api_peer import ApiPeer
 from tests.support.numerics import bf16_rounded
+from tests.support.processes import ROOT, loopback_env, metric_samples, start, stop_all
 
 MAX_POSITIONS = 1024
 
@@ -236,3 +241,71 @@ def test_a_cpu_without_avx2_never_loads_the_custom_ops_and_forced_custom_refuses
     assert "lacks avx2" in record.getMessage()
     with pytest.raises(CustomOpsUnavailable, match="lacks avx2"):  # forced custom refuses rather than falls back
         select_kernels("custom")
+
+
+# ---------------------------------------------------------------------------- a corrupt cache
+
+
+def seeded_extension_dir(tmp_path: Path) -> Path:
+    """A PADDLE_EXTENSION_DIR of this test's own holding a build of the current sources: a copy of the
+    shared cache's (under its lock), or built here."""
+    from paddle.utils.cpp_extension import get_build_directory
+
+    from gpu_worker.custom_ops import _build_definition
+
+    build = _build_definition()
+    name = f"{build.EXTENSION_NAME}_{build.source_hash()}"
+    extension_dir = tmp_path / "extensions"
+    shared = Path(get_build_directory()) / name
+    if (shared / build.EXTENSION_NAME / f"{build.EXTENSION_NAME}.so").exists():
+        with open(shared / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            shutil.copytree(shared, extension_dir / name)
+    else:
+        env = {**os.environ, "PADDLE_EXTENSION_DIR": str(extension_dir)}
+        subprocess.run(
+            [sys.executable, "-c", "from gpu_worker.custom_ops import load_ops; load_ops()"],
+            env=env,
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
+    return extension_dir
+
+
+def test_a_corrupt_cached_build_is_rebuilt_once_and_only_a_failed_rebuild_falls_back(tmp_path):
+    extension_dir = seeded_extension_dir(tmp_path)
+    (library,) = extension_dir.glob("blockserve_ops_*/blockserve_ops/blockserve_ops.so")
+    library.write_bytes(b"")  # "file too short" at every start, until now
+    env = loopback_env(
+        PADDLE_EXTENSION_DIR=str(extension_dir), BLOCKSERVE_NUM_KV_BLOCKS="16", BLOCKSERVE_KERNELS="auto"
+    )
+    processes = [start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")]
+    peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
+
+    def serve_with(log_name: str, **overrides: str) -> tuple[str, str]:
+        """A worker started on the cache; its kernels as the scheduler shows them, and its log."""
+        worker = start(["-m", "service.cli", "worker"], {**env, **overrides}, tmp_path / log_name)
+        processes.append(worker)
+        peer.wait_until(lambda: peer.status(timeout_s=30).ready, 600)
+        (info,) = metric_samples(env["BLOCKSERVE_METRICS_PORT"], "blockserve_settings_info")
+        stop_all([worker])
+        peer.wait_until(lambda: not peer.status().ready, 30)
+        return info.labels["worker_kernels"], (tmp_path / log_name).read_text()
+
+    try:
+        kernels, log = serve_with("worker.log")
+        assert kernels == "custom", log[-4000:]
+        assert log.count("rebuilding them from the sources") == 1 and "pure Paddle" not in log
+        assert library.stat().st_size > 0
+
+        library.write_bytes(b"")
+        kernels, log = serve_with("worker2.log", CC="false", CXX="false")  # and now nothing compiles either
+        assert kernels == "paddle"
+        assert log.count("rebuilding them from the sources") == 1
+        (warning,) = [line for line in log.splitlines() if "WARNING" in line and "gpu_worker" in line]
+        assert "serving with pure Paddle" in warning and "failed" in warning
+    finally:
+        peer.close()
+        stop_all(processes)

@@ -119,13 +119,15 @@ def test_a_request_with_nonsense_sampling_is_refused_alone_and_its_batch_mates_a
     )
     result = runner.execute(first)
     assert result.error is None and [t.request_id for t in result.sampled] == ["honest"]  # no token: ended alone
+    assert list(result.refused) == ["nonsense"] and "logprobs must lie in [0, 20]" in result.refused["nonsense"]
 
     # The scheduler may have scheduled it again before it learnt: still not computed, not an unknown request.
     again = [wire.RunningRequest("nonsense", [], 1), wire.RunningRequest("honest", [], 1)]
     result = runner.execute(wire.SchedulerOutput(step_id=21, running_requests=again))
     assert result.error is None and [t.request_id for t in result.sampled] == ["honest"]
+    assert list(result.refused) == ["nonsense"]  # said again: the scheduler ends it where it expects its token
     runner.execute(wire.SchedulerOutput(step_id=22, finished_request_ids=["nonsense", "honest"]))
-    assert "nonsense" not in runner.refused_request_ids
+    assert "nonsense" not in runner.refused_requests
 
 
 def test_the_first_step_of_a_new_scheduler_drops_what_the_worker_still_held(runner):
@@ -141,14 +143,14 @@ def test_the_first_step_of_a_new_scheduler_drops_what_the_worker_still_held(runn
             ],
         )
     )
-    assert "old" in runner.requests and "refused" in runner.refused_request_ids
+    assert "old" in runner.requests and "refused" in runner.refused_requests
 
     result = runner.execute(
         wire.SchedulerOutput(step_id=1, reset=True, new_requests=[new_request("new", greedy, [12])])
     )
 
     assert result.error is None and [t.request_id for t in result.sampled] == ["new"]
-    assert set(runner.requests) == {"new"} and runner.refused_request_ids == set()
+    assert set(runner.requests) == {"new"} and runner.refused_requests == {}
     runner.execute(wire.SchedulerOutput(step_id=2, finished_request_ids=["new"]))
 
 

@@ -34,11 +34,13 @@ class ApiPeer:
     def send(self, message: wire.Message) -> None:
         self.socket.send(wire.encode(message))
 
-    def submit(self, prompt: list[int], max_tokens: int, **sampling) -> str:
+    def submit(self, prompt: list[int], max_tokens: int, priority: int = 0, **sampling) -> str:
         request_id = uuid.uuid4().hex
         self.outputs[request_id] = []
         params = wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
-        self.send(wire.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params))
+        self.send(
+            wire.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params, priority=priority)
+        )
         return request_id
 
     def pump(self, timeout_s: float) -> None:

@@ -49,16 +49,13 @@ class LocalEngine:
         return sum(
             request in step.not_sampling and count > 1
             for step in self.steps
-            for count, request in zip(self._counts(step), step.requests)
+            for request, count in zip(step.requests, self._counts(step))
         )
 
     def num_mixed_steps(self) -> int:
         """Steps that computed a prompt chunk beside a decode."""
         return sum(
-            any(
-                count == 1 and request not in step.not_sampling
-                for count, request in zip(self._counts(step), step.requests)
-            )
+            any(count == 1 and r not in step.not_sampling for r, count in zip(step.requests, self._counts(step)))
             and any(count > 1 for count in self._counts(step))
             for step in self.steps
         )

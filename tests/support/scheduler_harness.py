@@ -4,6 +4,7 @@ overlapped, and checks the invariants of its blocks, queues and reserve after ev
 from __future__ import annotations
 
 from collections import Counter, deque
+from typing import Callable
 
 from service import wire
 from service.scheduler.engine import EngineLoop
@@ -12,6 +13,7 @@ from service.scheduler.outcome import StepOutcome
 from service.scheduler.request import RequestStatus
 from service.scheduler.scheduler import ScheduledStep, SchedulerConfig, build_scheduler
 from service.scheduler.split_table import SplitTableConfig, SplitTableKVCacheManager
+from service.scheduler.waiting_queue import priority_key
 
 VOCAB_SIZE = 64
 EOS_TOKEN_ID = 0
@@ -36,8 +38,15 @@ def reference_output(prompt: list[int], sampling: wire.SamplingParams, config: S
 class Harness:
     """The engine loop with a worker one step behind when `overlapped`."""
 
-    def __init__(self, config: SchedulerConfig, split_table: SplitTableConfig | None = None, overlapped: bool = False):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        split_table: SplitTableConfig | None = None,
+        overlapped: bool = False,
+        step_seconds: Callable[[wire.SchedulerOutput], float] | None = None,
+    ):
         self.config = config
+        self.step_seconds = step_seconds  # the compute time the worker reports for a step (none if not given)
         self.scheduler = build_scheduler(config, split_table)
         self.kv = self.scheduler.kv
         self.loop = EngineLoop(self.scheduler, overlapped)
@@ -46,11 +55,12 @@ class Harness:
         self.outputs: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, str] = {}
         self.errors: dict[str, str] = {}
+        self.cached_hashes: set[int] = set()  # the prefix cache as the outcomes' events tell it (the api's view)
         self.now = 0.0
         self.steps = 0
 
-    def add(self, request_id: str, prompt: list[int], sampling: wire.SamplingParams) -> None:
-        self.scheduler.add_request(request_id, prompt, sampling, self.now)
+    def add(self, request_id: str, prompt: list[int], sampling: wire.SamplingParams, priority: int = 0) -> None:
+        self.scheduler.add_request(request_id, prompt, sampling, self.now, priority=priority)
         self.outputs[request_id] = []
 
     def abort(self, request_id: str) -> None:
@@ -70,6 +80,8 @@ class Harness:
             executed = self.worker.execute(output)
             result = None if output.is_empty else executed
         if result is not None:
+            if self.step_seconds is not None:
+                result.compute_s = self.step_seconds(output)
             self.now += 1.0
             self.record(self.loop.complete(result, self.now))
         self.check_pool()
@@ -77,12 +89,18 @@ class Harness:
         return sent[0] if sent else None
 
     def send(self, step: ScheduledStep) -> wire.SchedulerOutput:
-        self.check_step(step.output)
         self.record(step.outcome)
+        self.check_step(step.output)
+        self.check_victims(step.output)
         self.to_worker.append(step.output)
         return step.output
 
     def record(self, outcome: StepOutcome) -> None:
+        for block_hash, cached in zip(*outcome.cache_events):
+            if cached:
+                self.cached_hashes.add(block_hash)
+            else:
+                self.cached_hashes.remove(block_hash)
         for delta in outcome.all_deltas():
             self.outputs[delta.request_id].extend(delta.token_ids)
             assert delta.request_id not in self.finish_reasons, "a delta after the request ended"
@@ -106,6 +124,20 @@ class Harness:
         assert all(r.num_scheduled_tokens > 0 for r in output.new_requests + output.running_requests)
         self.check_pool()
 
+    def check_victims(self, output: wire.SchedulerOutput) -> None:
+        """Victims come from the lowest priority first: every request still running after a step is of a
+        priority at least as good as each request that step preempted, or has waited its priority's worth
+        past it (aging protects it; see waiting_queue.py). The unified table's rule."""
+        if isinstance(self.kv, SplitTableKVCacheManager):
+            return
+        aging_s = self.config.priority_aging_s
+        for victim_id in output.preempted_request_ids:
+            victim = self.scheduler.requests[victim_id]
+            for other in self.scheduler.running:
+                assert other.priority <= victim.priority or priority_key(other, aging_s) <= priority_key(
+                    victim, aging_s
+                ), f"{victim_id} gave way while {other.request_id} of a lower priority runs on"
+
     def check_pool(self) -> None:
         pool = self.kv.pool
         holders: Counter[int] = Counter()
@@ -125,6 +157,7 @@ class Harness:
         assert self.scheduler.num_preempted_waiting == preempted
         if isinstance(self.kv, SplitTableKVCacheManager):
             self.check_split_pools()
+        assert self.cached_hashes == set(pool.cached_hashes()), "the cache events do not tell the prefix cache"
         used = sum(1 for block in pool.blocks if block.ref_count > 0)
         assert pool.num_free_blocks + used == pool.num_blocks
         assert 0 <= pool.num_cached_free <= pool.num_free_blocks

@@ -21,6 +21,8 @@ configs = st.builds(
     enable_prefix_caching=st.booleans(),
     preemption_policy=st.sampled_from(["lifo", "min_recompute"]),
     eos_token_ids=st.just((EOS_TOKEN_ID,)),
+    scheduling_policy=st.sampled_from(["fcfs", "priority"]),
+    priority_aging_s=st.sampled_from([1.0, 4.0, 100.0]),
 )
 
 request_specs = st.fixed_dictionaries(
@@ -31,6 +33,7 @@ request_specs = st.fixed_dictionaries(
         "ignore_eos": st.booleans(),
         "arrival_step": st.integers(0, 30),
         "abort_after": st.one_of(st.none(), st.integers(0, 40)),
+        "priority": st.integers(-2, 2),
     }
 )
 
@@ -65,12 +68,12 @@ def test_random_traces_keep_every_invariant_and_finish_every_request(overlapped,
             sampling = wire.SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=spec["ignore_eos"])
             if not fits_alone(prompt, sampling, config):
                 try:
-                    harness.add(request_id, prompt, sampling)
+                    harness.add(request_id, prompt, sampling, spec["priority"])
                 except ValueError:
                     rejected.add(request_id)
                     continue
                 raise AssertionError("a request that can never fit was queued")
-            harness.add(request_id, prompt, sampling)
+            harness.add(request_id, prompt, sampling, spec["priority"])
             expected[request_id] = (reference_output(prompt, sampling, config), spec["abort_after"], step)
         for request_id, (_, abort_after, arrived) in expected.items():
             if abort_after is not None and step == arrived + abort_after and request_id in harness.scheduler.requests:
@@ -127,3 +130,40 @@ def test_split_tables_keep_their_share_and_recovery_yields_the_same_tokens(overl
                 assert "more blocks than the decode table holds" in error
     assert harness.kv.pool.num_free_blocks == config.num_blocks, "blocks leaked"
     assert harness.kv.prefill_used == harness.kv.decode_used == 0
+
+
+@MODES
+@settings(max_examples=EXAMPLES // 3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    aging_s=st.sampled_from([1.0, 3.0, 10.0]),
+    arrivals=st.lists(st.tuples(st.integers(0, 20), st.integers(-2, 2), st.integers(1, 6)), min_size=2, max_size=12),
+)
+def test_with_room_for_everyone_the_priority_queue_serves_the_smallest_aged_key_first(overlapped, aging_s, arrivals):
+    """One seat, blocks for all: each admission takes the waiting request of the smallest arrival +
+    priority x aging_s, so a request is passed over by a better priority q < p only if that one
+    arrived less than (p - q) x aging_s after it, and never by a worse or equal one that came later."""
+    config = SchedulerConfig(
+        num_blocks=256, block_size=4, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64,
+        scheduling_policy="priority", priority_aging_s=aging_s,
+    )  # fmt: skip
+    harness = Harness(config, overlapped=overlapped)
+    pending = sorted(enumerate(arrivals), key=lambda item: item[1][0])
+    key = {}
+    while pending or harness.scheduler.requests or harness.loop.in_flight:
+        if not (harness.scheduler.requests or harness.loop.in_flight):
+            harness.now = max(harness.now, pending[0][1][0])  # idle until the next arrival
+        while pending and pending[0][1][0] <= harness.now:
+            index, (_, priority, max_tokens) = pending.pop(0)
+            harness.add(
+                f"r{index}", [index + 1, 2, 3], wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority
+            )
+            key[f"r{index}"] = harness.now + priority * aging_s
+        waiting_before = {r.request_id for r in harness.scheduler.waiting}
+        output = harness.step()
+        admitted = [r.request_id for r in output.new_requests] if output else []
+        for request_id in admitted:
+            assert request_id in waiting_before
+            assert all(key[request_id] <= key[other] for other in waiting_before - set(admitted)), "served out of order"
+        assert harness.steps < 2_000
+    for index, (_, _, max_tokens) in enumerate(arrivals):
+        assert len(harness.outputs[f"r{index}"]) == max_tokens

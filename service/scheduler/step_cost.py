@@ -1,0 +1,80 @@
+"""What a step costs on this device, learned from the compute times the worker reports.
+
+A step's time is modelled as `fixed + per_request × requests + per_token × tokens + per_context
+× attended`, where `attended` counts, in thousands, the cached tokens each computed token reads
+(attention grows with context). The coefficients are fitted by exponentially weighted,
+non-negative least squares (every subset of the terms is tried: there are four), so the model
+follows the device and the load; a step kind it has not seen yet (no prompt chunk, say) costs
+nothing until it has. The scheduler sizes prefill chunks with it so that running streams keep
+their inter-token latency target.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+TERMS = ("fixed", "per_request", "per_token", "per_context_kilotoken")
+MIN_OBSERVATIONS = 8  # before this many steps the model is not trusted: the token budget alone decides
+DECAY = 0.98  # weight of the past per observed step (about the last 50 steps count)
+RIDGE = 1e-12  # keeps every subset's fit defined before its terms have varied
+REFIT_EVERY = 8  # observations between two fits (a fit solves 15 small systems)
+SUBSETS = [
+    list(terms) for size in range(1, len(TERMS) + 1) for terms in itertools.combinations(range(len(TERMS)), size)
+]
+
+
+class StepCostModel:
+    def __init__(self) -> None:
+        self._xtx = np.zeros((len(TERMS), len(TERMS)))
+        self._xty = np.zeros(len(TERMS))
+        self._coefficients = np.zeros(len(TERMS))
+        self._fitted_at = 0  # observations at the latest fit
+        self.num_observations = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.num_observations >= MIN_OBSERVATIONS
+
+    def observe(self, num_requests: int, num_tokens: int, attended_tokens: int, seconds: float) -> None:
+        x = np.array((1.0, num_requests, num_tokens, attended_tokens / 1000))
+        self._xtx = DECAY * self._xtx + np.outer(x, x)
+        self._xty = DECAY * self._xty + x * seconds
+        self.num_observations += 1
+
+    def coefficients(self) -> dict[str, float]:
+        """Seconds per unit of each term (all zero before the first observation)."""
+        if self.num_observations - self._fitted_at >= REFIT_EVERY or (self.num_observations and not self._fitted_at):
+            self._coefficients = self._fit()
+            self._fitted_at = self.num_observations
+        return dict(zip(TERMS, self._coefficients.tolist()))
+
+    def _fit(self) -> np.ndarray:
+        """The non-negative coefficients of least weighted squared error: the best of the subsets' fits
+        that come out non-negative (the squared error is up to a constant −2β·Xᵀy + β·XᵀXβ)."""
+        best, best_error = np.zeros(len(TERMS)), 0.0
+        for subset in SUBSETS:
+            xtx = self._xtx[np.ix_(subset, subset)] + RIDGE * np.eye(len(subset))
+            solved = np.linalg.solve(xtx, self._xty[subset])
+            if (solved < 0).any():
+                continue
+            beta = np.zeros(len(TERMS))
+            beta[subset] = solved
+            error = beta @ self._xtx @ beta - 2 * beta @ self._xty
+            if error < best_error:
+                best, best_error = beta, error
+        return best
+
+    def prefill_tokens_within(
+        self, budget_s: float, num_decodes: int, decode_attended: int, prefill_context: int
+    ) -> int:
+        """How many prefill tokens, each reading about `prefill_context` cached tokens, fit in `budget_s`
+        beside `num_decodes` single-token requests that read `decode_attended` cached tokens in all."""
+        c = self.coefficients()
+        base = c["fixed"] + c["per_request"] * (num_decodes + 1) + c["per_token"] * num_decodes
+        base += c["per_context_kilotoken"] * decode_attended / 1000
+        per_token = c["per_token"] + c["per_context_kilotoken"] * prefill_context / 1000
+        if per_token <= 0:
+            return 1 << 30
+        return max(0, int((budget_s - base) / per_token))

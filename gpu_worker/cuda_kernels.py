@@ -1,8 +1,9 @@
 """blockserve's CUDA kernels (custom_ops/gpu) as the worker's kernels on a GPU.
 
-The CUDA ops take the CPU ops' names and arguments (the instruction-set attribute is ignored), on
+The CUDA ops take the CPU ops' names and arguments (the `isa` bits attribute is ignored), on
 tensors of the model's dtype, so the calls are the CPU custom kernels' own; linear layers stay
-Paddle's matmul (cuBLAS), as the name "cuda" tells gpu_worker/linear.py.
+Paddle's matmul (cuBLAS) on weights in the model's dtype, as the name "cuda" tells gpu_worker/linear.py,
+and a layer runs op by op (bs_decoder_layer is a CPU op only).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 from types import ModuleType
 
 from gpu_worker.custom_attention import CustomPagedAttention
+from gpu_worker.custom_ops import IsaSet
 from gpu_worker.kernels import CustomKernels, PaddleKernels
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.rope import RotaryEmbedding
@@ -37,10 +39,14 @@ class CudaKernels(CustomKernels):
     name = "cuda"
 
     def __init__(self, ops: ModuleType):
-        super().__init__(ops, avx512=False)
+        super().__init__(ops, IsaSet(), fuse_layers=False)
 
     def attention(self, config: ModelConfig, block_size: int, rotary: RotaryEmbedding):
         if problem := attention_shape_problem(config):
             log.warning("%s: pure-Paddle attention", problem)
             return PaddleKernels().attention(config, block_size, rotary)
-        return CustomPagedAttention(self.ops, config.num_heads, config.num_kv_heads, rotary, self.avx512)
+        return CustomPagedAttention(self.ops, config.num_heads, config.num_kv_heads, rotary, self.isa.bits)
+
+    def fused_layer(self, attention, config: ModelConfig):
+        """None: there is no CUDA bs_decoder_layer, so the model runs its layers op by op."""
+        return None

@@ -1,5 +1,9 @@
 """Load blockserve's C++ custom CPU operators: JIT-built once from custom_ops/ and cached, or the
-extension that custom_ops/setup.py installed (the Docker image), and the CPU features they need."""
+extension that custom_ops/setup.py installed (the Docker image), and the CPU features they need.
+
+A cached build that does not load (a truncated or otherwise corrupt library) is rebuilt once from
+the sources, under the same lock; only a failed build falls back to pure Paddle (one warning, where
+the kernels are chosen)."""
 
 from __future__ import annotations
 
@@ -9,17 +13,51 @@ import importlib
 import importlib.util
 import logging
 import os
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
 
 BUILD_SCRIPT = Path(__file__).resolve().parents[1] / "custom_ops" / "build.py"
-REQUIRED_CPU_FEATURES = ("avx2", "fma")
+REQUIRED_CPU_FEATURES = ("avx2", "fma", "f16c")
+# The ops' `isa` attribute bits (custom_ops/cpu/isa.h): extensions allowed beyond AVX2 + FMA + F16C.
+ISA_AVX512, ISA_AVX512_BF16, ISA_AVX512_VNNI = 1, 2, 4
+ISA_CAPS = ("avx2", "avx512", "all")  # avx2 forces AVX2; avx512 allows AVX-512F only; all = what the CPU has
+
+
+@dataclass(frozen=True)
+class IsaSet:
+    """The instruction-set extensions the custom ops use beyond AVX2 + FMA + F16C."""
+
+    avx512: bool = False  # AVX-512F
+    bf16: bool = False  # AVX512-BF16: bf16 weights multiplied with vdpbf16ps
+    vnni: bool = False  # AVX512-VNNI: int8 weights multiplied with vpdpbusd
+
+    @property
+    def bits(self) -> int:
+        return ISA_AVX512 * self.avx512 | ISA_AVX512_BF16 * self.bf16 | ISA_AVX512_VNNI * self.vnni
+
+    @property
+    def name(self) -> str:
+        """avx2, avx512, avx512+bf16, avx512+vnni or avx512+bf16+vnni."""
+        if not self.avx512:
+            return "avx2"
+        return "avx512" + "+bf16" * self.bf16 + "+vnni" * self.vnni
+
+    @classmethod
+    def of(cls, features: set[str], cap: str = "all") -> IsaSet:
+        """What this CPU (its /proc/cpuinfo flags) offers, up to `cap` (one of ISA_CAPS)."""
+        if cap not in ISA_CAPS:
+            raise ValueError(f"isa cap {cap!r} is not one of {ISA_CAPS}")
+        avx512 = cap != "avx2" and "avx512f" in features
+        extended = avx512 and cap == "all"
+        return cls(avx512, extended and "avx512_bf16" in features, extended and "avx512_vnni" in features)
 
 
 class CustomOpsUnavailable(RuntimeError):
-    """The custom operators cannot run here: no build, a failed build, or a CPU without AVX2/FMA."""
+    """The custom operators cannot run here: no build, a failed build, or a CPU without AVX2/FMA/F16C."""
 
 
 def cpu_features() -> set[str]:
@@ -60,8 +98,11 @@ def load_ops(source_dir: Path | None = None) -> ModuleType:
     try:
         return _jit_build(build, source_dir)
     except Exception as exc:
-        message = " ".join(str(exc).split())  # one line: the compiler's own errors went to stderr above
-        raise CustomOpsUnavailable(f"building {source_dir} failed: {type(exc).__name__}: {message}") from None
+        raise CustomOpsUnavailable(f"building {source_dir} failed: {_one_line(exc)}") from None
+
+
+def _one_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"  # the compiler's own errors went to stderr
 
 
 def _jit_build(build: ModuleType, source_dir: Path) -> ModuleType:
@@ -69,10 +110,9 @@ def _jit_build(build: ModuleType, source_dir: Path) -> ModuleType:
 
     build_dir = Path(get_build_directory()) / f"{build.EXTENSION_NAME}_{build.source_hash(source_dir)}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    # Workers and tests may start together: one builds, the others wait and reuse its result.
-    with open(build_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        log.info("loading custom ops from %s (built on first use)", build_dir)
+    output_dir = build_dir / build.EXTENSION_NAME  # Paddle's: the library, its version file, the objects
+
+    def build_and_load() -> ModuleType:
         return load(
             name=build.EXTENSION_NAME,
             sources=build.sources(source_dir),
@@ -81,3 +121,17 @@ def _jit_build(build: ModuleType, source_dir: Path) -> ModuleType:
             extra_include_paths=[*build.EXTRA_INCLUDE_DIRS, str(source_dir)],
             build_directory=os.fspath(build_dir),
         )
+
+    # Workers and tests may start together: one builds, the others wait and reuse its result.
+    with open(build_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        log.info("loading custom ops from %s (built on first use)", build_dir)
+        if not (output_dir / f"{build.EXTENSION_NAME}.so").exists():
+            return build_and_load()  # built just now: a failure is the build's, and final
+        try:
+            return build_and_load()
+        except Exception as exc:
+            # Paddle takes the library as up to date while its sources and flags are, whatever its bytes.
+            log.info("the cached custom ops do not load (%s): rebuilding them from the sources", _one_line(exc))
+            shutil.rmtree(output_dir)
+            return build_and_load()

@@ -1,5 +1,5 @@
-"""Where the worker computes and in what: its device (BLOCKSERVE_DEVICE), its dtype (BLOCKSERVE_DTYPE)
-and, on a GPU, its KV cache's size from the device memory left once the weights are loaded.
+"""Where the worker computes: its device (BLOCKSERVE_DEVICE) and, on a GPU, its KV cache's size from the
+device memory left once the weights are loaded (the dtype is the precision's: gpu_worker/precision.py).
 
 Pure decisions over what the caller read from Paddle and the device, so the CPU tests cover them.
 """
@@ -15,7 +15,7 @@ ALLOCATOR_SLACK_BYTES = 256 * 2**20  # fragmentation of Paddle's caching allocat
 
 
 class PlacementError(ValueError):
-    """The settings ask for a device or dtype that this Paddle, this machine or these kernels cannot serve."""
+    """The settings ask for a device that this Paddle or this machine cannot serve, or leave no room for a KV cache."""
 
 
 def choose_device(setting: str, compiled_with_cuda: bool, gpu_count: int) -> str:
@@ -28,19 +28,6 @@ def choose_device(setting: str, compiled_with_cuda: bool, gpu_count: int) -> str
     if index >= gpu_count:
         raise PlacementError(f"BLOCKSERVE_DEVICE={setting}: {gpu_count} GPU(s) visible")
     return f"gpu:{index}"
-
-
-def choose_dtype(setting: str, device: str, cuda_kernels: bool) -> tuple[str, str]:
-    """(dtype, why) for BLOCKSERVE_DTYPE: bfloat16 by default on a GPU with the CUDA kernels (they take
-    float32, bfloat16 and float16); float32 elsewhere, where the kernels compute in float32 only."""
-    if device != "cpu" and cuda_kernels:
-        return (
-            ("bfloat16", "auto: bfloat16 on a GPU") if setting == "auto" else (setting, f"BLOCKSERVE_DTYPE={setting}")
-        )
-    kernels = "CPU kernels" if device == "cpu" else "pure-Paddle kernels"
-    if setting not in ("auto", "float32"):
-        raise PlacementError(f"BLOCKSERVE_DTYPE={setting}: the {kernels} compute in float32")
-    return "float32", f"the {kernels} compute in float32"
 
 
 def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, dtype: str) -> int:

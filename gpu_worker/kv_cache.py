@@ -1,5 +1,5 @@
 """The paged KV cache: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim], in
-the worker's dtype (float32 on a CPU; bfloat16 by default on a GPU: gpu_worker/device.py)."""
+the precision's dtype (gpu_worker/precision.py): float32 or bfloat16 on a CPU, also float16 on a GPU."""
 
 from __future__ import annotations
 

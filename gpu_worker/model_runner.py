@@ -10,11 +10,12 @@ import paddle
 from gpu_worker.compute_clock import ComputeClock, gpu_event
 from gpu_worker.cpu_memory import keep_freed_memory
 from gpu_worker.custom_attention import CustomPagedAttention
-from gpu_worker.device import activation_bytes, choose_device, choose_dtype, kv_cache_budget
+from gpu_worker.device import activation_bytes, choose_device, kv_cache_budget
 from gpu_worker.device_model import move_model, on_host
 from gpu_worker.kernels import select_kernels
 from gpu_worker.kv_cache import KVCache, num_blocks_for
 from gpu_worker.model_loader import load_model
+from gpu_worker.precision import resolve_precision
 from gpu_worker.sampler import Sampler
 from gpu_worker.step_inputs import RequestState, StepError, StepInputs, build_step_inputs, fill_pending_tokens
 from gpu_worker.step_upload import DeviceInputs, HostInputs, ModelInputs
@@ -56,16 +57,31 @@ class ModelRunner:
         if self.device == "cpu":
             keep_freed_memory()
         choice = select_kernels(settings.kernels)
-        dtype, dtype_reason = choose_dtype(settings.dtype, self.device, cuda_kernels=choice.kernels.name == "cuda")
-        # Reported in the hello and the scheduler's settings_info (worker_kernels, worker_device, ...).
-        self.kernels = {**choice.describe(), "device": self.device, "dtype": dtype}
-        log.info(
-            "kernels: %s (%s; %s)", " ".join(f"{k}={v}" for k, v in self.kernels.items()), choice.reason, dtype_reason
+        custom = choice.kernels.name == "custom"
+        precision = resolve_precision(
+            settings.dtype, settings.quantization, choice.kernels.name, bf16_dot=custom and choice.kernels.isa.bf16
         )
-        with on_host():  # on a GPU the weights go there once, already in `dtype`
-            loaded = load_model(settings, choice.kernels)
+        log.info("kernels: %s (%s)", " ".join(f"{k}={v}" for k, v in choice.describe().items()), choice.reason)
+        log.info(
+            "device=%s dtype=%s quantization=%s (%s)",
+            self.device,
+            precision.dtype,
+            precision.quantization,
+            precision.reason,
+        )
+        with on_host():  # on a GPU the weights are read in host memory and moved once, cast to the dtype
+            loaded = load_model(settings, choice.kernels, precision)
         if self.device != "cpu":
-            move_model(loaded.model, self.device, dtype)
+            move_model(loaded.model, self.device, precision.dtype)
+        weight_bytes = loaded.model.weight_bytes()  # after the move: on a GPU in the precision's dtype
+        # Reported in the hello and the scheduler's settings_info (worker_kernels, worker_device, worker_dtype, ...).
+        self.kernels = {
+            **choice.describe(),
+            "device": self.device,
+            "dtype": precision.dtype,
+            "quantization": precision.quantization,
+            "weights_mib": f"{weight_bytes / 2**20:.1f}",
+        }
         config = loaded.config
         self.model = loaded.model
         self.model_info = loaded.info
@@ -76,10 +92,12 @@ class ModelRunner:
             self.device,
             _free_and_total_memory(self.device),
             settings.gpu_memory_utilization,
-            activation_bytes(config, settings.max_num_batched_tokens, settings.max_num_seqs, dtype),
+            activation_bytes(config, settings.max_num_batched_tokens, settings.max_num_seqs, precision.dtype),
         )
-        self.num_kv_blocks = num_blocks_for(config, self.block_size, budget.num_bytes, settings.num_kv_blocks, dtype)
-        self.kv_cache = KVCache(config, self.num_kv_blocks, self.block_size, dtype)
+        self.num_kv_blocks = num_blocks_for(
+            config, self.block_size, budget.num_bytes, settings.num_kv_blocks, precision.kv_cache_dtype
+        )
+        self.kv_cache = KVCache(config, self.num_kv_blocks, self.block_size, precision.kv_cache_dtype)
         self.attention = choice.kernels.attention(config, self.block_size, self.model.rotary)
         if choice.kernels.name == "cuda" and isinstance(self.attention, CustomPagedAttention):
             max_blocks = -(-self.model_info.max_model_len // self.block_size)
@@ -89,15 +107,15 @@ class ModelRunner:
         self.clock = ComputeClock(gpu_event if self.device != "cpu" else None)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
-        # Requests refused for their own parameters: never computed (no token: the scheduler ends them alone),
-        # skipped in later steps until the scheduler says they are finished.
-        self.refused_request_ids: set[str] = set()
+        # Requests refused for their own parameters, and why: never computed (no token; each result that skips
+        # one says why, and the scheduler ends it alone with that reason), until the scheduler says they finished.
+        self.refused_requests: dict[str, str] = {}
         log.info(
             "KV cache on %s: %d blocks of %d tokens, %s, %.1f MiB (%s)",
             self.device,
             self.num_kv_blocks,
             self.block_size,
-            dtype,
+            self.kv_cache.dtype,
             self.kv_cache.num_bytes / 2**20,
             budget.reason if settings.num_kv_blocks is None else "BLOCKSERVE_NUM_KV_BLOCKS",
         )
@@ -164,14 +182,23 @@ class ModelRunner:
                 self.clock.finished()
                 for state, token in zip(sampling, sampled):
                     state.token_ids.append(token.token_id)
-                return wire.StepResult(step_id=step_id, sampled=sampled)
+                return wire.StepResult(step_id=step_id, sampled=sampled, refused=self._refusals(prepared.step))
         except Exception as exc:
             log.exception("step %d failed", step_id)
             error = f"{type(exc).__name__}: {exc}"
         finally:
             for state in sampling:
                 state.awaiting_token = False
-        return wire.StepResult(step_id=step_id, error=error) if error else wire.StepResult(step_id=step_id)
+        if error:
+            return wire.StepResult(step_id=step_id, error=error)
+        return wire.StepResult(step_id=step_id, refused=self._refusals(prepared.step))
+
+    def _refusals(self, step: wire.SchedulerOutput) -> dict[str, str]:
+        """Why each refused request of `step` goes without a token."""
+        if not self.refused_requests:
+            return {}
+        request_ids = [r.request_id for r in step.new_requests] + [r.request_id for r in step.running_requests]
+        return {i: self.refused_requests[i] for i in request_ids if i in self.refused_requests}
 
     def forward(self, inputs: StepInputs) -> paddle.Tensor:
         """Write the step's KV into the cache; hidden states [tokens, hidden] before the final norm."""
@@ -187,17 +214,17 @@ class ModelRunner:
         """Apply the step's deltas; return (state, tokens to compute) of every scheduled request."""
         if step.reset:  # a new scheduler: whatever this worker holds belongs to no request any more
             self.requests.clear()
-            self.refused_request_ids.clear()
+            self.refused_requests.clear()
             self.step_inputs.clear()
         for request_id in (*step.finished_request_ids, *step.preempted_request_ids):
             self.requests.pop(request_id, None)
-            self.refused_request_ids.discard(request_id)
+            self.refused_requests.pop(request_id, None)
             self.step_inputs.release(request_id)
         scheduled = []
         for new in step.new_requests:
             if problem := sampling_problem(new.sampling, self.model_info.vocab_size):
                 log.warning("refused request %s: %s", new.request_id, problem)
-                self.refused_request_ids.add(new.request_id)
+                self.refused_requests[new.request_id] = problem
                 continue
             state = RequestState(
                 request_id=new.request_id,
@@ -211,7 +238,7 @@ class ModelRunner:
             scheduled.append((state, new.num_scheduled_tokens))
         for running in step.running_requests:
             state = self.requests.get(running.request_id)
-            if state is None and running.request_id in self.refused_request_ids:
+            if state is None and running.request_id in self.refused_requests:
                 continue
             if state is None:
                 raise StepError(f"request {running.request_id} is unknown to this worker")

@@ -1,4 +1,5 @@
-"""Repetition (Hugging Face style), presence and frequency (OpenAI style) penalties on a batch of logits."""
+"""Repetition (Hugging Face style), presence and frequency (OpenAI style) penalties and OpenAI's logit_bias
+on a batch of logits."""
 
 from __future__ import annotations
 
@@ -37,6 +38,17 @@ def apply_penalties(logits: paddle.Tensor, requests: Sequence[SamplingRequest]) 
         subtract = frequency[:, None] * counts + presence[:, None] * (counts > 0)
         logits = logits - paddle.to_tensor(subtract.astype(np.float32))
     return logits
+
+
+def apply_logit_bias(logits: paddle.Tensor, requests: Sequence[SamplingRequest]) -> paddle.Tensor:
+    """Logits [rows, vocab] with each request's logit_bias added; unchanged when no request has one."""
+    if not any(r.sampling.logit_bias for r in requests):
+        return logits
+    bias = np.zeros(logits.shape, dtype=np.float32)
+    for row, request in enumerate(requests):
+        for token_id, value in request.sampling.logit_bias.items():
+            bias[row, token_id] = value
+    return logits + paddle.to_tensor(bias)
 
 
 def _token_counts(

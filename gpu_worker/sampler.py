@@ -1,6 +1,6 @@
 """Pick the next token of every request that finished its scheduled tokens, vectorised over the batch.
 
-Order, as in vLLM: penalties, then greedy (temperature 0) or temperature, min_p, top_k, top_p and
+Order, as in vLLM: penalties and logit_bias, then greedy (temperature 0) or temperature, min_p, top_k, top_p and
 an inverse-CDF draw. The draw of a seeded request is a uniform from a generator seeded with
 (seed, sequence length), so its tokens do not depend on its batch mates and repeat exactly after
 preemption and recompute. Logprobs come from the raw model logits.
@@ -22,7 +22,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from gpu_worker.penalties import SamplingRequest, apply_penalties
+from gpu_worker.penalties import SamplingRequest, apply_logit_bias, apply_penalties
 from gpu_worker.tensor_ops import log_softmax, take_rows
 from service import wire
 
@@ -73,7 +73,7 @@ class Sampler:
         greedy = np.array([p.temperature < GREEDY_TEMPERATURE for p in params])
         truncated = np.array([p.top_k > 0 or p.top_p < 1.0 for p in params]) & ~greedy
         plain = ~greedy & ~truncated
-        penalised = apply_penalties(logits, requests)
+        penalised = apply_logit_bias(apply_penalties(logits, requests), requests)
         uniforms = self._uniforms(requests, ~greedy)
         groups, group_tokens = [], []
         if greedy.any():

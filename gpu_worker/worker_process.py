@@ -72,7 +72,8 @@ class SchedulerLink:
         self._socket.setsockopt(zmq.IDENTITY, hello.worker_id.encode())
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-        self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+        # A scheduler silent this long is disconnected; the scheduler gives the worker as long (one setting).
+        self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(1000 * settings.worker_timeout_s))
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         socket_auth.secure_client(self._socket, socket_auth.client_keys(settings))
         self._socket.connect(settings.worker_addr)
@@ -218,6 +219,9 @@ def serve_pipelined(runner: PipelinedRunner, link: SchedulerLink, serving: Calla
 
 
 def run_worker(settings: Settings) -> None:
+    from gpu_worker.cpu_threads import set_thread_defaults
+
+    set_thread_defaults()  # before Paddle and the custom ops load their OpenMP runtimes
     from gpu_worker.model_runner import ModelRunner
 
     serve_worker(ModelRunner(settings), settings)

@@ -72,12 +72,31 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    """Print a new set of CURVE key pairs as the entries of the chart's keys Secret."""
+    """Print a new set of CURVE key pairs as the entries of the chart's keys Secret, or (inside a pod)
+    make that Secret unless it exists."""
     from service.socket_auth import KEY_OWNERS, new_key_pair, secret_entries
 
-    for name, value in secret_entries({owner: new_key_pair() for owner in KEY_OWNERS}).items():
+    entries = secret_entries({owner: new_key_pair() for owner in KEY_OWNERS})
+    if args.kubernetes_secret:
+        from service.kube_secret import KubernetesError, create_secret_once
+
+        try:
+            created = create_secret_once(args.kubernetes_secret, entries, dict(args.label))
+        except KubernetesError as exc:
+            print(f"blockserve keys: {exc}", file=sys.stderr)
+            return 1
+        print(f"Secret {args.kubernetes_secret}: {'created' if created else 'exists already, left as it is'}")
+        return 0
+    for name, value in entries.items():
         print(f"{name}={value}")
     return 0
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, equals, value = text.partition("=")
+    if not (key and equals):
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -132,11 +151,25 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     commands.add_parser("serve", help="run scheduler, worker and api on this machine").set_defaults(handler=_serve)
-    commands.add_parser(
+    keys = commands.add_parser(
         "keys",
         help="print new CURVE keys for the scheduler, api and worker "
         "(kubectl create secret generic NAME --from-env-file=<that output>)",
-    ).set_defaults(handler=_keys)
+    )
+    keys.add_argument(
+        "--kubernetes-secret",
+        metavar="NAME",
+        help="inside a pod: create Secret NAME in its namespace with new keys unless it exists (the chart's Job)",
+    )
+    keys.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        type=_label,
+        metavar="KEY=VALUE",
+        help="a label of that Secret (repeatable)",
+    )
+    keys.set_defaults(handler=_keys)
     for role, description in (
         ("api", "the OpenAI-compatible HTTP service (stateless; run as many as you like)"),
         ("scheduler", "the sidecar that owns the KV-cache block table"),

@@ -54,7 +54,8 @@ class Settings(BaseSettings):
 
     kernels: Literal["auto", "custom", "paddle"] = Field(
         default="auto",
-        description="Worker kernels: custom C++ CPU ops, pure Paddle, or auto = custom where they build and run",
+        description="Worker kernels: custom C++ CPU ops (CUDA ops on a GPU), pure Paddle, or auto = custom where they "
+        "build and run",
     )
     device: str = Field(
         default="auto",
@@ -63,8 +64,12 @@ class Settings(BaseSettings):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",
-        description="Worker weights, activations and KV cache (sums in float32); auto = bfloat16 on a GPU with "
-        "the CUDA kernels, float32 elsewhere",
+        description="Worker weights and KV cache (sums in float32); auto = bfloat16 on a GPU with the CUDA kernels "
+        "and on a CPU with AVX512-BF16, float32 elsewhere; float16 on a GPU only",
+    )
+    quantization: Literal["none", "int8", "gguf"] = Field(
+        default="none",
+        description="Worker weights: int8 per output channel (quantized at load), gguf = a GGUF file's own blocks",
     )
     gpu_memory_utilization: float = Field(
         default=0.9,
@@ -119,9 +124,21 @@ class Settings(BaseSettings):
     legacy_disable_recover: bool = Field(default=False, description="Legacy mode: end suspended requests as incomplete")
 
     # Processes and addresses
-    host: str = Field(default="0.0.0.0", description="api listen address")
+    host: str = Field(
+        default="0.0.0.0", description="Listen address of the HTTP ports: the api's and the scheduler's /metrics"
+    )
     port: int = Field(default=8000, gt=0, lt=65536, description="api listen port")
-    scheduler_addr: str = Field(default="tcp://127.0.0.1:5560", description="ZMQ address of the scheduler's api socket")
+    scheduler_addr: str = Field(
+        default="tcp://127.0.0.1:5560",
+        description="ZMQ address of the scheduler's api socket; an api routes over several, separated by commas",
+    )
+    engine_discovery: str = Field(
+        default="",
+        description="api: find the engines by DNS instead, dns://NAME:PORT (a headless Service), resolved every 5 s",
+    )
+    routing: Literal["prefix", "load", "round_robin"] = Field(
+        default="prefix", description="api: how a request picks its engine (see README, Many engines)"
+    )
     worker_addr: str = Field(default="tcp://127.0.0.1:5561", description="ZMQ address of the scheduler's worker socket")
     metrics_port: int = Field(default=9400, gt=0, lt=65536, description="Port of the scheduler's /metrics")
     api_key: SecretStr | None = Field(default=None, description="If set, requests need Authorization: Bearer <key>")
@@ -143,6 +160,10 @@ class Settings(BaseSettings):
     )
     curve_api_client_keys: str = Field(default="", description="scheduler: api replicas' public keys (comma-separated)")
     curve_worker_client_keys: str = Field(default="", description="scheduler: workers' public keys (comma-separated)")
+    allow_unauthenticated: bool = Field(
+        default=False,
+        description="scheduler: listen beyond loopback without CURVE (only where a network policy keeps peers out)",
+    )
     max_request_body_bytes: ByteSize = Field(
         default=ByteSize(4 * 1024**2), gt=0, description="api: largest request body accepted (413 above), e.g. 4MiB"
     )

@@ -16,6 +16,7 @@ MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_
 MAX_REPETITION_PENALTY = 2.0  # in (0, MAX_REPETITION_PENALTY]
 MAX_TOP_K = 2**31 - 1
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI's
 MAX_SEED = 2**63 - 1
 MAX_REQUEST_ID_CHARS = 256
 MAX_ABS_PRIORITY = 2**31 - 1  # priorities lie in [-MAX_ABS_PRIORITY, MAX_ABS_PRIORITY]
@@ -51,6 +52,13 @@ def sampling_problem(sampling: wire.SamplingParams, vocab_size: int | None) -> s
         return f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}]; got {sampling.logprobs}"
     if vocab_size is not None and not all(0 <= token_id < vocab_size for token_id in sampling.stop_token_ids):
         return f"stop token ids must lie in [0, {vocab_size})"
+    for token_id, bias in sampling.logit_bias.items():
+        if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+            return f"logit_bias token ids must lie in [0, {vocab_size or 'the vocabulary size'}); got {token_id}"
+        if not _in_range(bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, False):
+            return (
+                f"logit_bias values must be finite numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]; got {bias!r}"
+            )
     return None
 
 

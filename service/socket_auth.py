@@ -7,14 +7,19 @@ every handshake; a refused one is logged and counted. A peer without CURVE fails
 itself (mechanism mismatch) and gets nothing through either.
 
 Keys are Z85 text, from settings (environment or BLOCKSERVE_SECRETS_DIR files); `blockserve keys`
-makes a set. With no server key configured every socket stays plain, as before.
+makes a set. With no server key configured the sockets stay plain, and then (protected mode, as
+Redis has it) the scheduler listens on loopback only: an address any other machine could reach
+needs CURVE, or BLOCKSERVE_ALLOW_UNAUTHENTICATED=1 where something else (a NetworkPolicy) keeps
+other peers out, which is logged as a warning at every start.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -32,6 +37,22 @@ CLIENT_KEY_SETTINGS = {
 }
 # Roles with their own key pair, in the order `blockserve keys` prints them.
 KEY_OWNERS = ("server", "api", "worker")
+ADDR_SETTINGS = {API_SOCKET: "BLOCKSERVE_SCHEDULER_ADDR", WORKER_SOCKET: "BLOCKSERVE_WORKER_ADDR"}
+MACHINE_LOCAL_TRANSPORTS = ("ipc", "inproc")  # a socket file or the process itself: no network
+
+
+def is_loopback(addr: str) -> bool:
+    """Whether only this machine can reach a ZMQ bind address (tcp on a loopback address, ipc, inproc)."""
+    parts = urlsplit(addr)
+    if parts.scheme in MACHINE_LOCAL_TRANSPORTS:
+        return True
+    host = parts.hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # `*`, an interface name or a host name: reachable from elsewhere
+        return False
 
 
 @dataclass(frozen=True)
@@ -119,6 +140,7 @@ class CurveServer:
         self._own: KeyPair | None = None
         self._authenticator: ThreadAuthenticator | None = None
         if settings.curve_server_secret_key is None:
+            _check_plain_sockets(settings)
             return
         self._own = key_pair_from_secret(
             settings.curve_server_secret_key.get_secret_value(), "BLOCKSERVE_CURVE_SERVER_SECRET_KEY"
@@ -154,6 +176,27 @@ class CurveServer:
         if self._authenticator is not None:
             self._authenticator.stop()
             self._authenticator = None
+
+
+def _check_plain_sockets(settings: Settings) -> None:
+    """Protected mode: plain sockets listen on loopback only, unless the operator says otherwise."""
+    addrs = {API_SOCKET: settings.scheduler_addr, WORKER_SOCKET: settings.worker_addr}
+    exposed = [f"{ADDR_SETTINGS[name]}={addr}" for name, addr in addrs.items() if not is_loopback(addr)]
+    if not exposed:
+        log.info("internal sockets without CURVE, on loopback only")
+        return
+    if not settings.allow_unauthenticated:
+        raise SettingsError(
+            f"protected mode: {', '.join(exposed)} is not a loopback address and CURVE is off, so any peer that "
+            "reaches it could send requests or register a worker. Set BLOCKSERVE_CURVE_SERVER_SECRET_KEY, BLOCKSERVE_CURVE_API_CLIENT_KEYS "
+            "and BLOCKSERVE_CURVE_WORKER_CLIENT_KEYS (`blockserve keys` makes a set), listen on 127.0.0.1, or set "
+            "BLOCKSERVE_ALLOW_UNAUTHENTICATED=1 where something else (a NetworkPolicy) keeps other peers out"
+        )
+    log.warning(
+        "UNAUTHENTICATED: %s is not a loopback address and CURVE is off (BLOCKSERVE_ALLOW_UNAUTHENTICATED=1): any "
+        "peer that reaches it can send requests or register a worker; only the network (a NetworkPolicy) keeps them out",
+        ", ".join(exposed),
+    )
 
 
 def key_settings(pairs: dict[str, KeyPair]) -> dict[str, dict[str, str]]:

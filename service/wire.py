@@ -19,7 +19,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 class WireError(ValueError):
@@ -41,6 +41,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # None = no logprobs; k = chosen token's plus top-k
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -117,6 +118,7 @@ class RequestDelta(Message, tag="delta", gc=False):
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     error_status: int | None = None  # HTTP status the api should use for `error`
+    refused: bool = False  # ended before it started (engine not ready, or draining): another engine may take it
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
 
@@ -225,6 +227,7 @@ class StepResult(Message, tag="step_result"):
     sampled: list[SampledToken] = []  # in the order of the step's new_requests, then running_requests
     error: str | None = None
     compute_s: float = 0.0  # how long the worker computed the step (what the scheduler learns step costs from)
+    refused: dict[str, str] = {}  # request id -> why the worker computes it not (its parameters): no token for it
 
 
 class Ping(Message, tag="ping"):

@@ -56,6 +56,8 @@ class Workload:
     vocab_size: int = 32_000
     seed: int = 0
     high_priority_share: float = 0.0  # this share of the requests gets priority -1, the others 0
+    num_shared_prefixes: int = 0  # each prompt starts with one of this many common prefixes (system prompts)
+    shared_prefix_len: int = 0  # tokens of each of them
 
 
 def make_trace(workload: Workload) -> list[TraceRequest]:
@@ -69,13 +71,20 @@ def make_trace(workload: Workload) -> list[TraceRequest]:
         shape = workload.burstiness
         gaps = rng.gamma(shape, 1.0 / (workload.request_rate * shape), size=count)
         arrivals = np.cumsum(gaps) - gaps[0]
-    high = rng.random(count) < workload.high_priority_share
+    # Drawn only when asked for, so the traces of other workloads stay what they were.
+    high = rng.random(count) < workload.high_priority_share if workload.high_priority_share else np.zeros(count, bool)
+    prefixes = [
+        rng.integers(1, workload.vocab_size, size=workload.shared_prefix_len).tolist()
+        for _ in range(workload.num_shared_prefixes)
+    ]
+    prefix_of = rng.integers(0, len(prefixes), size=count) if prefixes else np.zeros(count, int)
     # Token 0 is avoided: tokenizers often reserve it.
     return [
         TraceRequest(
             request_id=f"req-{index}",
             arrival_time_s=float(arrivals[index]),
-            prompt_token_ids=rng.integers(1, workload.vocab_size, size=int(input_lengths[index])).tolist(),
+            prompt_token_ids=(prefixes[prefix_of[index]] if prefixes else [])
+            + rng.integers(1, workload.vocab_size, size=int(input_lengths[index])).tolist(),
             max_tokens=int(output_lengths[index]),
             priority=-1 if high[index] else 0,
         )

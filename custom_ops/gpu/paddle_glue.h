@@ -5,10 +5,10 @@
 #include "numeric.cuh"
 #include "paddle/extension.h"
 
-// The CPU ops' last attribute picks their instruction set; the GPU ops take it so that the worker
-// calls both alike, and ignore it.
-#define BS_ISA_ATTR "avx512: bool"
-using IsaAttr = bool;
+// The CPU ops' last attribute is the bits of the instruction-set extensions they may use
+// (custom_ops/cpu/isa.h); the GPU ops take it so that the worker calls both alike, and ignore it.
+#define BS_ISA_ATTR "isa: int"
+using IsaAttr = int;
 
 namespace bs::gpu::glue {
 

@@ -19,11 +19,11 @@ from service.api import chat, completions
 from service.api.auth import ApiKeyMiddleware
 from service.api.body_limit import BodyLimitMiddleware
 from service.api.context import ApiContext, get_context
+from service.api.engines import EngineSet
 from service.api.errors import ApiError, install_error_handlers
 from service.api.metrics import ApiMetrics, MetricsMiddleware
 from service.api.openapi import errors, install_openapi
 from service.api.protocol import ChatCompletionChunk, CompletionResponse, Health, ModelCard, ModelList, Readiness
-from service.api.scheduler_client import SchedulerClient
 from service.config import Settings
 
 READY_TIMEOUT_S = 1.0
@@ -40,12 +40,16 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = SchedulerClient(
+        client = EngineSet(
             settings.scheduler_addr,
+            settings.engine_discovery,
+            settings.routing,
             replica_id(),
             idle_check_s=settings.worker_timeout_s,
             on_malformed_frame=metrics.malformed_frames.inc,
             client_keys=client_keys,
+            on_route=metrics.on_route,
+            on_engines_changed=metrics.on_engines_changed,
         )
         await client.start()
         app.state.context = ApiContext(client)
@@ -63,6 +67,13 @@ def create_app(settings: Settings) -> FastAPI:
     async def list_models(context: ApiContext = Depends(get_context)) -> ModelList:
         model = context.served_model()
         return ModelList(data=[ModelCard(id=model.name, max_model_len=model.max_model_len)])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(401, 404, 503))
+    async def retrieve_model(model_id: str, context: ApiContext = Depends(get_context)) -> ModelCard:
+        """The served model, by its name or an alias (the card names it as /v1/models does)."""
+        model = context.served_model()
+        model.check_name(model_id)
+        return ModelCard(id=model.name, max_model_len=model.max_model_len)
 
     @app.get("/health", response_model=Health)
     async def health() -> Health:
@@ -96,13 +107,20 @@ def create_app(settings: Settings) -> FastAPI:
         """The api's own metrics in Prometheus' text format (the scheduler serves its own)."""
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    install_openapi(app, stream_chunks=[CompletionResponse, ChatCompletionChunk])
+    install_openapi(app, [CompletionResponse, ChatCompletionChunk], lambda: served_vocab_size(app))
     metrics.start_series(app.openapi()["paths"])
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=int(settings.max_request_body_bytes))
     if settings.api_key is not None and settings.api_key.get_secret_value():
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value())
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts the 401s and 413s too
     return app
+
+
+def served_vocab_size(app: FastAPI) -> int | None:
+    """The vocabulary size of the model the scheduler named, or None before it has."""
+    context = getattr(app.state, "context", None)  # None: before the lifespan started
+    model = context.client.model if context is not None else None
+    return model.vocab_size if model is not None else None
 
 
 class DrainingServer(uvicorn.Server):

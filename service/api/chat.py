@@ -9,6 +9,7 @@ from contextlib import aclosing
 
 from fastapi import APIRouter, Depends, Request
 
+from service.api.choice import ChoicePiece
 from service.api.context import ApiContext, get_context
 from service.api.errors import ApiError
 from service.api.generation import Generation, choice_specs, unless_disconnected
@@ -39,6 +40,7 @@ async def create_chat_completion(
     model = context.served_model()
     model.check_name(body.model)
     model.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
+    model.check_token_ids(list(body.logit_bias_ids()), "logit_bias")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs to be true.", param="top_logprobs")
     messages = [message.template_dict() for message in body.messages]
@@ -51,7 +53,8 @@ async def create_chat_completion(
         context.client, model, choice_specs(response_id, body, [(prompt, max_tokens)], logprobs), body.stop_strings()
     )
     if body.stream:
-        return sse_response(_chunks(body, model, response_id, generation, len(prompt)))
+        pieces = await generation.started(request)
+        return sse_response(_chunks(body, model, response_id, pieces, len(prompt)))
     results = await unless_disconnected(request, generation.collect())
     return ChatCompletionResponse(
         id=response_id,
@@ -70,7 +73,11 @@ async def create_chat_completion(
 
 
 async def _chunks(
-    body: ChatCompletionRequest, model: ServedModel, response_id: str, generation: Generation, num_prompt_tokens: int
+    body: ChatCompletionRequest,
+    model: ServedModel,
+    response_id: str,
+    pieces: AsyncIterator[ChoicePiece],
+    num_prompt_tokens: int,
 ) -> AsyncIterator[str]:
     include_usage = body.include_usage()
 
@@ -81,7 +88,7 @@ async def _chunks(
     for index in range(body.n):
         yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
     num_output_tokens = [0] * body.n
-    async with aclosing(generation.stream()) as pieces:
+    async with aclosing(pieces):
         async for piece in pieces:
             num_output_tokens[piece.index] = piece.num_output_tokens
             choice = ChatChunkChoice(

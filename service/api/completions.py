@@ -9,6 +9,7 @@ from contextlib import aclosing
 
 from fastapi import APIRouter, Depends, Request
 
+from service.api.choice import ChoicePiece
 from service.api.context import ApiContext, get_context
 from service.api.errors import ApiError
 from service.api.generation import ChoiceResult, Generation, choice_specs, unless_disconnected
@@ -28,6 +29,7 @@ async def create_completion(body: CompletionRequest, request: Request, context: 
     model = context.served_model()
     model.check_name(body.model)
     model.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
+    model.check_token_ids(list(body.logit_bias_ids()), "logit_bias")
     if body.echo and body.logprobs is not None:
         raise ApiError(400, "echo together with logprobs is not supported.", param="echo")
     prompts = await asyncio.to_thread(prompt_token_ids, model, body.prompt)  # off the event loop: it may be long
@@ -42,7 +44,8 @@ async def create_completion(body: CompletionRequest, request: Request, context: 
         echoes = [texts[spec.index // body.n] for spec in specs]
     num_prompt_tokens = sum(map(len, prompts))
     if body.stream:
-        return sse_response(_chunks(body, model, response_id, generation, echoes, num_prompt_tokens))
+        pieces = await generation.started(request)
+        return sse_response(_chunks(body, model, response_id, pieces, echoes, num_prompt_tokens))
     results = await unless_disconnected(request, generation.collect())
     return CompletionResponse(
         id=response_id,
@@ -81,7 +84,7 @@ async def _chunks(
     body: CompletionRequest,
     model: ServedModel,
     response_id: str,
-    generation: Generation,
+    pieces: AsyncIterator[ChoicePiece],
     echoes: list[str],
     num_prompt_tokens: int,
 ) -> AsyncIterator[str]:
@@ -96,7 +99,7 @@ async def _chunks(
             yield chunk([CompletionChoice(index=index, text=echo)])
     num_output_tokens = [0] * len(echoes)
     text_offsets = [0] * len(echoes)
-    async with aclosing(generation.stream()) as pieces:
+    async with aclosing(pieces):
         async for piece in pieces:
             logprobs = None
             if body.logprobs is not None:

@@ -6,8 +6,8 @@ import logging
 
 from fastapi import Request
 
+from service.api.engines import EngineSet
 from service.api.errors import ApiError
-from service.api.scheduler_client import SchedulerClient
 from service.api.served_model import ServedModel
 from service.wire import ModelInfo
 
@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 
 class ApiContext:
-    def __init__(self, client: SchedulerClient) -> None:
+    def __init__(self, client: EngineSet) -> None:
         self.client = client
         self._built_from: ModelInfo | None = None
         self._model: ServedModel | None = None

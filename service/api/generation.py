@@ -3,7 +3,9 @@
 Each choice is its own scheduler request with its own id. Their pieces are merged into one
 stream in arrival order. Leaving the stream early (a client that went away) cancels every
 choice, which aborts its scheduler request; that cleanup never awaits, so it also runs inside
-a cancelled task.
+a cancelled task. A streamed response starts only once the first piece has come, so a generation
+that fails before its first token (no worker, a request the worker refuses) gets the same HTTP
+status as a response that is not streamed.
 """
 
 from __future__ import annotations
@@ -90,6 +92,17 @@ class Generation:
             for task in tasks:
                 task.cancel()
 
+    async def started(self, request: Request) -> AsyncIterator[ChoicePiece]:
+        """The pieces of all choices once the first has come; raises the ApiError of a generation that
+        fails before it (499 if the client leaves first). The caller closes the iterator."""
+        pieces = self.stream()
+        try:
+            first = await unless_disconnected(request, anext(pieces))
+        except BaseException:
+            await pieces.aclose()
+            raise
+        return _after(first, pieces)
+
     async def collect(self) -> list[ChoiceResult]:
         results = {spec.index: ChoiceResult(spec.index) for spec in self._specs}
         async with aclosing(self.stream()) as pieces:
@@ -118,6 +131,15 @@ class Generation:
             pieces.put_nowait(exc)
         finally:
             pieces.put_nowait(None)
+
+
+async def _after(first: ChoicePiece, rest: AsyncIterator[ChoicePiece]) -> AsyncIterator[ChoicePiece]:
+    try:
+        yield first
+        async for piece in rest:
+            yield piece
+    finally:
+        await rest.aclose()
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

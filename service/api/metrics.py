@@ -39,6 +39,31 @@ class ApiMetrics:
             "HTTP requests being answered now",
             registry=self.registry,
         )
+        self.engine_requests = Counter(
+            "blockserve_api_engine_requests",
+            "Requests this replica sent to each engine (its address)",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.routing_decisions = Counter(
+            "blockserve_api_routing_decisions",
+            "Engines chosen, by what decided: prefix (a cached prefix), load, round_robin, or retry (another "
+            "engine after one refused the request before starting it)",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in ("prefix", "load", "round_robin", "retry"):
+            self.routing_decisions.labels(reason)
+        self.routed_prompt_blocks = Counter(
+            "blockserve_api_routed_prompt_blocks",
+            "Full KV-cache blocks of the prompts routed (the last token is always computed, so not counted)",
+            registry=self.registry,
+        )
+        self.routed_matched_blocks = Counter(
+            "blockserve_api_routed_matched_blocks",
+            "Of those, the leading blocks the chosen engine's prefix cache held at routing time",
+            registry=self.registry,
+        )
         self.malformed_frames = Counter(
             "blockserve_api_malformed_frames",
             "Frames from the scheduler dropped as malformed, unknown or of another protocol version",
@@ -54,6 +79,19 @@ class ApiMetrics:
             self.duration.labels(path)
             for method in methods:
                 self.requests.labels(path, method.upper(), "200")
+
+    def on_route(self, engine: str, reason: str, num_matched_blocks: int, num_prompt_blocks: int) -> None:
+        self.engine_requests.labels(engine).inc()
+        self.routing_decisions.labels(reason).inc()
+        self.routed_matched_blocks.inc(num_matched_blocks)
+        self.routed_prompt_blocks.inc(num_prompt_blocks)
+
+    def on_engines_changed(self, added: list[str], dropped: list[str]) -> None:
+        """An engine's request counter exists from when it is found (at 0) until it is gone."""
+        for engine in added:
+            self.engine_requests.labels(engine)
+        for engine in dropped:
+            self.engine_requests.remove(engine)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -85,6 +123,6 @@ class MetricsMiddleware:
         finally:
             self.metrics.in_flight.dec()
             route = scope.get("route")
-            route_path = getattr(route, "path", UNMATCHED_ROUTE)
+            route_path = getattr(route, "path_format", UNMATCHED_ROUTE)  # as the OpenAPI document names it
             self.metrics.requests.labels(route_path, scope["method"], str(status_code)).inc()
             self.metrics.duration.labels(route_path).observe(time.perf_counter() - started_s)

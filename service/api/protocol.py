@@ -1,6 +1,7 @@
 """OpenAI request and response bodies; these models are the API's documentation.
 
-Requests are validated strictly (no "5" for 5, no true for 1, no NaN or infinities). A
+Requests are validated strictly (no "5" for 5, no true for 1, no NaN or infinities; 5.0 is 5, as
+JSON has one number type and JSON Schema calls 5.0 an integer). A
 parameter sent as JSON null means its default, as OpenAI's clients expect. Unknown parameters
 are ignored. Numeric ranges are OpenAI's, and vLLM's for its extra parameters. Text must be
 valid Unicode: a lone surrogate (`"\\ud800"` in JSON) is rejected before it reaches the tokenizer.
@@ -11,19 +12,49 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from service import limits
-from service.limits import MAX_TOP_LOGPROBS
+from service.limits import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from service.wire import SamplingParams
 
 MAX_CHOICES = 128
 MAX_SEED = limits.MAX_SEED - MAX_CHOICES  # choice i samples with seed + i
-
 NonEmptyText = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
+# A token id; "x-token-id" marks it in the OpenAPI document, which bounds it by the served model's vocabulary.
+TOKEN_ID_MARK = "x-token-id"
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True})]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+TOKEN_ID_TEXT = r"^(0|[1-9][0-9]{0,17})$"  # a decimal int64, no leading zeros
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=TOKEN_ID_TEXT)], Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+    WithJsonSchema(  # pydantic would write patternProperties, which lets any other key through
+        {
+            "type": "object",
+            "propertyNames": {"type": "string", "pattern": TOKEN_ID_TEXT, TOKEN_ID_MARK: True},
+            "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
+        }
+    ),
+]
+
+
+def whole_numbers(value: object) -> object:
+    """`value` with each float that has no fraction as an int, in lists too: JSON has one number type, and JSON
+    Schema calls 5.0 an integer. Strings, booleans and other floats stay as they came (and fail as ints)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [whole_numbers(item) for item in value]
+    return value
 
 
 class StrictRequest(BaseModel):
@@ -70,6 +101,9 @@ class GenerationRequest(StrictRequest):
     repetition_penalty: float | None = Field(None, gt=0.0, le=limits.MAX_REPETITION_PENALTY)
     stop: NonEmptyText | list[NonEmptyText] | None = Field(None, description="Text that ends a choice; never returned")
     stop_token_ids: list[TokenId] | None = None
+    logit_bias: LogitBias | None = Field(
+        None, description="Token id (as text) -> a number in [-100, 100] added to its logit before sampling"
+    )
     ignore_eos: bool = False
     priority: int = Field(
         0,
@@ -80,6 +114,8 @@ class GenerationRequest(StrictRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+
+    _shared_integers = field_validator("n", "top_k", "seed", "stop_token_ids", mode="before")(whole_numbers)
 
     @model_validator(mode="before")
     @classmethod
@@ -102,6 +138,9 @@ class GenerationRequest(StrictRequest):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(token_id): bias for token_id, bias in (self.logit_bias or {}).items()}
+
     def sampling_params(self, *, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -116,11 +155,19 @@ class GenerationRequest(StrictRequest):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            logit_bias=self.logit_bias_ids(),
         )
 
 
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions."""
+
+    # The route refuses echo with logprobs (no prompt logprobs): the document says so too.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [{"properties": {"echo": {"const": False}}}, {"properties": {"logprobs": {"type": "null"}}}]
+        }
+    )
 
     prompt: (
         NonEmptyText
@@ -131,6 +178,8 @@ class CompletionRequest(GenerationRequest):
     max_tokens: int | None = Field(None, ge=1, description="Default 16")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Top alternatives per token")
     echo: bool = Field(False, description="Prepend the prompt to the text")
+
+    _completion_integers = field_validator("prompt", "max_tokens", "logprobs", mode="before")(whole_numbers)
 
 
 class TextPart(StrictRequest):
@@ -153,6 +202,7 @@ class MessageParam(BaseModel):
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "\n".join(part.text for part in self.content)
+        message.setdefault("content", "")  # an assistant's tool calls alone: templates read content (as vLLM's)
         return message
 
 
@@ -185,6 +235,15 @@ class ToolCall(StrictRequest):
 class AssistantMessageParam(MessageParam):
     """An earlier reply: text, tool calls, or both."""
 
+    # The document says so too (pydantic writes no schema for the validator below).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+                {"required": ["tool_calls"], "properties": {"tool_calls": {"not": {"type": "null"}}}},
+            ]
+        }
+    )
     role: Literal["assistant"]
     content: Content | None = None
     refusal: str | None = None
@@ -215,11 +274,25 @@ ChatMessage = Annotated[
 class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions."""
 
+    # The route refuses top_logprobs without logprobs: the document says so too.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"properties": {"top_logprobs": {"type": "null"}}},
+                {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+            ]
+        }
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1, description="Default: what is left of the context")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    _chat_integers = field_validator("max_tokens", "max_completion_tokens", "top_logprobs", mode="before")(
+        whole_numbers
+    )
 
 
 # ---------------------------------------------------------------- responses

@@ -6,8 +6,8 @@ leading blocks of a prompt each engine holds. Routing modes:
 
 - `prefix` (default): the engine of the highest score `matched / prompt_blocks − LOAD_WEIGHT ×
   queue / (mean_queue + 1)`, where `matched` counts the prompt's leading full blocks the engine
-  holds and `queue` is its running plus waiting requests (as reported, plus what this replica sent
-  it since); ties go to the longer match, then the shorter queue, then round robin. A whole prefix
+  holds and `queue` is its running plus waiting requests as reported, or this replica's own open
+  requests on it if more (reports lag behind a burst); ties go to the longer match, then the shorter queue, then round robin. A whole prefix
   match wins while the holder's queue is up to about twice the mean; beyond, the request goes elsewhere.
 - `load`: the shortest queue (ties: round robin).
 - `round_robin`: each ready engine in turn.
@@ -35,13 +35,13 @@ class EngineView:
     name: str
     block_size: int = 0
     cached_hashes: set[int] = field(default_factory=set)
-    num_queued: int = 0  # running + waiting, as last reported
-    num_sent_since_report: int = 0  # requests this replica sent it since that report
+    num_queued: int = 0  # running + waiting, as last reported (every replica's)
+    num_open_here: int = 0  # this replica's requests on it now
     draining: bool = False
 
     @property
     def queue(self) -> int:
-        return self.num_queued + self.num_sent_since_report
+        return max(self.num_queued, self.num_open_here)
 
     def welcome(self, welcome: wire.ApiWelcome) -> None:
         """The engine's prefix cache as it is now; its reports carry the changes."""
@@ -55,7 +55,6 @@ class EngineView:
             else:
                 self.cached_hashes.discard(block_hash)  # the welcome's snapshot may already hold the change
         self.num_queued = report.num_running + report.num_waiting
-        self.num_sent_since_report = 0
         self.draining = report.draining
 
     def num_matched_blocks(self, block_hashes: list[int]) -> int:

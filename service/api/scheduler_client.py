@@ -18,6 +18,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from service import socket_auth, wire
+from service.api.routing import EngineView
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class SchedulerClient:
         self.addr = addr
         self.replica_id = replica_id
         self.model: wire.ModelInfo | None = None  # the last welcome's; kept across reconnects
+        self.ready = False  # as the last welcome or status said
+        self.view = EngineView(addr)  # its prefix cache and load, for the router
         self._idle_check_s = idle_check_s
         self._on_malformed_frame = on_malformed_frame
         self._client_keys = client_keys
@@ -92,6 +95,7 @@ class SchedulerClient:
         """The deltas of one request; leaving early (or being cancelled) aborts it."""
         queue: asyncio.Queue[wire.RequestDelta] = asyncio.Queue()
         self._streams[request_id] = queue
+        self.view.num_open_here = len(self._streams)
         finished = False
         try:
             request = wire.GenerateRequest(
@@ -107,6 +111,7 @@ class SchedulerClient:
                 yield delta
         finally:
             del self._streams[request_id]
+            self.view.num_open_here = len(self._streams)
             if not finished:
                 self._send(wire.AbortRequest(request_id=request_id))
 
@@ -166,11 +171,16 @@ class SchedulerClient:
 
     def _dispatch(self, message: wire.AnyMessage) -> None:
         if isinstance(message, wire.DeltaBatch):
+            if message.report is not None:
+                self.view.take(message.report)
             for delta in message.all_deltas():
                 self._route(delta)
         elif isinstance(message, wire.RequestDelta):
             self._route(message)
         elif isinstance(message, wire.SchedulerStatus):
+            self.ready = message.ready
+            if message.report is not None:
+                self.view.take(message.report)
             waiters, self._status_waiters = self._status_waiters, []
             for waiter in waiters:
                 if not waiter.done():
@@ -179,6 +189,8 @@ class SchedulerClient:
             if self.model != message.model:
                 log.info("serving model %s (max_model_len %d)", message.model.name, message.model.max_model_len)
             self.model = message.model
+            self.ready = message.ready
+            self.view.welcome(message)
             self._welcomed.set()
         else:
             raise wire.WireError(f"unexpected {type(message).__name__} on the api socket")

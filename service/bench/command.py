@@ -24,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=32_000, help="prompt token ids are drawn below this")
+    parser.add_argument(
+        "--shared-prefixes", type=int, default=0, help="each prompt starts with one of this many common prefixes"
+    )
+    parser.add_argument("--shared-prefix-len", type=int, default=256, help="tokens of each common prefix")
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let requests stop at EOS")
     parser.add_argument("--slo-ttft-ms", type=float, default=None)
     parser.add_argument("--slo-tpot-ms", type=float, default=None)
@@ -46,7 +50,14 @@ def build_trace(args: argparse.Namespace):
         lengths = NAMED_WORKLOADS[args.workload]
     return make_trace(
         Workload(
-            args.num_requests, *lengths, args.request_rate, args.burstiness, vocab_size=args.vocab_size, seed=args.seed
+            args.num_requests,
+            *lengths,
+            args.request_rate,
+            args.burstiness,
+            vocab_size=args.vocab_size,
+            seed=args.seed,
+            num_shared_prefixes=args.shared_prefixes,
+            shared_prefix_len=args.shared_prefix_len if args.shared_prefixes else 0,
         )
     )
 

@@ -28,7 +28,8 @@ BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 
 PREEMPTION_BUCKETS = (0, 1, 2, 3, 5, 8, 13, 21)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 STEP_LOOP_PARTS = ("schedule", "update", "fanout", "encode", "decode")
-DROP_REASONS = ("malformed", "unexpected", "invalid", "unknown_worker", "handler_error")  # server.py DroppedFrame
+# server.py's DroppedFrame reasons
+DROP_REASONS = ("malformed", "unexpected", "invalid", "unknown_worker", "slot_taken", "other_model", "handler_error")
 PRIORITY_CLASSES = ("high", "default", "low")  # priority below 0, 0, above 0
 
 
@@ -239,7 +240,9 @@ class SchedulerMetrics:
             "blockserve_dropped_frames",
             "Frames dropped by the scheduler, by socket (api, worker) and reason: malformed (not a message of "
             "this protocol), unexpected (a message that socket does not take), invalid (a nonsense hello), "
-            "unknown_worker (from a worker that is not registered), handler_error (handling it raised).",
+            "unknown_worker (from a worker that is not registered), slot_taken (a worker's hello while another "
+            "is alive), other_model (a worker's hello for another model than the one served), handler_error "
+            "(handling it raised).",
             ["socket", "reason"],
             registry=self.registry,
         )
@@ -265,8 +268,8 @@ class SchedulerMetrics:
             for labels in [(model, name) for name in PRIORITY_CLASSES] if by_priority else [(model,)]:
                 family.labels(*labels)
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def serve(self, host: str, port: int) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
 
     def on_outcome(self, outcome: StepOutcome) -> None:
         """Latencies of what one scheduler call produced, from the requests' own timings."""

@@ -220,12 +220,9 @@ class Scheduler:
                 victim = self.preemption.choose_victim(request, list(self.running))
                 if victim is None or (victim is request and request.num_output_placeholders):
                     break  # it waits (its next token is still computing: decide once it is known)
-                returned = _unschedule(victim, decodes, chunks, new_block_ids)
-                budget, prefill_budget, chunk_budget = (
-                    budget + returned,
-                    prefill_budget + returned,
-                    chunk_budget + returned,
-                )
+                num_decode, num_chunk = _unschedule(victim, decodes, chunks, new_block_ids)
+                budget += num_decode + num_chunk
+                prefill_budget, chunk_budget = prefill_budget + num_chunk, chunk_budget + num_chunk
                 self._preempt(victim, now, outcome)
                 if not victim.is_finished:
                     preempted.append(victim)
@@ -243,8 +240,8 @@ class Scheduler:
             self.admission.on_preemption()
         elif self.waiting and budget > 0 and prefill_budget > 0:
             while self.by_priority and (victim := self._victim_for_a_better_priority()) is not None:
-                returned = _unschedule(victim, decodes, chunks, new_block_ids)
-                budget, prefill_budget = budget + returned, prefill_budget + returned
+                num_decode, num_chunk = _unschedule(victim, decodes, chunks, new_block_ids)
+                budget, prefill_budget = budget + num_decode + num_chunk, prefill_budget + num_chunk
                 self._preempt(victim, now, outcome)
                 preempted.append(victim)
             # What gave way made room for better priorities only.
@@ -298,14 +295,16 @@ class Scheduler:
             for request, num_computed_tokens in step.filled:
                 if not request.is_finished and voided.get(request, 0) < step_id:
                     self.kv.cache_blocks(request, num_computed_tokens)
-            self._take_tokens(step, result.sampled, now, outcome)
+            self._take_tokens(step, result.sampled, now, outcome, result.refused)
         if voided:
             for request in [r for r, until in voided.items() if until <= step_id]:
                 del voided[request]
         outcome.cache_events = self.kv.take_cache_events()
         return outcome
 
-    def _take_tokens(self, step: ScheduledStep, sampled: list, now: float, outcome: StepOutcome) -> None:
+    def _take_tokens(
+        self, step: ScheduledStep, sampled: list, now: float, outcome: StepOutcome, refused: dict[str, str]
+    ) -> None:
         """Each sampling request's token: appended, ended on a stop, and sent. A plain token (no logprobs, not
         the last) goes to its replica's columns. This loop runs per request per step: keep it lean."""
         step_id, voided, not_sampling = step.step_id, self._voided_until, step.not_sampling
@@ -328,7 +327,10 @@ class Scheduler:
                 continue
             request.num_output_placeholders -= 1
             if sampled_token is None:
-                self._end(request, FinishReason.ERROR, "the worker returned no token", now, outcome)
+                if (refusal := refused.get(request.request_id)) is not None:  # its own parameters: a 400
+                    self._end(request, FinishReason.ERROR, f"the worker refused it: {refusal}", now, outcome, 400)
+                else:
+                    self._end(request, FinishReason.ERROR, "the worker returned no token", now, outcome)
                 continue
             token_id, token_ids = sampled_token.token_id, request.token_ids
             token_ids.append(token_id)
@@ -471,13 +473,15 @@ class Scheduler:
         outcome.finished.append(request)
 
 
-def _unschedule(victim: Request, decodes: list, chunks: dict, new_block_ids: dict) -> int:
-    """Take a preempted request out of the step being scheduled; return the tokens it had."""
+def _unschedule(victim: Request, decodes: list, chunks: dict, new_block_ids: dict) -> tuple[int, int]:
+    """Take a preempted request out of the step being scheduled; return the tokens it had: (as a
+    decode, as a chunk)."""
     new_block_ids.pop(victim, None)
     if victim in decodes:
         decodes.remove(victim)
-        return 1
-    return chunks.pop(victim, 0)
+        return 1, 0
+    num_tokens = chunks.pop(victim, 0)
+    return (1, 0) if num_tokens == 1 else (0, num_tokens)
 
 
 def build_scheduler(

@@ -4,11 +4,14 @@ Two ROUTER sockets: api replicas connect to `scheduler_addr` (requests, aborts, 
 step's deltas go to each replica as one `DeltaBatch`), workers to `worker_addr` (hello, step
 results). The worker is pinged every second, computing or not: one that disconnects (its own
 connection, matched by fd) or leaves pings unanswered for `worker_timeout_s` is dead, however
-long a step takes: readiness turns false and every request ends with an error. A hello from
-another worker replaces it (connected api replicas are welcomed again with its model); its own
-repeated hello changes nothing. An api replica whose connection closes (or falls silent past
-the zmq heartbeat timeout) has its requests aborted. A malformed, unexpected or nonsense frame
-is dropped and counted in blockserve_dropped_frames_total; no handler's exception ends the process.
+long a step takes: readiness turns false and every request ends with an error. The zmq heartbeat
+of the worker socket has the same timeout, so one setting decides. A live worker's slot cannot be
+taken: another worker's hello is refused until it is dead (its own repeated hello changes
+nothing), and the scheduler serves one model for its life, the first worker's, which the api
+replicas are told: a worker of another model is refused. An api replica whose connection closes
+(or falls silent past API_HEARTBEAT_TIMEOUT_MS) has its requests aborted. A malformed,
+unexpected, nonsense or refused frame is dropped and counted in blockserve_dropped_frames_total;
+no handler's exception ends the process.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ LAST_DELTAS_GRACE_S = 0.5  # between the shutdown's last deltas and closing the 
 GC_GEN0_THRESHOLD = 50_000
 REPORT_INTERVAL_S = 0.25  # an api replica hears the load at least this often while steps run
 MAX_CACHE_EVENTS_PER_REPORT = 4096  # more wait for the next report (in order): frames stay small
-ZMQ_HEARTBEAT_TIMEOUT_MS = 6000  # a peer silent this long is disconnected (an api replica: its requests aborted)
+ZMQ_HEARTBEAT_IVL_MS = 2000
+API_HEARTBEAT_TIMEOUT_MS = 6000  # an api replica silent this long is disconnected: its requests aborted
 # A plain (or otherwise broken) peer fails inside libzmq, before ZAP: counted as an auth failure with CURVE on.
 HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
@@ -61,13 +65,14 @@ class SchedulerServer:
         self.curve = socket_auth.CurveServer(
             settings, self.context, lambda socket: self.metrics.auth_failures.labels(socket).inc()
         )
-        self.api_socket = self._router(settings.scheduler_addr)
-        self.worker_socket = self._router(settings.worker_addr)
+        self.api_socket = self._router(settings.scheduler_addr, API_HEARTBEAT_TIMEOUT_MS)
+        self.worker_socket = self._router(settings.worker_addr, int(1000 * settings.worker_timeout_s))
         self.worker_monitor = self.worker_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
         self.api_monitor = self.api_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
         self.api_fds: dict[int, bytes] = {}  # connection fd -> the api replica that sends on it
         self.engine: EngineLoop | None = None
         self.model: wire.ModelInfo | None = None
+        self.worker_model: wire.ModelInfo | None = None  # the first worker's, as it said: every later one's must match
         self.worker_id: bytes | None = None
         self.worker_fd: int | None = None  # its connection: a disconnect of any other is not its loss
         self.frame_fd: int | None = None  # the connection of the frame being handled
@@ -86,14 +91,14 @@ class SchedulerServer:
         self.draining = False
         self.stopping = False
 
-    def _router(self, addr: str) -> zmq.Socket:
+    def _router(self, addr: str, heartbeat_timeout_ms: int) -> zmq.Socket:
         socket = self.context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a vanished replica is dropped
         socket.setsockopt(zmq.SNDHWM, 0)  # a ROUTER at its high-water mark drops silently: no limit
         socket.setsockopt(zmq.RCVHWM, 0)
-        socket.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
+        socket.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_timeout_ms)  # a peer silent this long is disconnected
         self.curve.secure(socket, addr)
         socket.bind(addr)
         return socket
@@ -245,7 +250,7 @@ class SchedulerServer:
         request_id = message.request_id
         if self.scheduler is None or not self.ready:
             reason = "the service is shutting down" if self.draining else "no worker is available"
-            self._send(self.api_socket, identity, self._error_delta(request_id, reason, 503))
+            self._send(self.api_socket, identity, self._error_delta(request_id, reason, 503, refused=True))
             return
         now = time.monotonic()
         try:
@@ -315,9 +320,14 @@ class SchedulerServer:
         )
 
     @staticmethod
-    def _error_delta(request_id: str, reason: str, status: int) -> wire.RequestDelta:
+    def _error_delta(request_id: str, reason: str, status: int, refused: bool = False) -> wire.RequestDelta:
         return wire.RequestDelta(
-            request_id=request_id, token_ids=[], finish_reason="error", error=reason, error_status=status
+            request_id=request_id,
+            token_ids=[],
+            finish_reason="error",
+            error=reason,
+            error_status=status,
+            refused=refused,
         )
 
     @staticmethod
@@ -346,9 +356,19 @@ class SchedulerServer:
                 raise DroppedFrame("invalid", f"worker hello: block_size {hello.block_size} disagrees with the table")
             return  # the live worker repeats its hello after a silence: nothing restarted
         if self.worker_id is not None:
-            self._worker_lost("another worker registered")
+            raise DroppedFrame(
+                "slot_taken",
+                f"hello of worker {hello.worker_id!r} while worker {self.worker_id.decode(errors='replace')!r} is alive",
+            )
+        if self.worker_model is not None and hello.model != self.worker_model:
+            raise DroppedFrame(
+                "other_model",
+                f"worker {hello.worker_id!r} serves model {hello.model.name!r}, not {self.worker_model.name!r}, which "
+                "the api replicas were told (restart the scheduler to serve another model)",
+            )
         self.engine = EngineLoop.for_worker(self.settings, hello, self.counters)
         config = self.engine.scheduler.config
+        self.worker_model = hello.model
         self.model = msgspec.structs.replace(hello.model, max_model_len=config.max_model_len)
         self.metrics.start_series(self.model.name)
         self.metrics.add_settings_info({f"worker_{key}": value for key, value in hello.kernels.items()})
@@ -361,7 +381,7 @@ class SchedulerServer:
             hello.block_size,
             hello.model.name,
         )
-        # Connected api replicas were welcomed with the model before; this worker may serve another.
+        # Api replicas that said hello before the first worker came are waiting for their welcome.
         for replica in set(self.api_fds.values()):
             self._send(self.api_socket, replica, self._welcome())
 
@@ -416,11 +436,12 @@ class SchedulerServer:
 
 def run_scheduler(settings: Settings) -> None:
     server = SchedulerServer(settings)
-    server.metrics.serve(settings.metrics_port)
+    server.metrics.serve(settings.host, settings.metrics_port)
     log.info(
-        "scheduler listening: api %s, workers %s, metrics on :%d/metrics",
+        "scheduler listening: api %s, workers %s, metrics on %s:%d/metrics",
         settings.scheduler_addr,
         settings.worker_addr,
+        settings.host,
         settings.metrics_port,
     )
     # Every request's state lives for many steps: the default gen-0 threshold (700 allocations) makes

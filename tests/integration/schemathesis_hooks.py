@@ -1,17 +1,27 @@
 """Schemathesis hooks for the conformance run (SCHEMATHESIS_HOOKS): keep each generation small.
 
 On a CPU the real model makes a few tokens per second per sequence, so a generated request for
-128 choices of the whole context would take minutes. Sizes the spec allows are capped here;
-everything else (invalid values, missing fields, odd types) goes out as generated.
+128 choices of the whole context would take minutes. Sizes the spec allows are capped here, to
+values it allows too, so a request stays as valid or invalid as it was generated: choices and new
+tokens in every request (one generated to break the schema elsewhere, say in a header, may still be
+served), and the text and token ids of a valid request, so that it also fits the model's context (how
+many tokens a text makes, no schema can say). An invalid request keeps its text: cutting it could cut
+what makes it invalid.
 """
 
 from __future__ import annotations
 
 import schemathesis
 
+from service.api.protocol import MAX_CHOICES as ALLOWED_CHOICES
+
 MAX_CHOICES = 2
 MAX_NEW_TOKENS = 4
 NEW_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+# With these a request stays under the conformance run's context (1,024 tokens) even at 4 tokens a character.
+MAX_ITEMS = 3  # messages, content parts, prompts of a batch
+MAX_TEXT_CHARS = 24
+MAX_PROMPT_TOKEN_IDS = 64
 
 
 @schemathesis.hook
@@ -19,13 +29,35 @@ def before_call(context, case, kwargs) -> None:
     body = case.body
     if not isinstance(body, dict):
         return
-    if _is_count(body.get("n")) and body["n"] > MAX_CHOICES:
+    if _is_count(body.get("n")) and MAX_CHOICES < body["n"] <= ALLOWED_CHOICES:
         body["n"] = MAX_CHOICES
     for field in NEW_TOKEN_FIELDS:
         if _is_count(body.get(field)) and body[field] > MAX_NEW_TOKENS:
             body[field] = MAX_NEW_TOKENS
-    if not any(field in body for field in NEW_TOKEN_FIELDS):
+    if all(body.get(field) is None for field in NEW_TOKEN_FIELDS):  # absent or null: the default
         body["max_tokens"] = MAX_NEW_TOKENS  # the defaults: 16 tokens, or a chat's whole remaining context
+    if case.meta is not None and case.meta.generation.mode.is_negative:
+        return
+    if "prompt" in body:
+        body["prompt"] = _shortened(body["prompt"])
+    if isinstance(body.get("messages"), list):
+        body["messages"] = body["messages"][:MAX_ITEMS]
+        for message in body["messages"]:
+            if isinstance(message, dict) and "content" in message:
+                message["content"] = _shortened(message["content"])
+
+
+def _shortened(value: object) -> object:
+    """A text, token-id list, batch or content-part list cut to the caps (never below one item or character)."""
+    if isinstance(value, str):
+        return value[:MAX_TEXT_CHARS]
+    if isinstance(value, dict) and isinstance(value.get("text"), str):
+        return {**value, "text": value["text"][:MAX_TEXT_CHARS]}
+    if isinstance(value, list):
+        if value and all(_is_count(item) for item in value):
+            return value[:MAX_PROMPT_TOKEN_IDS]
+        return [_shortened(item) for item in value[:MAX_ITEMS]]
+    return value
 
 
 def _is_count(value: object) -> bool:

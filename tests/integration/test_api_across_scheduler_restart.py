@@ -134,9 +134,10 @@ def test_api_ends_in_flight_requests_and_then_serves_the_model_of_a_new_schedule
         stop_all(processes)
 
 
-def test_a_worker_of_another_model_taking_over_a_live_scheduler_rewelcomes_every_api_replica(tmp_path):
-    """The scheduler stays; its worker is replaced by one serving another model. The api replicas
-    connected to it are told at once: /v1/models names the new model, requests for it are served."""
+def test_a_live_scheduler_refuses_a_worker_of_another_model_and_takes_back_one_of_its_own(tmp_path):
+    """The scheduler stays; its worker dies. Meanwhile requests get 503, streamed or not; a worker of another
+    model is refused, not adopted (the api replicas keep the model they were told); a worker of the model
+    registers again and is served."""
     env = loopback_env()
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
     worker = start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "worker.log")
@@ -148,8 +149,15 @@ def test_a_worker_of_another_model_taking_over_a_live_scheduler_rewelcomes_every
     try:
         wait_ready(url, timeout_s=60)
         models = lambda: [card["id"] for card in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]]  # noqa: E731
-        assert models() == [tiny_model_info().name]
+        model = tiny_model_info().name
+        assert models() == [model]
         kill(worker)
+        wait_until(lambda: httpx.get(f"{url}/ready", timeout=10).status_code == 503, 30, "still ready")
+        body = {"model": model, "prompt": SHORT_PROMPT, "max_tokens": 2}
+        for stream in (False, True):
+            refused = httpx.post(f"{url}/v1/completions", json={**body, "stream": stream}, timeout=10)
+            assert refused.status_code == 503 and "no worker" in refused.json()["error"]["message"], refused.text
+
         processes.append(
             start(
                 ["-m", "tests.support.fake_worker_process"],
@@ -157,11 +165,17 @@ def test_a_worker_of_another_model_taking_over_a_live_scheduler_rewelcomes_every
                 tmp_path / "w2.log",
             )
         )
-        wait_until(lambda: models() == ["other-model"], 30, "the api still names the old model")
+        dropped = lambda: scrape(env["BLOCKSERVE_METRICS_PORT"])["blockserve_dropped_frames_total"]  # noqa: E731
+        wait_until(lambda: dropped() >= 1, 60, "the other model's worker was not refused")
+        assert "(other_model)" in (tmp_path / "scheduler.log").read_text()
+        assert models() == [model] and httpx.get(f"{url}/ready", timeout=10).status_code == 503
+        kill(processes[-1])
+
+        processes.append(start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "w3.log"))
+        wait_ready(url, timeout_s=60)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
-        wait_ready(url, timeout_s=30)
         served = client.completions.create(
-            model="other-model", prompt=SHORT_PROMPT, max_tokens=2, extra_body={"ignore_eos": True}
+            model=model, prompt=SHORT_PROMPT, max_tokens=2, extra_body={"ignore_eos": True}
         )
         assert served.usage.completion_tokens == 2
     finally:

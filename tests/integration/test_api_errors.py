@@ -14,7 +14,7 @@ CHAT = [{"role": "user", "content": "Say hello"}]
 @pytest.fixture
 def fake(stack):
     fake, _ = stack
-    fake.error = None
+    fake.error, fake.error_after_tokens = None, 0
     return fake
 
 
@@ -58,6 +58,12 @@ def assert_openai_error(response: httpx.Response, status_code: int, param: str |
         ({"prompt": []}, "prompt"),
         ({"prompt": [10**9]}, "prompt"),
         ({"prompt": "hi", "stop_token_ids": [10**9]}, "stop_token_ids"),
+        ({"prompt": "hi", "logit_bias": {"1000000": 1}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"5": 100.5}}, "logit_bias.5"),
+        ({"prompt": "hi", "logit_bias": {"5": -101}}, "logit_bias.5"),
+        ({"prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias.five.[key]"),
+        ({"prompt": "hi", "logit_bias": {"5": "1"}}, "logit_bias.5"),
+        ({"prompt": "hi", "logit_bias": [5]}, "logit_bias"),
         ({}, "prompt"),
     ],
 )
@@ -73,6 +79,7 @@ def test_invalid_completion_requests_get_400(http, body, param):
         ({"messages": [{"role": "wizard", "content": "hi"}]}, None),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None),
         ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": CHAT, "logit_bias": {"1000000": 1}}, "logit_bias"),
         ({"messages": CHAT, "max_completion_tokens": -3}, "max_completion_tokens"),
     ],
 )
@@ -122,13 +129,23 @@ def test_a_scheduler_error_before_any_token_becomes_that_http_status(fake, http)
     assert error["message"] == "this prompt can never fit in the KV cache"
 
 
-def test_a_scheduler_error_in_a_stream_is_an_error_event_then_done(fake, http):
-    fake.error = (500, "the worker crashed")
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_scheduler_error_before_the_first_token_of_a_stream_becomes_that_http_status(fake, http, path):
+    fake.error = (503, "no worker is available")
+    body = {"model": MODEL_NAME, "prompt": "hi", "messages": CHAT, "stream": True}
+    error = assert_openai_error(http.post(path, json=body), 503)
+    assert error["message"] == "no worker is available"
+
+
+def test_a_scheduler_error_in_a_stream_after_its_first_token_is_an_error_event_then_done(fake, http):
+    fake.error, fake.error_after_tokens = (500, "the worker crashed"), 2
     response = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": CHAT, "stream": True})
     events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
 
     assert response.status_code == 200
     assert events[-1] == "[DONE]"
+    text = "".join(json.loads(event)["choices"][0]["delta"].get("content", "") for event in events[:-2])
+    assert text and "Hello world".startswith(text)  # the tokens before the error came through
     error = json.loads(events[-2])["error"]
     assert error["message"] == "the worker crashed"
     assert error["type"] == "server_error"

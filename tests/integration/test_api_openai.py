@@ -179,3 +179,28 @@ def test_completion_logprobs_have_openai_shape(fake, client):
 
 def test_models_lists_the_served_model(client):
     assert [model.id for model in client.models.list()] == [MODEL_NAME]
+
+
+def test_models_retrieve_finds_the_served_model_by_name_and_alias(client):
+    model = client.models.retrieve(MODEL_NAME)
+    assert (model.id, model.object, model.owned_by) == (MODEL_NAME, "model", "blockserve")
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.body["code"] == "model_not_found"
+
+
+def test_logit_bias_reaches_the_scheduler_as_token_ids(fake, client):
+    client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, logit_bias={"5": 100, "17": -42.5})
+    assert fake.generated[-1].sampling.logit_bias == {5: 100.0, 17: -42.5}
+    client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, logit_bias={"0": -100})
+    assert fake.generated[-1].sampling.logit_bias == {0: -100.0}
+
+
+def test_whole_numbers_written_as_floats_are_integers(fake, client):
+    # JSON has one number type: 3.0 is the integer 3 (JSON Schema says so too); 2.5 is refused elsewhere.
+    client.completions.create(
+        model=MODEL_NAME, prompt=[5.0, 6.0], max_tokens=3.0, n=1.0, extra_body={"seed": 7.0, "stop_token_ids": [9.0]}
+    )
+    sent = fake.generated[-1]
+    assert sent.prompt_token_ids == [5, 6] and (sent.sampling.max_tokens, sent.sampling.seed) == (3, 7)
+    assert sent.sampling.stop_token_ids == [9]

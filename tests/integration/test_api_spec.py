@@ -5,7 +5,7 @@ import msgspec
 import pytest
 
 from service.api.errors import ApiError
-from service.api.protocol import ChatCompletionChunk
+from service.api.protocol import ChatCompletionChunk, ChatCompletionRequest
 from service.api.served_model import ServedModel
 from tests.support.fake_scheduler import ApiServer, FakeScheduler
 from tests.support.tiny_model import MODEL_NAME, tiny_model_info
@@ -162,3 +162,76 @@ def test_with_an_api_key_the_docs_and_the_spec_stay_open_on_purpose():
         with httpx.Client(base_url=api.base_url, timeout=10) as http:
             assert [http.get(path).status_code for path in ("/docs", "/redoc", "/openapi.json")] == [200, 200, 200]
             assert_openai_error(http.get("/v1/models"), 401)
+
+
+def request_validator(spec: dict, schema_name: str):
+    """A JSON Schema validator of the document's request body `schema_name` (its refs resolved in the document)."""
+    import jsonschema
+
+    return jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{schema_name}", **spec})
+
+
+@pytest.mark.parametrize(
+    ("path", "schema_name", "body"),
+    [
+        ("/v1/chat/completions", "ChatCompletionRequest", {"top_logprobs": 2}),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"top_logprobs": 0, "logprobs": False}),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"top_logprobs": 2, "logprobs": True}),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"top_logprobs": None, "logprobs": False}),
+        ("/v1/completions", "CompletionRequest", {"echo": True, "logprobs": 0}),
+        ("/v1/completions", "CompletionRequest", {"echo": True, "logprobs": None}),
+        ("/v1/completions", "CompletionRequest", {"echo": False, "logprobs": 2}),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": [{"role": "assistant"}]}),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": [{"role": "assistant", "content": None}]}),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": [{"role": "assistant", "content": "hi"}]}),
+        (
+            "/v1/chat/completions",
+            "ChatCompletionRequest",
+            {"messages": [{"role": "assistant", "tool_calls": [TOOL_CALL]}, {"role": "user", "content": "and?"}]},
+        ),
+    ],
+)
+def test_the_documents_cross_field_rules_are_the_servers(spec, http, path, schema_name, body):
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "hi",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        **body,
+    }
+    documented_valid = request_validator(spec, schema_name).is_valid(body)
+    response = http.post(path, json=body)
+    assert response.status_code == (200 if documented_valid else 400), (documented_valid, response.text)
+
+
+def test_the_document_bounds_token_ids_by_the_served_vocabulary(spec, http):
+    vocab_size = tiny_model_info().vocab_size
+    validator = request_validator(spec, "CompletionRequest")
+    for token_id, fits in ((0, True), (vocab_size - 1, True), (vocab_size, False), (10**9, False)):
+        for body in (
+            {"prompt": [token_id]},
+            {"prompt": [[1], [token_id]]},
+            {"prompt": "hi", "stop_token_ids": [token_id]},
+            {"prompt": "hi", "logit_bias": {str(token_id): 1}},
+        ):
+            assert validator.is_valid({**body, "max_tokens": 1}) is fits, (body, fits)
+            assert http.post("/v1/completions", json={**body, "max_tokens": 1}).status_code == (200 if fits else 400)
+    assert not validator.is_valid({"prompt": "hi", "logit_bias": {"007": 1}})
+    assert not validator.is_valid({"prompt": "hi", "logit_bias": {"5": 100.5}})
+
+
+def test_the_document_lists_the_model_route(spec):
+    operation = spec["paths"]["/v1/models/{model_id}"]["get"]
+    assert {"200", "404"} <= set(operation["responses"])
+    assert [parameter["name"] for parameter in operation["parameters"]] == ["model_id"]
+
+
+def test_an_assistant_message_of_tool_calls_alone_reaches_the_template_with_empty_content():
+    # SmolLM2's template adds message['content'] to text, as many do; vLLM gives such a message "" too.
+    template = "{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] }}{% endfor %}"
+    model = ServedModel(msgspec.structs.replace(tiny_model_info(), chat_template=template))
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [TOOL_CALL]}]}
+    )
+    prompt = model.encode_chat([message.template_dict() for message in body.messages])
+    assert model.decode(prompt) == "<user>Weather?<assistant>"

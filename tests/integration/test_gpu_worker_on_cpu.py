@@ -18,10 +18,11 @@ from gpu_worker.cuda_kernels import CudaKernels
 from gpu_worker.custom_attention import CustomPagedAttention
 from gpu_worker.device_model import map_model_tensors
 from gpu_worker.kernels import PaddleKernels, select_kernels
-from gpu_worker.linear import PaddleLinear, TiedLmHead
+from gpu_worker.linear import PaddleLinear, TiedLmHead, linear
 from gpu_worker.model_config import ModelConfig, RopeConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.precision import Precision
 from gpu_worker.step_delta import StepDelta
 from gpu_worker.step_upload import DeviceInputs, HostInputs
 from service import wire
@@ -97,10 +98,10 @@ def test_a_gpu_device_chooses_the_cuda_kernels_with_paddle_linears(monkeypatch):
     assert isinstance(choice.kernels, CudaKernels) and choice.kernels.ops is fake_ops
     assert choice.describe()["kernels"] == "cuda" and choice.describe()["kernels_isa"] == "cuda"
     assert choice.kernels.add_rms_norm("x", "w", "residual", 1e-5) == ("out", "summed")
+    assert choice.kernels.fused_layer(object(), tiny_config()) is None  # no CUDA bs_decoder_layer: op by op
     weight = np.ones((4, 8), dtype=np.float32)
-    from gpu_worker.linear import linear
-
-    assert isinstance(linear(choice.kernels, weight, None), PaddleLinear)  # cuBLAS through paddle.matmul
+    bfloat16 = Precision("bfloat16", "none", "test")
+    assert isinstance(linear(choice.kernels, weight, None, bfloat16), PaddleLinear)  # cuBLAS through paddle.matmul
 
 
 def tiny_config(head_dim: int = 16) -> ModelConfig:
@@ -148,7 +149,8 @@ def tiny_model(config: ModelConfig) -> LlamaForCausalLM:
             p + "mlp.down_proj.weight": (config.hidden_size, config.intermediate_size),
         }
     weights = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
-    return LlamaForCausalLM(config, weights, config.max_position_embeddings, PaddleKernels())
+    float32 = Precision("float32", "none", "test")
+    return LlamaForCausalLM(config, weights, config.max_position_embeddings, PaddleKernels(), float32)
 
 
 def test_moving_a_model_converts_every_weight_once_and_keeps_the_rotary_tables_float32():
@@ -162,9 +164,9 @@ def test_moving_a_model_converts_every_weight_once_and_keeps_the_rotary_tables_f
     map_model_tensors(model, to_bfloat16)
 
     layer = model.layers[0]
-    weights = [model.embed_tokens, model.norm, layer.input_norm, layer.qkv.weight, layer.down.weight]
+    weights = [model.embed_tokens.table, model.norm, layer.input_norm, layer.qkv.weight, layer.down.weight]
     assert all(w.dtype == paddle.bfloat16 for w in weights)
-    assert isinstance(model.lm_head, TiedLmHead) and model.lm_head.embedding is model.embed_tokens  # still tied
+    assert isinstance(model.lm_head, TiedLmHead) and model.lm_head.embedding is model.embed_tokens.table  # still tied
     assert {model.rotary.cos.dtype, model.rotary.sin.dtype} == {paddle.float32}
     num_weights = 2 + model.config.num_layers * 6  # embedding, final norm; per layer 2 norms and 4 linears
     assert calls.count(True) == num_weights and calls.count(False) == 3  # cos, sin, rotate_half

@@ -7,6 +7,7 @@ dockerfile from the `test` extra. A missing tool fails these tests: CI installs 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import http.server
@@ -14,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import ssl
 import subprocess
 import sys
 import threading
@@ -37,6 +39,7 @@ KUBERNETES_VERSIONS = ("1.25.0", "1.37.0")
 # Set by the chart per container instead of from `config`.
 CHART_MANAGED_SETTINGS = {
     "BLOCKSERVE_SCHEDULER_ADDR",
+    "BLOCKSERVE_ENGINE_DISCOVERY",
     "BLOCKSERVE_API_KEY",
     "BLOCKSERVE_SECRETS_DIR",
     "BLOCKSERVE_CURVE_SERVER_KEY",
@@ -44,11 +47,20 @@ CHART_MANAGED_SETTINGS = {
     "BLOCKSERVE_CURVE_CLIENT_SECRET_KEY",
     "BLOCKSERVE_CURVE_API_CLIENT_KEYS",
     "BLOCKSERVE_CURVE_WORKER_CLIENT_KEYS",
+    "BLOCKSERVE_ALLOW_UNAUTHENTICATED",
 }
 # Not blockserve settings, but read by what runs inside: Paddle's CPU thread count.
 RUNTIME_ENV = {"OMP_NUM_THREADS"}
 SETTING_NAMES = {env_name(field) for field in Settings.model_fields}
-RENDERINGS = {"default values": (), "every option on": ("--values", str(ALL_ON_VALUES))}
+# Every variant of what protects the internal sockets, and every other option at once.
+RENDERINGS = {
+    "default values": (),
+    "every option on": ("--values", str(ALL_ON_VALUES)),
+    "curve keys from an existing Secret": ("--set", "curve.existingSecret=team-curve"),
+    "curve off": ("--set", "curve.enabled=false"),
+    "curve and network policy off": ("--set", "curve.enabled=false", "--set", "networkPolicy.enabled=false"),
+    "several engines": ("--set", "engine.replicaCount=3", "--set", "api.replicaCount=2"),
+}
 
 
 def _helm() -> str:
@@ -169,9 +181,11 @@ def test_every_option_renders_every_kind():
             "Secret",
             "Service",
             "Service",
+            "Service",
             "Deployment",
             "Deployment",
             "HorizontalPodAutoscaler",
+            "NetworkPolicy",
             "PodDisruptionBudget",
             "PodDisruptionBudget",
             "ServiceMonitor",
@@ -179,7 +193,10 @@ def test_every_option_renders_every_kind():
         ]
     )
     default_kinds = sorted(r["kind"] for r in helm_template())
-    assert default_kinds == ["ConfigMap", "Deployment", "Deployment", "Service", "Service"]
+    assert default_kinds == sorted(
+        ["ConfigMap", "Deployment", "Deployment", "Service", "Service", "Service", "NetworkPolicy"]
+        + ["ServiceAccount", "Role", "RoleBinding", "Job"]  # the keys Job and what it needs
+    )
 
 
 def test_service_monitors_scrape_both_metrics_endpoints():
@@ -254,19 +271,61 @@ def test_default_rendering_runs_the_service_defaults_with_the_scheduler_reachabl
     resources = helm_template()
     config_map = find(resources, "ConfigMap", "-config")
     by_name = containers(resources)
-    engine_service = find(resources, "Service", "-engine")
+    engine_service = find(resources, "Service", "-engine-headless")
     scheduler_port = next(p["port"] for p in engine_service["spec"]["ports"] if p["name"] == "scheduler")
     defaults = Settings().model_dump()
+    chart_set = {"scheduler_addr", "engine_discovery"}
     for name, container in by_name.items():
-        settings = settings_from(env_of(container, config_map), monkeypatch).model_dump()
-        assert {k: v for k, v in settings.items() if k != "scheduler_addr"} == {
-            k: v for k, v in defaults.items() if k != "scheduler_addr"
+        # Without the keys folder (see test_curve_is_on_by_default_with_keys_a_hook_job_makes_once).
+        env = {k: v for k, v in env_of(container, config_map).items() if k != "BLOCKSERVE_SECRETS_DIR"}
+        settings = settings_from(env, monkeypatch).model_dump()
+        assert {k: v for k, v in settings.items() if k not in chart_set} == {
+            k: v for k, v in defaults.items() if k not in chart_set
         }, name
     scheduler_addr = urlparse(env_of(by_name["scheduler"], config_map)["BLOCKSERVE_SCHEDULER_ADDR"])
-    api_addr = urlparse(env_of(by_name["api"], config_map)["BLOCKSERVE_SCHEDULER_ADDR"])
+    api_discovery = urlparse(env_of(by_name["api"], config_map)["BLOCKSERVE_ENGINE_DISCOVERY"])
     assert (scheduler_addr.hostname, scheduler_addr.port) == ("0.0.0.0", scheduler_port)
-    assert (api_addr.hostname, api_addr.port) == (engine_service["metadata"]["name"], scheduler_port)
+    assert api_discovery.scheme == "dns"
+    assert (api_discovery.hostname, api_discovery.port) == (engine_service["metadata"]["name"], scheduler_port)
     assert urlparse(config_map["data"]["BLOCKSERVE_WORKER_ADDR"]).hostname == "127.0.0.1"
+
+
+def test_several_engines_are_all_reached_from_every_api_pod_over_curve():
+    from service.api.engines import resolve
+
+    resources = helm_template(*RENDERINGS["several engines"])
+    engine = find(resources, "Deployment", "-engine")
+    api = find(resources, "Deployment", "-api")
+    assert (engine["spec"]["replicas"], api["spec"]["replicas"]) == (3, 2)
+    headless = find(resources, "Service", "-engine-headless")["spec"]
+    # Headless: the name resolves to each engine pod (not one virtual IP), draining ones included.
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    engine_pod = engine["spec"]["template"]
+    assert headless["selector"].items() <= engine_pod["metadata"]["labels"].items()
+    assert not headless["selector"].items() <= api["spec"]["template"]["metadata"]["labels"].items()
+    (scheduler,) = [c for c in engine_pod["spec"]["containers"] if c["name"] == "scheduler"]
+    scheduler_port = next(p["containerPort"] for p in scheduler["ports"] if p["name"] == "scheduler")
+    (port,) = headless["ports"]
+    assert (port["targetPort"], port["port"]) == ("scheduler", scheduler_port)
+    # Every api pod (one template) looks the engines up there, and holds the api's own CURVE keys.
+    config_map = find(resources, "ConfigMap", "-config")
+    api_env = env_of(containers(resources)["api"], config_map)
+    assert "BLOCKSERVE_SCHEDULER_ADDR" not in api_env
+    discovery = api_env["BLOCKSERVE_ENGINE_DISCOVERY"]
+    assert urlparse(discovery)[:2] == (
+        "dns",
+        f"{find(resources, 'Service', '-engine-headless')['metadata']['name']}:{scheduler_port}",
+    )
+    assert asyncio.run(resolve(discovery)) == []  # well formed (a ValueError if not); no such name here
+    assert set(curve_mounts(resources)["api"]) == {
+        "BLOCKSERVE_CURVE_SERVER_KEY",
+        "BLOCKSERVE_CURVE_CLIENT_SECRET_KEY",
+        "(secret)",
+    }
+    # The engine pods' NetworkPolicy admits every api pod to the scheduler port.
+    policy = find(resources, "NetworkPolicy")
+    api_labels = api["spec"]["template"]["metadata"]["labels"]
+    assert admitted(policy, api_labels, "llm", scheduler_port)
 
 
 def test_large_whole_numbers_keep_their_digits():
@@ -343,16 +402,57 @@ def curve_mounts(resources: list[dict]) -> dict[str, dict[str, str]]:
     return mounted
 
 
-def test_curve_is_off_by_default():
+def hook_resources(resources: list[dict]) -> dict[str, dict]:
+    """The resources that Helm runs as hooks, by kind."""
+    hooks = [r for r in resources if "helm.sh/hook" in r["metadata"].get("annotations", {})]
+    by_kind = {r["kind"]: r for r in hooks}
+    assert len(by_kind) == len(hooks), "two hooks of one kind"
+    return by_kind
+
+
+def test_curve_is_on_by_default_with_keys_a_hook_job_makes_once():
     resources = helm_template()
-    assert curve_mounts(resources) == {}
-    assert not [r for r in resources if r["kind"] == "Secret"]
+    mounted = curve_mounts(resources)
+    assert set(mounted) == {"api", "scheduler", "worker"}
+    assert {files["(secret)"] for files in mounted.values()} == {"bs-blockserve-curve"}
+    assert not [r for r in resources if r["kind"] == "Secret"]  # the Job makes it, not Helm
+    hooks = hook_resources(resources)
+    assert set(hooks) == {"ServiceAccount", "Role", "RoleBinding", "Job"}
+    for resource in hooks.values():
+        annotations = resource["metadata"]["annotations"]
+        assert annotations["helm.sh/hook"] == "pre-install,pre-upgrade"
+        assert annotations["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+    weights = {kind: int(r["metadata"]["annotations"]["helm.sh/hook-weight"]) for kind, r in hooks.items()}
+    assert weights["ServiceAccount"] <= weights["Role"] < weights["RoleBinding"] < weights["Job"]
+    job = hooks["Job"]["spec"]["template"]["spec"]
+    (container,) = job["containers"]
+    assert container["command"][:4] == ["blockserve", "keys", "--kubernetes-secret", "bs-blockserve-curve"]
+    assert job["serviceAccountName"] == hooks["ServiceAccount"]["metadata"]["name"]
+    assert job["automountServiceAccountToken"] is True and job["restartPolicy"] == "Never"
+    binding = hooks["RoleBinding"]
+    assert binding["roleRef"]["name"] == hooks["Role"]["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": job["serviceAccountName"], "namespace": "llm"}]
+    # Only the one Secret can be read; Secrets can be created (Kubernetes cannot limit create to a name).
+    assert sorted(hooks["Role"]["rules"], key=str) == sorted(
+        [
+            {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["bs-blockserve-curve"], "verbs": ["get"]},
+            {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+        ],
+        key=str,
+    )
+    env = {e["name"]: e.get("value") for e in containers(resources)["scheduler"]["env"]}
+    assert "BLOCKSERVE_ALLOW_UNAUTHENTICATED" not in env
+
+
+def test_keys_from_values_or_an_existing_secret_need_no_job():
+    for values in (RENDERINGS["every option on"], RENDERINGS["curve keys from an existing Secret"]):
+        assert hook_resources(helm_template(*values)) == {}
 
 
 def test_each_container_gets_only_its_own_curve_keys_and_they_work(tmp_path, monkeypatch):
     from service import socket_auth
 
-    resources = helm_template("--set", "socket_auth.enabled=true", "--set", "socket_auth.existingSecret=team-curve")
+    resources = helm_template(*RENDERINGS["curve keys from an existing Secret"])
     assert not [r for r in resources if r["kind"] == "Secret"]
     mounted = curve_mounts(resources)
     assert {name: files.pop("(secret)") for name, files in mounted.items()} == dict.fromkeys(
@@ -420,11 +520,278 @@ def test_the_chart_makes_the_curve_secret_from_values_and_a_new_key_rolls_the_po
     assert all(after[name] != before[name] for name in before) and len(before) == 2
 
 
-def test_curve_without_keys_or_with_keys_in_config_is_refused():
+def test_partial_curve_keys_or_chart_managed_security_settings_are_refused():
     with pytest.raises(HelmError, match="blockserve keys"):
-        helm_template("--set", "socket_auth.enabled=true")
-    with pytest.raises(HelmError, match="socket_auth.existingSecret"):
+        helm_template("--set", "curve.keys.server-public-key=" + "x" * 40)
+    with pytest.raises(HelmError, match="curve.existingSecret"):
         helm_template("--set", "config.BLOCKSERVE_CURVE_SERVER_KEY=x")
+    with pytest.raises(HelmError, match="curve.enabled=false sets it"):
+        helm_template("--set", "config.BLOCKSERVE_ALLOW_UNAUTHENTICATED=1")
+
+
+# ---------------------------------------------------------------------------- what guards the internal sockets
+
+
+def selects(selector: dict | None, labels: dict[str, str]) -> bool:
+    """Whether a label selector (matchLabels only, all the chart uses) selects `labels`; absent selects all."""
+    if selector is None:
+        return True
+    assert set(selector) <= {"matchLabels"}, selector
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def admitted(policy: dict, pod_labels: dict[str, str], namespace: str, port: int) -> bool:
+    """Whether `policy` (in namespace llm) admits a connection from a pod with `pod_labels` in `namespace` to `port`.
+    A namespace's labels are its name's, as Kubernetes sets them."""
+    namespace_labels = {"kubernetes.io/metadata.name": namespace}
+    for rule in policy["spec"]["ingress"]:
+        if port not in [rule_port["port"] for rule_port in rule["ports"]]:
+            continue
+        for peer in rule["from"]:
+            in_namespace = (
+                selects(peer["namespaceSelector"], namespace_labels)
+                if "namespaceSelector" in peer
+                else namespace == "llm"
+            )
+            if in_namespace and selects(peer.get("podSelector"), pod_labels):
+                return True
+    return False
+
+
+def pod_labels(resources: list[dict], component: str) -> dict[str, str]:
+    return find(resources, "Deployment", f"-{component}")["spec"]["template"]["metadata"]["labels"]
+
+
+def test_the_network_policy_admits_only_the_api_pods_to_the_scheduler_and_monitoring_to_its_metrics():
+    resources = helm_template()
+    policy = find(resources, "NetworkPolicy", "-engine")
+    api, engine = pod_labels(resources, "api"), pod_labels(resources, "engine")
+    assert selects(policy["spec"]["podSelector"], engine) and not selects(policy["spec"]["podSelector"], api)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    ports = {port["name"]: port["containerPort"] for port in containers(resources)["scheduler"]["ports"]}
+    scheduler, metrics = ports["scheduler"], ports["metrics"]
+    other_release_api = {**api, "app.kubernetes.io/instance": "other"}
+    prometheus = {"app.kubernetes.io/name": "prometheus"}
+    cases = {
+        ("api pod", scheduler): (api, "llm", scheduler, True),
+        ("api pod", metrics): (api, "llm", metrics, False),
+        ("engine pod", scheduler): (engine, "llm", scheduler, False),
+        ("another pod", scheduler): ({"app": "curious"}, "llm", scheduler, False),
+        ("another release's api", scheduler): (other_release_api, "llm", scheduler, False),
+        ("an api-labelled pod elsewhere", scheduler): (api, "default", scheduler, False),
+        ("prometheus", metrics): (prometheus, "monitoring", metrics, True),
+        ("prometheus", scheduler): (prometheus, "monitoring", scheduler, False),
+        ("api pod", 8000): (api, "llm", 8000, False),
+    }
+    for case, (labels, namespace, port, expected) in cases.items():
+        assert admitted(policy, labels, namespace, port) is expected, case
+
+    nobody_scrapes = find(helm_template("--set-json", "networkPolicy.metricsFrom=[]"), "NetworkPolicy", "-engine")
+    assert [rule["ports"][0]["port"] for rule in nobody_scrapes["spec"]["ingress"]] == [scheduler]  # no open rule
+    assert not admitted(nobody_scrapes, prometheus, "monitoring", metrics)
+    assert not [r for r in helm_template("--set", "networkPolicy.enabled=false") if r["kind"] == "NetworkPolicy"]
+
+
+def install_notes(*values: str) -> str:
+    """What `helm install` prints after installing (NOTES.txt), from a client-side dry run."""
+    result = subprocess.run(
+        [_helm(), "install", "bs", str(CHART), "--namespace", "llm", "--dry-run=client", *values],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    return " ".join(result.stdout.split("NOTES:", 1)[1].split())  # one line: the notes wrap their sentences
+
+
+def test_the_install_notes_say_what_protects_the_internal_sockets():
+    notes = install_notes()
+    assert "CURVE" in notes and "Secret bs-blockserve-curve" in notes and "bs-blockserve-curve-keys hook Job" in notes
+    assert "WARNING" not in notes
+    notes = install_notes(*RENDERINGS["curve off"])
+    assert "BLOCKSERVE_ALLOW_UNAUTHENTICATED=1" in notes
+    assert "What protects them is NetworkPolicy bs-blockserve-engine" in notes and "CNI" in notes
+    notes = install_notes(*RENDERINGS["curve and network policy off"])
+    assert "WARNING: CURVE is off and so is the NetworkPolicy" in notes
+
+
+def fresh_ports_values(**ports: int) -> tuple[str, ...]:
+    """--set arguments that put every port of the rendered pods on free loopback ports of this machine."""
+    scheduler, metrics, worker, api = (
+        ports.get(name) or free_port() for name in ("scheduler", "metrics", "worker", "api")
+    )
+    return (
+        *("--set", f"engine.schedulerPort={scheduler}"),
+        *("--set", f"config.BLOCKSERVE_METRICS_PORT={metrics}"),
+        *("--set", f"config.BLOCKSERVE_WORKER_ADDR=tcp://127.0.0.1:{worker}"),
+        *("--set", f"config.BLOCKSERVE_PORT={api}"),
+        *("--set", "config.BLOCKSERVE_HOST=127.0.0.1"),
+    )
+
+
+def test_with_curve_off_the_chart_opts_the_scheduler_out_of_protected_mode_which_needs_it(tmp_path):
+    import zmq
+
+    from service import wire
+
+    resources = helm_template(*RENDERINGS["curve off"], *fresh_ports_values())
+    assert curve_mounts(resources) == {}
+    env = {**os.environ, **env_of(containers(resources)["scheduler"], find(resources, "ConfigMap", "-config"))}
+    assert env["BLOCKSERVE_ALLOW_UNAUTHENTICATED"] == "1" and env["BLOCKSERVE_SCHEDULER_ADDR"].startswith(
+        "tcp://0.0.0.0:"
+    )
+    without = {k: v for k, v in env.items() if k != "BLOCKSERVE_ALLOW_UNAUTHENTICATED"}
+    refused = start(["-m", "service.cli", "scheduler"], without, tmp_path / "refused.log")
+    assert refused.wait(60) == 2, (tmp_path / "refused.log").read_text()  # protected mode: the opt-out is needed
+
+    scheduler = start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")
+    context = zmq.Context()
+    try:
+        peer = context.socket(zmq.DEALER)
+        peer.connect(env["BLOCKSERVE_SCHEDULER_ADDR"].replace("0.0.0.0", "127.0.0.1"))
+        peer.send(wire.encode(wire.StatusQuery()))
+        assert peer.poll(60_000), (tmp_path / "scheduler.log").read_text()
+        assert isinstance(wire.decode(peer.recv()), wire.SchedulerStatus)
+        assert (
+            "WARNING" in (tmp_path / "scheduler.log").read_text()
+            and "UNAUTHENTICATED:" in (tmp_path / "scheduler.log").read_text()
+        )
+    finally:
+        context.destroy(linger=0)
+        stop(scheduler)
+
+
+class FakeKubernetesApi:
+    """The Kubernetes API server as the keys Job meets it, over TLS: Secrets of namespace llm, a service
+    account token, and every call recorded as (method, path)."""
+
+    NAMESPACE = "llm"
+
+    def __init__(self, folder: Path):
+        self.token = "job-token"
+        self.secrets: dict[str, dict] = {}
+        self.calls: list[tuple[str, str]] = []
+        self.account_dir = folder / "serviceaccount"  # what Kubernetes mounts in the Job's pod
+        self.account_dir.mkdir(parents=True)
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
+            + ["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(folder / "server.key")]
+            + ["-out", str(self.account_dir / "ca.crt")],
+            check=True,
+            capture_output=True,
+        )
+        (self.account_dir / "token").write_text(self.token)
+        (self.account_dir / "namespace").write_text(self.NAMESPACE)
+        api = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                self.answer(*api.handle("GET", self.path, self.headers, None))
+
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self.answer(*api.handle("POST", self.path, self.headers, body))
+
+            def answer(self, status: int, body: dict) -> None:
+                payload = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.account_dir / "ca.crt", folder / "server.key")
+        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def handle(self, method: str, path: str, headers, body: dict | None) -> tuple[int, dict]:
+        self.calls.append((method, path))
+        if headers.get("Authorization") != f"Bearer {self.token}":
+            return 401, {"kind": "Status", "message": "Unauthorized"}
+        collection = f"/api/v1/namespaces/{self.NAMESPACE}/secrets"
+        if method == "GET" and path.startswith(collection + "/"):
+            name = path.removeprefix(collection + "/")
+            return (
+                (200, self.secrets[name]) if name in self.secrets else (404, {"kind": "Status", "reason": "NotFound"})
+            )
+        if method == "POST" and path == collection:
+            name = body["metadata"]["name"]
+            if name in self.secrets:
+                return 409, {"kind": "Status", "reason": "AlreadyExists"}
+            self.secrets[name] = body
+            return 201, body
+        return 404, {"kind": "Status", "reason": "NotFound"}
+
+    def run_job(self, container: dict, token: str | None = None) -> subprocess.CompletedProcess:
+        """The Job's container command (`blockserve` as this checkout's CLI) in a pod of this API server."""
+        assert container["command"][0] == "blockserve"
+        if token is not None:
+            (self.account_dir / "token").write_text(token)
+        code = (
+            "import sys; from pathlib import Path; import service.kube_secret as kube; "
+            "kube.SERVICE_ACCOUNT_DIR = Path(sys.argv[1]); from service.cli import main; sys.exit(main(sys.argv[2:]))"
+        )
+        env = {
+            **os.environ,
+            "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+            "KUBERNETES_SERVICE_PORT": str(self.server.server_address[1]),
+        }
+        command = [sys.executable, "-c", code, str(self.account_dir), *container["command"][1:]]
+        try:
+            return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        finally:
+            (self.account_dir / "token").write_text(self.token)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def role_allows(role: dict, method: str, path: str) -> bool:
+    """Whether the Role grants a call on Secrets of its namespace (GET one by name, POST the collection)."""
+    collection = "/api/v1/namespaces/llm/secrets"
+    verb, name = ("get", path.removeprefix(collection + "/")) if method == "GET" else ("create", None)
+    return any(
+        rule["resources"] == ["secrets"]
+        and verb in rule["verbs"]
+        and (name is None or "resourceNames" not in rule or name in rule["resourceNames"])
+        for rule in role["rules"]
+    )
+
+
+def test_the_keys_job_makes_the_secret_once_with_keys_that_fit_together(tmp_path):
+    from service import socket_auth
+
+    resources = helm_template()
+    hooks = hook_resources(resources)
+    (container,) = hooks["Job"]["spec"]["template"]["spec"]["containers"]
+    api = FakeKubernetesApi(tmp_path)
+    try:
+        first = api.run_job(container)
+        assert first.returncode == 0 and "created" in first.stdout, first.stderr
+        again = api.run_job(container)  # the next upgrade's run
+        assert again.returncode == 0 and "exists already" in again.stdout, again.stderr
+        denied = api.run_job(container, token="stolen")
+        assert denied.returncode == 1 and "401" in denied.stderr
+    finally:
+        api.close()
+    assert list(api.secrets) == ["bs-blockserve-curve"]
+    assert [method for method, _ in api.calls] == ["GET", "POST", "GET", "GET"]
+    assert all(role_allows(hooks["Role"], method, path) for method, path in api.calls)
+    secret = api.secrets["bs-blockserve-curve"]
+    assert secret["metadata"]["labels"]["app.kubernetes.io/instance"] == "bs"
+    entries = secret["stringData"]
+    for owner in socket_auth.KEY_OWNERS:
+        pair = socket_auth.key_pair_from_secret(entries[f"{owner}-secret-key"], owner)
+        assert pair.public_key.decode() == entries[f"{owner}-public-key"], owner
+    mounted_keys = {
+        key for files in curve_mounts(resources).values() for path, key in files.items() if path != "(secret)"
+    }
+    assert mounted_keys <= set(entries)
 
 
 # ---------------------------------------------------------------------------- pods
@@ -476,17 +843,19 @@ def test_termination_outlasts_the_drain(values):
 
 @pytest.mark.parametrize("values", RENDERINGS.values(), ids=RENDERINGS.keys())
 def test_containers_run_unprivileged_on_a_read_only_root(values):
-    for deployment in (r for r in helm_template(*values) if r["kind"] == "Deployment"):
-        pod = deployment["spec"]["template"]["spec"]
+    for workload in (r for r in helm_template(*values) if r["kind"] in ("Deployment", "Job")):
+        pod = workload["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
-        assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False
-        writable = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+        # Only the keys Job talks to the API server.
+        assert pod["automountServiceAccountToken"] is (workload["kind"] == "Job") and pod["enableServiceLinks"] is False
+        writable = {v["name"] for v in pod.get("volumes", []) if "emptyDir" in v}
         for container in pod["containers"]:
             context = container["securityContext"]
             assert context["allowPrivilegeEscalation"] is False and context["readOnlyRootFilesystem"] is True
             assert context["capabilities"]["drop"] == ["ALL"]
-            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-            assert mounts["/tmp"] in writable and mounts["/home/blockserve"] in writable
+            if workload["kind"] == "Deployment":  # the keys Job writes no file
+                mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+                assert mounts["/tmp"] in writable and mounts["/home/blockserve"] in writable
 
 
 def test_grafana_dashboard_is_mounted_unchanged():
@@ -653,35 +1022,45 @@ def test_dockerignore_keeps_the_context_to_what_the_image_needs():
 
 
 def test_rendered_containers_serve_and_drain_in_order(tmp_path):
-    """The rendered engine and api containers as local processes (a model-free worker stands in
-    for the model): the engine's startup probe waits for the worker, the api gets ready through
+    """The chart as installed, rehearsed with local processes: the keys Job makes the Secret (on a
+    stand-in API server), each container gets its files as its pod would, and the rendered engine and
+    api containers run (a model-free worker stands in for the model) over CURVE, which a plain peer
+    does not get through. The engine's startup probe waits for the worker, the api gets ready through
     the engine, and on termination the worker outlives the scheduler's drain of a live request."""
     import httpx
+    import zmq
 
-    api_port, metrics_port, scheduler_port, worker_port = (free_port() for _ in range(4))
+    from service import wire
+
+    api_port, metrics_port, scheduler_port = (free_port() for _ in range(3))
     resources = helm_template(
-        "--set",
-        f"config.BLOCKSERVE_PORT={api_port}",
-        "--set",
-        f"config.BLOCKSERVE_METRICS_PORT={metrics_port}",
-        "--set",
-        f"config.BLOCKSERVE_WORKER_ADDR=tcp://127.0.0.1:{worker_port}",
-        "--set",
-        f"engine.schedulerPort={scheduler_port}",
-        "--set",
-        "config.BLOCKSERVE_HOST=127.0.0.1",
-        "--set",
-        "config.BLOCKSERVE_DRAIN_TIMEOUT_S=20",
+        *fresh_ports_values(api=api_port, metrics=metrics_port, scheduler=scheduler_port),
+        *("--set", "config.BLOCKSERVE_DRAIN_TIMEOUT_S=20"),
     )
     config_map = find(resources, "ConfigMap", "-config")
     by_name = containers(resources)
+    (job_container,) = hook_resources(resources)["Job"]["spec"]["template"]["spec"]["containers"]
+    kubernetes = FakeKubernetesApi(tmp_path / "kubernetes")
+    try:
+        assert kubernetes.run_job(job_container).returncode == 0
+    finally:
+        kubernetes.close()
+    (secret,) = kubernetes.secrets.values()
+    keys_dirs = {}
+    for name, files in curve_mounts(resources).items():
+        keys_dirs[name] = tmp_path / f"{name}-keys"  # the Secret's volume, as the pod mounts it
+        keys_dirs[name].mkdir()
+        for path, key in files.items():
+            if path != "(secret)":
+                (keys_dirs[name] / path).write_text(secret["stringData"][key])
 
     def env(name: str) -> dict[str, str]:
-        return {**os.environ, **env_of(by_name[name], config_map), "PYTHONUNBUFFERED": "1", "FAKE_STEP_DELAY_S": "0.05"}
+        rendered = {**env_of(by_name[name], config_map), "BLOCKSERVE_SECRETS_DIR": str(keys_dirs[name])}
+        return {**os.environ, **rendered, "PYTHONUNBUFFERED": "1", "FAKE_STEP_DELAY_S": "0.05"}
 
-    api_env = env("api")  # the engine Service's name stands for this machine
-    api_env["BLOCKSERVE_SCHEDULER_ADDR"] = api_env["BLOCKSERVE_SCHEDULER_ADDR"].replace(
-        find(resources, "Service", "-engine")["metadata"]["name"], "127.0.0.1"
+    api_env = env("api")  # the headless engine Service's name stands for this machine
+    api_env["BLOCKSERVE_ENGINE_DISCOVERY"] = api_env["BLOCKSERVE_ENGINE_DISCOVERY"].replace(
+        find(resources, "Service", "-engine-headless")["metadata"]["name"], "127.0.0.1"
     )
     startup_probe = by_name["scheduler"]["startupProbe"]["exec"]["command"]
     processes = [start(["-m", "service.cli", "scheduler"], env("scheduler"), tmp_path / "scheduler.log")]
@@ -699,6 +1078,14 @@ def test_rendered_containers_serve_and_drain_in_order(tmp_path):
             time.sleep(0.2)
         processes.append(start(["-m", "service.cli", "api"], api_env, tmp_path / "api.log"))
         wait_ready(f"http://127.0.0.1:{api_port}", timeout_s=30)
+        context = zmq.Context()  # a pod without the keys, on the scheduler's port
+        try:
+            plain = context.socket(zmq.DEALER)
+            plain.connect(f"tcp://127.0.0.1:{scheduler_port}")
+            plain.send(wire.encode(wire.StatusQuery()))
+            assert not plain.poll(1500), "a plain peer was answered"
+        finally:
+            context.destroy(linger=0)
 
         model = httpx.get(f"http://127.0.0.1:{api_port}/v1/models", timeout=5).json()["data"][0]["id"]
         body = {"model": model, "prompt": "hello", "max_tokens": 40, "ignore_eos": True, "stream": True}

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.processes import FakeStack, free_port, scrape
 
@@ -84,6 +85,16 @@ def test_figures_agree_with_the_workload_and_idle_state(stack, known_workload):
 def dashboard_expressions() -> list[str]:
     panels = json.loads(DASHBOARD.read_text())["panels"]
     return [target["expr"] for panel in panels for target in panel["targets"]]
+
+
+@pytest.mark.parametrize("endpoint", ["BLOCKSERVE_METRICS_PORT", "BLOCKSERVE_PORT"])
+def test_every_counter_has_a_dashboard_panel(stack, endpoint):
+    env, _ = stack
+    text = httpx.get(f"http://127.0.0.1:{env[endpoint]}/metrics", timeout=5).text
+    counters = {family.name for family in text_string_to_metric_families(text) if family.type == "counter"}
+    assert counters
+    expressions = " ".join(dashboard_expressions())
+    assert [name for name in sorted(counters) if f"{name}_total" not in expressions] == []
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from service import wire
-from service.scheduler.server import PING_INTERVAL_S, ZMQ_HEARTBEAT_TIMEOUT_MS
+from service.scheduler.server import API_HEARTBEAT_TIMEOUT_MS, PING_INTERVAL_S
 from tests.support.api_peer import ApiPeer
 from tests.support.processes import FakeStack, loopback_env, metric_samples, start, stop_all
 from tests.support.tiny_model import tiny_model_info
@@ -93,6 +93,41 @@ def test_a_worker_lost_during_a_long_step_is_detected_within_seconds(tmp_path, h
         stop_all(list(processes.values()))
 
 
+@pytest.mark.parametrize("frozen", ["worker", "scheduler"])
+def test_a_freeze_shorter_than_a_long_worker_timeout_loses_nothing(tmp_path, frozen):
+    # One setting decides: neither side's zmq heartbeat (6 s before) may drop the link earlier.
+    timeout_s, freeze_s = 30.0, 12.0
+    _, peer, processes = start_cluster(tmp_path, BLOCKSERVE_WORKER_TIMEOUT_S=str(timeout_s), FAKE_STEP_DELAY_S="0.02")
+    try:
+        request_id = peer.submit([1, 2, 3], max_tokens=80)
+        peer.wait_until(lambda: len(peer.outputs[request_id]) >= 2, 10)
+        processes[frozen].send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(freeze_s)
+        finally:
+            processes[frozen].send_signal(signal.SIGCONT)
+        peer.wait_until(lambda: request_id in peer.finished, 30)
+        assert peer.finished[request_id].finish_reason == "length", peer.finished[request_id].error
+        assert len(peer.outputs[request_id]) == 80
+        assert peer.status().ready
+    finally:
+        peer.close()
+        stop_all(list(processes.values()))
+
+
+def test_a_request_the_worker_refuses_gets_a_400_that_says_why(tmp_path):
+    with FakeStack(tmp_path, FAKE_REFUSED_SEED="7") as stack:
+        model = httpx.get(f"{stack.url}/v1/models", timeout=5).json()["data"][0]["id"]
+        body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 4, "seed": 7}
+        for stream in (False, True):
+            response = httpx.post(f"{stack.url}/v1/completions", json={**body, "stream": stream}, timeout=30)
+            assert response.status_code == 400, response.text
+            message = response.json()["error"]["message"]
+            assert "refused" in message and "seed 7 is refused by this test worker" in message, message
+        served = httpx.post(f"{stack.url}/v1/completions", json={**body, "seed": 8}, timeout=30)
+        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 4
+
+
 def test_nonsense_sampling_on_the_zmq_path_gets_400_and_an_honest_request_completes(cluster):
     _, peer, processes = cluster
     honest = peer.submit([1, 2, 3], max_tokens=30)
@@ -165,7 +200,7 @@ def test_nonsense_hellos_and_frames_are_dropped_counted_and_the_scheduler_lives(
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_an_api_replica_lost_mid_stream_has_its_requests_aborted_and_blocks_freed(tmp_path, how):
     with FakeStack(tmp_path, FAKE_STEP_DELAY_S="0.2") as stack:
-        api = stack.processes[2]
+        api = stack.processes["api"]
         model = httpx.get(f"{stack.url}/v1/models", timeout=5).json()["data"][0]["id"]
         body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 80, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=10) as response:
@@ -176,7 +211,7 @@ def test_an_api_replica_lost_mid_stream_has_its_requests_aborted_and_blocks_free
         try:
             # 80 tokens take 16 s; a kill closes the connection at once (well before the zmq heartbeat
             # could tell), a hung replica's is closed by the heartbeat, soon after its timeout.
-            heartbeat_s = ZMQ_HEARTBEAT_TIMEOUT_MS / 1000
+            heartbeat_s = API_HEARTBEAT_TIMEOUT_MS / 1000
             peer.wait_until(lambda: peer.status().num_free_blocks == NUM_BLOCKS, 2 * heartbeat_s)  # its step back
             assert time.monotonic() - lost_at < (heartbeat_s / 2 if how == "killed" else 2 * heartbeat_s)
             status = peer.status()

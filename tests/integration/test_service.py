@@ -135,6 +135,20 @@ def test_openai_client_chat_and_completion_streamed_and_not(stack):
     assert streamed == completion.choices[0].text
 
 
+def test_logit_bias_steers_greedy_sampling(stack, hf_smollm_tokenizer):
+    _, urls = stack
+    client, model = client_for(urls[0]), model_name(urls[0])
+    greedy = dict(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
+    plain = client.completions.create(**greedy, extra_body={"ignore_eos": True}).choices[0].text
+    (blue,) = hf_smollm_tokenizer.encode(" blue", add_special_tokens=False)
+    forced = client.completions.create(**greedy, logit_bias={str(blue): 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == " blue" * 4, (plain, forced.choices[0].text)
+    first = hf_smollm_tokenizer.encode(plain, add_special_tokens=False)[0]
+    banned = client.completions.create(**greedy, logit_bias={str(first): -100}, extra_body={"ignore_eos": True})
+    assert hf_smollm_tokenizer.encode(banned.choices[0].text, add_special_tokens=False)[0] != first, (plain, banned)
+    assert banned.choices[0].text != plain
+
+
 def test_greedy_output_over_http_equals_transformers(stack, reference_greedy):
     _, urls = stack
     generate = reference_greedy

@@ -4,7 +4,9 @@ keys; peers without a listed key get nothing through either socket."""
 from __future__ import annotations
 
 import re
+import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import msgspec
@@ -12,7 +14,8 @@ import pytest
 import zmq
 
 from service import socket_auth, wire
-from tests.support.processes import loopback_env, scrape, start, stop_all, wait_ready
+from tests.support.api_peer import ApiPeer
+from tests.support.processes import FakeStack, free_port, loopback_env, scrape, start, stop_all, wait_ready
 from tests.support.tiny_model import tiny_model_info
 
 NUM_KV_BLOCKS = 24
@@ -150,3 +153,85 @@ def test_plain_peers_fail_the_handshake_and_are_counted_on_both_sockets(stack):
         before = auth_failures(env, socket_name)
         assert answers(addr, None, pairs["server"].public_key, wire.StatusQuery()) == []
         assert auth_failures(env, socket_name) > before, socket_name  # refused inside libzmq, before ZAP
+
+
+# ---------------------------------------------------------------------------- protected mode
+
+
+def plain_scheduler_env(**overrides: str) -> dict[str, str]:
+    """A scheduler's environment with `overrides` and no CURVE key or opt-out inherited from the test's own."""
+    env = loopback_env()
+    for name in [name for name in env if name.startswith("BLOCKSERVE_CURVE_")]:
+        del env[name]
+    env.pop("BLOCKSERVE_ALLOW_UNAUTHENTICATED", None)
+    env.pop("BLOCKSERVE_SECRETS_DIR", None)
+    return {**env, **overrides}
+
+
+@pytest.mark.parametrize("setting", ["BLOCKSERVE_SCHEDULER_ADDR", "BLOCKSERVE_WORKER_ADDR"])
+def test_a_scheduler_beyond_loopback_without_curve_refuses_to_start_and_says_what_to_set(tmp_path, setting):
+    env = plain_scheduler_env(**{setting: f"tcp://0.0.0.0:{free_port()}"})
+    scheduler = start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")
+    try:
+        assert scheduler.wait(60) == 2
+    finally:
+        stop_all([scheduler])
+    log = (tmp_path / "scheduler.log").read_text()
+    assert f"{setting}=tcp://0.0.0.0:" in log
+    for hint in ("blockserve keys", "BLOCKSERVE_CURVE_SERVER_SECRET_KEY", "BLOCKSERVE_ALLOW_UNAUTHENTICATED=1"):
+        assert hint in log, hint
+    with pytest.raises(httpx.ConnectError):  # nothing was left listening
+        httpx.get(f"http://127.0.0.1:{env['BLOCKSERVE_METRICS_PORT']}/metrics", timeout=5)
+
+
+def test_the_opt_out_runs_plain_beyond_loopback_with_a_warning(tmp_path):
+    port = free_port()
+    env = plain_scheduler_env(BLOCKSERVE_SCHEDULER_ADDR=f"tcp://0.0.0.0:{port}", BLOCKSERVE_ALLOW_UNAUTHENTICATED="1")
+    scheduler = start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")
+    peer = ApiPeer(f"tcp://127.0.0.1:{port}")
+    try:
+        assert peer.status(timeout_s=60).num_workers == 0  # a plain peer is answered, as the opt-out says
+        assert re.search(
+            r"WARNING .*UNAUTHENTICATED: BLOCKSERVE_SCHEDULER_ADDR=tcp://0\.0\.0\.0:\d+ is not a loopback",
+            (tmp_path / "scheduler.log").read_text(),
+        )
+    finally:
+        peer.close()
+        stop_all([scheduler])
+
+
+def test_with_curve_the_scheduler_listens_beyond_loopback_without_a_warning(tmp_path):
+    pairs = {owner: socket_auth.new_key_pair() for owner in socket_auth.KEY_OWNERS}
+    port = free_port()
+    env = {
+        **plain_scheduler_env(BLOCKSERVE_SCHEDULER_ADDR=f"tcp://0.0.0.0:{port}"),
+        **socket_auth.key_settings(pairs)["scheduler"],
+    }
+    scheduler = start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")
+    try:
+        deadline = time.monotonic() + 60
+        while not (
+            status := answers(f"tcp://127.0.0.1:{port}", pairs["api"], pairs["server"].public_key, wire.StatusQuery())
+        ):
+            assert time.monotonic() < deadline and scheduler.poll() is None, "the scheduler never answered"
+        assert isinstance(status[0], wire.SchedulerStatus)
+        assert "WARNING" not in (tmp_path / "scheduler.log").read_text()
+    finally:
+        stop_all([scheduler])
+
+
+def test_every_listening_port_honours_the_bind_address_settings(tmp_path):
+    # 127.0.0.2 is this machine too: a socket bound to 0.0.0.0 answers there, one bound to 127.0.0.1 does not.
+    with FakeStack(tmp_path, BLOCKSERVE_HOST="127.0.0.1") as stack:
+        env = stack.env
+        ports = {
+            "api": int(env["BLOCKSERVE_PORT"]),
+            "scheduler metrics": int(env["BLOCKSERVE_METRICS_PORT"]),
+            "scheduler api socket": urlsplit(env["BLOCKSERVE_SCHEDULER_ADDR"]).port,
+            "scheduler worker socket": urlsplit(env["BLOCKSERVE_WORKER_ADDR"]).port,
+        }
+        for name, port in ports.items():
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.2", port), timeout=5).close()
+                pytest.fail(f"the {name} port {port} listens beyond BLOCKSERVE_HOST")

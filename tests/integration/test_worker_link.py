@@ -6,6 +6,7 @@ import os
 import signal
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -14,7 +15,7 @@ from service import wire
 from service.config import load_settings
 from service.scheduler.fake_worker import FakeWorker
 from tests.support.api_peer import ApiPeer
-from tests.support.processes import loopback_env, start, stop_all
+from tests.support.processes import loopback_env, metric_samples, start, stop_all
 from tests.support.tiny_model import tiny_model_info
 
 NUM_BLOCKS = 24
@@ -23,12 +24,12 @@ MAX_OUTPUT_TOKENS = 90  # 3 prompt tokens + 90 fit the 24 blocks of 4 and the ti
 
 
 def link_env(**overrides: str) -> dict[str, str]:
-    return loopback_env(
-        BLOCKSERVE_NUM_KV_BLOCKS=str(NUM_BLOCKS),
-        BLOCKSERVE_BLOCK_SIZE=str(BLOCK_SIZE),
-        BLOCKSERVE_WORKER_TIMEOUT_S="10",  # the scripted worker answers pings only between its waits
-        **overrides,
-    )
+    defaults = {
+        "BLOCKSERVE_NUM_KV_BLOCKS": str(NUM_BLOCKS),
+        "BLOCKSERVE_BLOCK_SIZE": str(BLOCK_SIZE),
+        "BLOCKSERVE_WORKER_TIMEOUT_S": "10",  # the scripted worker answers pings only between its waits
+    }
+    return loopback_env(**{**defaults, **overrides})
 
 
 class ScriptedWorker:
@@ -258,3 +259,94 @@ def test_a_worker_whose_results_keep_coming_does_not_starve_the_api_socket(scrip
     peer.wait_until(lambda: "SchedulerStatus" in arrivals, 5)
     assert arrivals.index("SchedulerStatus") < 2, arrivals  # before the second result's deltas
     assert peer.statuses[-1].num_running == 1
+
+
+# ---------------------------------------------------------------------------- the worker slot
+
+
+def other_model_hello(worker_id: str) -> wire.WorkerHello:
+    """A hello for another model, whose vocabulary of 10 would refuse most prompts were it adopted."""
+    model = msgspec.structs.replace(tiny_model_info(), name="EVIL", vocab_size=10, eos_token_ids=[0])
+    return wire.WorkerHello(worker_id=worker_id, num_kv_blocks=4, block_size=BLOCK_SIZE, model=model)
+
+
+def dropped_worker_frames(env: dict[str, str]) -> dict[str, float]:
+    samples = metric_samples(env["BLOCKSERVE_METRICS_PORT"], "blockserve_dropped_frames_total")
+    return {s.labels["reason"]: s.value for s in samples if s.labels["socket"] == "worker"}
+
+
+@pytest.fixture
+def fake_worker_cluster(tmp_path):
+    """Scheduler + model-free worker process (steps of 20 ms) + api peer; yields (env, processes, peer)."""
+    env = link_env(FAKE_STEP_DELAY_S="0.02", BLOCKSERVE_WORKER_TIMEOUT_S="3")
+    processes = {
+        "scheduler": start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
+        "worker": start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "worker.log"),
+    }
+    peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
+    context = zmq.Context()
+    try:
+        peer.wait_until(lambda: peer.status(timeout_s=30).ready, 60)
+        yield env, processes, peer, context
+    finally:
+        context.destroy(linger=0)
+        peer.close()
+        stop_all(list(processes.values()))
+
+
+def intruder(context: zmq.Context, addr: str) -> zmq.Socket:
+    socket = context.socket(zmq.DEALER)
+    socket.linger = 0
+    socket.connect(addr)
+    return socket
+
+
+def test_a_hello_while_the_worker_lives_is_refused_logged_counted_and_the_stream_goes_on(fake_worker_cluster, tmp_path):
+    env, processes, peer, context = fake_worker_cluster
+    stream = peer.submit([1, 2, 3], max_tokens=MAX_OUTPUT_TOKENS)
+    peer.wait_until(lambda: len(peer.outputs[stream]) >= 2, 10)
+    rogue = intruder(context, env["BLOCKSERVE_WORKER_ADDR"])  # kept: a socket collected unsent drops its frame
+    rogue.send(wire.encode(other_model_hello("intruder")))
+    peer.wait_until(lambda: dropped_worker_frames(env)["slot_taken"] == 1, 10)
+
+    peer.wait_until(lambda: stream in peer.finished, 30)
+    assert peer.finished[stream].finish_reason == "length", peer.finished[stream].error
+    assert len(peer.outputs[stream]) == MAX_OUTPUT_TOKENS
+    status = peer.status()
+    assert status.ready and status.num_total_blocks == NUM_BLOCKS  # the live worker's table, not the intruder's
+    beyond_ten = peer.submit([50, 60, 70], max_tokens=4)  # token ids the intruder's vocabulary lacks
+    peer.wait_until(lambda: beyond_ten in peer.finished, 10)
+    assert peer.finished[beyond_ten].finish_reason == "length", peer.finished[beyond_ten].error
+    assert "(slot_taken): hello of worker 'intruder' while worker" in (tmp_path / "scheduler.log").read_text()
+
+
+def test_after_the_worker_died_a_worker_of_another_model_is_refused_and_one_of_its_model_registers(
+    fake_worker_cluster, tmp_path
+):
+    env, processes, peer, context = fake_worker_cluster
+    processes["worker"].send_signal(signal.SIGKILL)
+    peer.wait_until(lambda: not peer.status().ready, 10)
+    rogue = intruder(context, env["BLOCKSERVE_WORKER_ADDR"])  # kept: a socket collected unsent drops its frame
+    rogue.send(wire.encode(other_model_hello("other-model-worker")))
+    peer.wait_until(lambda: dropped_worker_frames(env)["other_model"] == 1, 10)
+    assert peer.status().num_workers == 0  # refused, not adopted
+
+    processes["worker"] = start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "worker2.log")
+    peer.wait_until(lambda: peer.status().ready, 60)  # a restarted worker of the model registers as before
+    request_id = peer.submit([50, 60, 70], max_tokens=4)
+    peer.wait_until(lambda: request_id in peer.finished, 10)
+    assert peer.finished[request_id].finish_reason == "length", peer.finished[request_id].error
+
+
+def test_a_worker_declared_dead_registers_again_under_the_same_identity(fake_worker_cluster):
+    env, processes, peer, _ = fake_worker_cluster
+    processes["worker"].send_signal(signal.SIGSTOP)
+    try:
+        peer.wait_until(lambda: not peer.status().ready, 30)  # pings unanswered past the 3 s timeout
+    finally:
+        processes["worker"].send_signal(signal.SIGCONT)
+    peer.wait_until(lambda: peer.status().ready, 30)  # its next hello (same identity) registers it again
+    request_id = peer.submit([1, 2, 3], max_tokens=4)
+    peer.wait_until(lambda: request_id in peer.finished, 10)
+    assert peer.finished[request_id].finish_reason == "length", peer.finished[request_id].error
+    assert dropped_worker_frames(env).get("slot_taken", 0) == 0  # its own hello is not another worker's

@@ -11,6 +11,7 @@ from gpu_worker.kv_cache import block_bytes, num_blocks_for
 from gpu_worker.model_runner import ModelRunner
 from service import wire
 from service.config import load_settings
+from tests.support.accuracy import ENGLISH_TEXT, encode, load_runner, paged_logits
 from tests.support.model_engine import LocalEngine
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314, 253, 1345, 1185, 28, 284, 260, 1345, 282]
@@ -118,13 +119,15 @@ def test_a_request_with_nonsense_sampling_is_refused_alone_and_its_batch_mates_a
     )
     result = runner.execute(first)
     assert result.error is None and [t.request_id for t in result.sampled] == ["honest"]  # no token: ended alone
+    assert list(result.refused) == ["nonsense"] and "logprobs must lie in [0, 20]" in result.refused["nonsense"]
 
     # The scheduler may have scheduled it again before it learnt: still not computed, not an unknown request.
     again = [wire.RunningRequest("nonsense", [], 1), wire.RunningRequest("honest", [], 1)]
     result = runner.execute(wire.SchedulerOutput(step_id=21, running_requests=again))
     assert result.error is None and [t.request_id for t in result.sampled] == ["honest"]
+    assert list(result.refused) == ["nonsense"]  # said again: the scheduler ends it where it expects its token
     runner.execute(wire.SchedulerOutput(step_id=22, finished_request_ids=["nonsense", "honest"]))
-    assert "nonsense" not in runner.refused_request_ids
+    assert "nonsense" not in runner.refused_requests
 
 
 def test_the_first_step_of_a_new_scheduler_drops_what_the_worker_still_held(runner):
@@ -140,14 +143,14 @@ def test_the_first_step_of_a_new_scheduler_drops_what_the_worker_still_held(runn
             ],
         )
     )
-    assert "old" in runner.requests and "refused" in runner.refused_request_ids
+    assert "old" in runner.requests and "refused" in runner.refused_requests
 
     result = runner.execute(
         wire.SchedulerOutput(step_id=1, reset=True, new_requests=[new_request("new", greedy, [12])])
     )
 
     assert result.error is None and [t.request_id for t in result.sampled] == ["new"]
-    assert set(runner.requests) == {"new"} and runner.refused_request_ids == set()
+    assert set(runner.requests) == {"new"} and runner.refused_requests == {}
     runner.execute(wire.SchedulerOutput(step_id=2, finished_request_ids=["new"]))
 
 
@@ -176,3 +179,18 @@ def test_a_failed_sample_in_one_step_ends_only_its_requests_in_the_step_prepared
 
     assert result.error is None and [t.request_id for t in result.sampled] == ["late"]
     runner.execute(wire.SchedulerOutput(step_id=42, finished_request_ids=["early", "late"]))
+
+
+@pytest.mark.parametrize("precision", ["float32:none", "bfloat16:none", "auto:int8", "auto:gguf"])
+def test_a_fused_decoder_layer_computes_exactly_what_its_single_ops_compute(smollm_path, precision):
+    """bs_decoder_layer runs the kernels of the single ops in their order: prompt chunks and one-token steps
+    give the same logits to the bit, in every weight format."""
+    runner = load_runner(smollm_path, precision)
+    token_ids = encode(runner, ENGLISH_TEXT)[:57]  # 8 chunks of 7, then one token
+    assert runner.model.kernels.fused_layer(runner.attention, runner.model.config) is not None
+
+    fused = paged_logits(runner, token_ids, chunk_size=7)
+    runner.model.kernels.fuse_layers = False
+    single_ops = paged_logits(runner, token_ids, chunk_size=7)
+
+    np.testing.assert_array_equal(fused, single_ops)

@@ -4,7 +4,7 @@
 ApiHello with the tiny model's ModelInfo (tiny_model.py), StatusQuery with
 `ready` and the asked request ids it does not hold, and GenerateRequest with the tokens of
 `reply_text`, one delta per token (finish "length" at max_tokens, else the EOS token and finish
-"stop"), the deltas due at one moment in one DeltaBatch per replica, as the scheduler sends a
+"stop"; or `error`, after `error_after_tokens` tokens), the deltas due at one moment in one DeltaBatch per replica, as the scheduler sends a
 step's. It records every request and abort. `ApiServer` runs the real app under a real uvicorn server on a free loopback port.
 """
 
@@ -43,6 +43,7 @@ class FakeScheduler:
         self.lose_requests = False  # accept generate requests, then never answer them
         self.num_other_requests = 0  # requests of other replicas it says it runs
         self.error: tuple[int, str] | None = None  # answer generate with this (status, message)
+        self.error_after_tokens = 0  # ... after this many tokens of the reply
         self.token_delay_s = 0.0
         self.generated: list[wire.GenerateRequest] = []
         self.aborted: list[str] = []
@@ -124,7 +125,11 @@ class FakeScheduler:
         num_prompt_tokens = len(request.prompt_token_ids)
         if self.error is not None:
             status, message = self.error
-            return [
+            tokens = [
+                wire.RequestDelta(request_id=request.request_id, token_ids=[token_id])
+                for token_id in self.reply_tokens()[: self.error_after_tokens]
+            ]
+            return tokens + [
                 wire.RequestDelta(
                     request_id=request.request_id,
                     token_ids=[],

@@ -70,13 +70,15 @@ class LocalEngine:
     def num_chunked_prefills(self) -> int:
         """Prompt chunks that did not reach the end of their prompt."""
         return sum(
-            not samples and count > 1 for step in self.steps for count, samples in zip(self._counts(step), step.samples)
+            request in step.not_sampling and count > 1
+            for step in self.steps
+            for request, count in zip(step.requests, self._counts(step))
         )
 
     def num_mixed_steps(self) -> int:
         """Steps that computed a prompt chunk beside a decode."""
         return sum(
-            any(count == 1 and samples for count, samples in zip(self._counts(step), step.samples))
+            any(count == 1 and r not in step.not_sampling for r, count in zip(step.requests, self._counts(step)))
             and any(count > 1 for count in self._counts(step))
             for step in self.steps
         )

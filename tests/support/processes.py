@@ -94,25 +94,32 @@ def scrape(port: str | int) -> dict[str, float]:
 
 
 class FakeStack:
-    """scheduler + model-free worker + api as processes on loopback ports (a context manager)."""
+    """`num_engines` × (scheduler + model-free worker), and one api over all of them, as processes on
+    loopback ports (a context manager). `engines[i]` is engine i's environment; `processes` maps
+    "scheduler-i", "worker-i" and "api" to their processes."""
 
-    def __init__(self, log_dir: Path, **env_overrides: str):
+    def __init__(self, log_dir: Path, num_engines: int = 1, **env_overrides: str):
         defaults = {"BLOCKSERVE_NUM_KV_BLOCKS": "24", "BLOCKSERVE_BLOCK_SIZE": "4", "FAKE_STEP_DELAY_S": "0.005"}
-        self.env = loopback_env(**{**defaults, **env_overrides})  # overrides win
+        self.engines = [loopback_env(**{**defaults, **env_overrides}) for _ in range(num_engines)]  # overrides win
+        addresses = ",".join(engine["BLOCKSERVE_SCHEDULER_ADDR"] for engine in self.engines)
+        self.env = {**self.engines[0], "BLOCKSERVE_SCHEDULER_ADDR": addresses}  # the api's
         self.url = f"http://127.0.0.1:{self.env['BLOCKSERVE_PORT']}"
-        self.metrics_port = self.env["BLOCKSERVE_METRICS_PORT"]
+        self.metrics_port = self.env["BLOCKSERVE_METRICS_PORT"]  # engine 0's scheduler
         self.log_dir = log_dir
-        self.processes: list[subprocess.Popen] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.processes: dict[str, subprocess.Popen] = {}
 
     def __enter__(self) -> "FakeStack":
-        for args, name in (
-            (["-m", "service.cli", "scheduler"], "scheduler"),
-            (["-m", "tests.support.fake_worker_process"], "worker"),
-            (["-m", "service.cli", "api"], "api"),
-        ):
-            self.processes.append(start(args, self.env, self.log_dir / f"{name}.log"))
+        for index, engine in enumerate(self.engines):
+            for args, role in (
+                (["-m", "service.cli", "scheduler"], "scheduler"),
+                (["-m", "tests.support.fake_worker_process"], "worker"),
+            ):
+                name = f"{role}-{index}"
+                self.processes[name] = start(args, engine, self.log_dir / f"{name}.log")
+        self.processes["api"] = start(["-m", "service.cli", "api"], self.env, self.log_dir / "api.log")
         wait_ready(self.url, timeout_s=60)
         return self
 
     def __exit__(self, *_: object) -> None:
-        stop_all(self.processes)
+        stop_all(self.processes.values())

@@ -36,9 +36,11 @@ def test_welcome_and_reports_keep_the_engines_cache_in_order():
         num_running=2, num_waiting=1, num_free_blocks=0, num_total_blocks=8, steps_per_s=10.0,
         cache_event_hashes=[first, second, first, first], cache_events_cached=[True, True, False, True],
     )  # fmt: skip
-    view.num_sent_since_report = 3
+    view.num_open_here = 5
     view.take(report)
-    assert view.cached_hashes == {first, second} and view.queue == 3
+    assert view.cached_hashes == {first, second} and view.queue == 5  # its own open requests, the report lags
+    view.num_open_here = 1
+    assert view.queue == 3
     view.take(wire.EngineReport(0, 0, 0, 8, 0.0, cache_event_hashes=[second], cache_events_cached=[False]))
     view.take(wire.EngineReport(0, 0, 0, 8, 0.0, cache_event_hashes=[second], cache_events_cached=[False]))
     assert view.cached_hashes == {first}  # an eviction the snapshot already had changes nothing

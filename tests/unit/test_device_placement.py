@@ -1,5 +1,5 @@
 """Where the worker computes: device choice, dtype choice and the KV cache's size from a device's
-free memory, decided from what Paddle and the device report (gpu_worker/device.py)."""
+free memory, decided from what Paddle and the device report (gpu_worker/device.py, gpu_worker/precision.py)."""
 
 import pytest
 
@@ -8,11 +8,11 @@ from gpu_worker.device import (
     PlacementError,
     activation_bytes,
     choose_device,
-    choose_dtype,
     kv_cache_budget,
 )
 from gpu_worker.kv_cache import block_bytes, num_blocks_for
 from gpu_worker.model_config import ModelConfig, RopeConfig
+from gpu_worker.precision import Precision, PrecisionUnavailable, resolve_precision
 from service.config import load_settings
 
 GiB = 2**30
@@ -63,22 +63,27 @@ def test_device_setting_accepts_only_auto_cpu_and_gpu_indices():
             load_settings(device=bad)
 
 
-def test_bfloat16_is_the_default_on_a_gpu_with_the_cuda_kernels_and_float32_elsewhere():
-    assert choose_dtype("auto", "gpu:0", cuda_kernels=True)[0] == "bfloat16"
-    assert choose_dtype("float16", "gpu:0", cuda_kernels=True)[0] == "float16"
-    assert choose_dtype("float32", "gpu:1", cuda_kernels=True)[0] == "float32"
-    assert choose_dtype("auto", "gpu:0", cuda_kernels=False) == (
-        "float32",
-        "the pure-Paddle kernels compute in float32",
+def test_bfloat16_is_the_default_on_a_gpu_with_the_cuda_kernels_and_float32_with_pure_paddle():
+    assert resolve_precision("auto", "none", "cuda").dtype == "bfloat16"
+    assert resolve_precision("float16", "none", "cuda").dtype == "float16"
+    assert resolve_precision("float32", "none", "cuda").dtype == "float32"
+    assert resolve_precision("auto", "none", "paddle") == Precision(
+        "float32", "none", "pure-Paddle kernels compute in float32"
     )
-    assert choose_dtype("auto", "cpu", cuda_kernels=False)[0] == "float32"
+    assert resolve_precision("auto", "none", "custom", bf16_dot=False).dtype == "float32"
+    assert resolve_precision("auto", "none", "custom", bf16_dot=True).dtype == "bfloat16"
 
 
-@pytest.mark.parametrize("device, cuda_kernels", [("cpu", False), ("gpu:0", False)])
-def test_a_half_precision_dtype_without_the_cuda_kernels_refuses_rather_than_serves_float32(device, cuda_kernels):
-    for dtype in ("bfloat16", "float16"):
-        with pytest.raises(PlacementError, match=f"BLOCKSERVE_DTYPE={dtype}"):
-            choose_dtype(dtype, device, cuda_kernels)
+@pytest.mark.parametrize("kernels, dtype", [("paddle", "bfloat16"), ("paddle", "float16"), ("custom", "float16")])
+def test_a_dtype_the_kernels_cannot_serve_refuses_rather_than_serves_another(kernels, dtype):
+    with pytest.raises(PrecisionUnavailable, match=f"BLOCKSERVE_DTYPE={dtype}"):
+        resolve_precision(dtype, "none", kernels)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "gguf"])
+def test_a_quantization_on_a_gpu_refuses_to_start_since_only_the_cpu_kernels_pack_it(quantization):
+    with pytest.raises(PrecisionUnavailable, match=f"BLOCKSERVE_QUANTIZATION={quantization} .* CPU kernels only"):
+        resolve_precision("auto", quantization, "cuda")
 
 
 def test_kv_cache_takes_what_gpu_memory_utilization_leaves_after_the_weights_and_activations():

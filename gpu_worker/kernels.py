@@ -1,4 +1,5 @@
-"""The worker's kernels, chosen once at start-up: blockserve's custom C++ CPU ops or plain Paddle.
+"""The worker's kernels, chosen once at start-up: blockserve's custom ops (C++ on a CPU, CUDA on a GPU:
+gpu_worker/cuda_kernels.py) or plain Paddle.
 
 Both paths offer the same calls to the model: `add_rms_norm`, `silu_and_mul` and an attention
 backend (`prepare(inputs)` once per step, `attend_qkv(qkv, caches, metadata)` per layer, which
@@ -16,22 +17,21 @@ import paddle
 import paddle.nn.functional as F
 
 from gpu_worker.attention import PagedAttentionBackend, RotaryPagedAttention
-from gpu_worker.custom_attention import CustomPagedAttention
-from gpu_worker.custom_ops import REQUIRED_CPU_FEATURES, CustomOpsUnavailable, cpu_features, load_ops
+from gpu_worker.custom_attention import CustomAttentionMetadata, CustomPagedAttention
+from gpu_worker.custom_ops import REQUIRED_CPU_FEATURES, CustomOpsUnavailable, IsaSet, cpu_features, load_ops
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.rope import RotaryEmbedding
 
 log = logging.getLogger(__name__)
 
-KERNEL_MODES = ("auto", "custom", "paddle")  # auto = custom where it builds and the CPU can run it
-REPORTED_CPU_FEATURES = ("avx2", "fma", "avx512f")
+KERNEL_MODES = ("auto", "custom", "paddle")  # auto = custom where it builds and the device can run it
+REPORTED_CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 
 
 class PaddleKernels:
     """Plain Paddle ops (never paddle's fused RMSNorm op: its CPU kernel is AVX-512 code, SIGILL elsewhere)."""
 
     name = "paddle"
-    avx512 = False
 
     def add_rms_norm(self, x, weight, residual, eps: float):
         """(rms_norm(x + residual) * weight, x + residual); residual may be None."""
@@ -48,29 +48,80 @@ class PaddleKernels:
         backend = PagedAttentionBackend(config.num_heads, config.num_kv_heads, config.head_dim, block_size)
         return RotaryPagedAttention(backend, rotary)
 
+    def fused_layer(self, attention, config: ModelConfig):
+        """None: the model runs its layers op by op."""
+        return None
+
 
 class CustomKernels:
-    """blockserve's custom ops (custom_ops/cpu): AVX2 + FMA, or AVX-512 where the CPU has it and it is allowed."""
+    """blockserve's custom ops (custom_ops/cpu): AVX2 + FMA, and AVX-512 with its BF16 and VNNI dot products
+    where the CPU has them and they are allowed."""
 
     name = "custom"
 
-    def __init__(self, ops: ModuleType, avx512: bool):
+    def __init__(self, ops: ModuleType, isa: IsaSet, fuse_layers: bool = True):
         self.ops = ops
-        self.avx512 = avx512
+        self.isa = isa
+        self.fuse_layers = fuse_layers  # one bs_decoder_layer call per layer instead of nine ops
 
     def add_rms_norm(self, x, weight, residual, eps: float):
         if residual is None:
-            return self.ops.bs_rms_norm(x, weight, eps, self.avx512), x
-        return self.ops.bs_add_rms_norm(x, residual, weight, eps, self.avx512)
+            return self.ops.bs_rms_norm(x, weight, eps, self.isa.bits), x
+        return self.ops.bs_add_rms_norm(x, residual, weight, eps, self.isa.bits)
 
     def silu_and_mul(self, gate_up):
-        return self.ops.bs_silu_and_mul(gate_up, self.avx512)
+        return self.ops.bs_silu_and_mul(gate_up, self.isa.bits)
 
     def attention(self, config: ModelConfig, block_size: int, rotary: RotaryEmbedding) -> AttentionBackend:
         if config.head_dim % 16:  # the attention kernel works on whole AVX-512 vectors of a head
             log.warning("head_dim %d is not a multiple of 16: pure-Paddle attention", config.head_dim)
             return PaddleKernels().attention(config, block_size, rotary)
-        return CustomPagedAttention(self.ops, config.num_heads, config.num_kv_heads, rotary, self.avx512)
+        return CustomPagedAttention(self.ops, config.num_heads, config.num_kv_heads, rotary, self.isa.bits)
+
+    def fused_layer(self, attention, config: ModelConfig):
+        """A callable running one whole decoder layer in one op, or None where the layer runs op by op (the
+        attention fell back to pure Paddle, or fusing is off)."""
+        if not self.fuse_layers or not isinstance(attention, CustomPagedAttention):
+            return None
+        return FusedDecoderLayer(self.ops, attention, config)
+
+
+class FusedDecoderLayer:
+    """`(layer, hidden, residual, key_cache, value_cache, metadata) -> (hidden, residual)` through
+    bs_decoder_layer: the same kernels as the single ops, one Paddle op call per layer."""
+
+    def __init__(self, ops: ModuleType, attention: CustomPagedAttention, config: ModelConfig):
+        self.ops = ops
+        self.attention = attention
+        self.config = config
+
+    def __call__(self, layer, hidden, residual, key_cache, value_cache, metadata: CustomAttentionMetadata):
+        linears = layer.linears
+        hidden, residual, _, _ = self.ops.bs_decoder_layer(
+            hidden,
+            residual,
+            layer.input_norm,
+            layer.post_attention_norm,
+            *(linear.packed for linear in linears),
+            *(linear.bias for linear in linears),
+            key_cache,
+            value_cache,
+            metadata.positions,
+            metadata.slot_mapping,
+            metadata.query_start,
+            metadata.context_lens,
+            metadata.block_table,
+            self.attention.rotary.cos,
+            self.attention.rotary.sin,
+            [int(linear.format) for linear in linears],
+            self.config.num_heads,
+            self.config.num_kv_heads,
+            self.config.intermediate_size,
+            self.config.rms_norm_eps,
+            self.attention.query_tile,
+            self.attention.isa,
+        )
+        return hidden, residual
 
 
 Kernels = PaddleKernels | CustomKernels
@@ -85,25 +136,25 @@ class KernelChoice:
     def describe(self) -> dict[str, str]:
         """What the worker reports (log, hello, the scheduler's settings_info)."""
         features = cpu_features()
-        isa = "avx512" if self.kernels.avx512 else "avx2" if self.kernels.name == "custom" else "paddle"
         return {
             "kernels": self.kernels.name,
-            "kernels_isa": isa,
+            "kernels_isa": self.kernels.isa.name if self.kernels.name == "custom" else self.kernels.name,
             "cpu_features": ",".join(f for f in REPORTED_CPU_FEATURES if f in features) or "none",
         }
 
 
-def select_kernels(mode: str, force_avx2: bool = False) -> KernelChoice:
+def select_kernels(mode: str, isa_cap: str = "all") -> KernelChoice:
     """The kernels for `mode` (see KERNEL_MODES); `custom` raises CustomOpsUnavailable where they cannot run.
 
-    `force_avx2` keeps the custom ops on their AVX2 code on an AVX-512 CPU (tests cover both paths).
+    `isa_cap` (custom_ops.ISA_CAPS) keeps the custom ops below what the CPU has: `avx2` forces their AVX2
+    code, `avx512` AVX-512F without the dot-product extensions (tests cover every path).
     """
     if mode not in KERNEL_MODES:
         raise ValueError(f"kernel mode {mode!r} is not one of {KERNEL_MODES}")
     if mode == "paddle":
         return KernelChoice(PaddleKernels(), "BLOCKSERVE_KERNELS=paddle")
     try:
-        kernels = _custom_kernels(force_avx2)
+        kernels = _custom_kernels(isa_cap)
     except CustomOpsUnavailable as exc:
         if mode == "custom":
             raise
@@ -112,11 +163,16 @@ def select_kernels(mode: str, force_avx2: bool = False) -> KernelChoice:
     return KernelChoice(kernels, f"BLOCKSERVE_KERNELS={mode}")
 
 
-def _custom_kernels(force_avx2: bool) -> CustomKernels:
+def _custom_kernels(isa_cap: str) -> CustomKernels:
+    if paddle.get_device().startswith("gpu"):
+        from gpu_worker.cuda_kernels import CudaKernels  # it builds on this module's classes
+        from gpu_worker.cuda_ops import load_cuda_ops
+
+        return CudaKernels(load_cuda_ops())
     if paddle.get_device() != "cpu":
-        raise CustomOpsUnavailable(f"the custom ops are CPU kernels and the device is {paddle.get_device()}")
+        raise CustomOpsUnavailable(f"the custom ops are CPU or CUDA kernels and the device is {paddle.get_device()}")
     features = cpu_features()
     missing = [feature for feature in REQUIRED_CPU_FEATURES if feature not in features]
     if missing:
         raise CustomOpsUnavailable(f"the CPU lacks {', '.join(missing)}")
-    return CustomKernels(load_ops(), avx512="avx512f" in features and not force_avx2)
+    return CustomKernels(load_ops(), IsaSet.of(features, isa_cap))

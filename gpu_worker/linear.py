@@ -1,8 +1,12 @@
-"""The model's linear layers, y = x @ W (+ bias), on the chosen kernel path.
+"""The model's linear layers, y = x @ W (+ bias), and its token embedding, on the chosen kernel path.
 
-The pure-Paddle path calls F.linear on an [in, out] weight (the reference and fallback); the custom
-path packs the weight once at load into the bs_linear op's 16-column panels. Projections that read
-the same input are fused into one weight (q|k|v, gate|up) on both paths: one GEMM instead of several.
+The pure-Paddle path (the reference and fallback) and the CUDA kernels ("cuda": Paddle's matmul, cuBLAS)
+call F.linear on an [in, out] weight made in fp32; on a GPU the runner moves it there in the model's
+dtype (gpu_worker/device_model.py). The custom CPU path packs every weight once at load into the
+bs_linear op's 16-column panels, in the format the precision picks (fp32, bf16, int8 with a scale per
+output feature, or a GGUF file's own blocks). A tied embedding is the packed lm_head itself: the lookup
+reads its columns back, so the table is held once. Projections that read the same input are fused into
+one weight (q|k|v, gate|up) on every path.
 """
 
 from __future__ import annotations
@@ -15,8 +19,13 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from gpu_worker.precision import Precision
+from gpu_worker.weight_format import GgufBlocks, WeightFormat, dense, quantize_int8
+
 if TYPE_CHECKING:
     from gpu_worker.kernels import Kernels
+
+Weight = np.ndarray | GgufBlocks  # [out_features, in_features], Hugging Face's layout
 
 
 @dataclass(frozen=True)
@@ -31,21 +40,29 @@ class PaddleLinear:
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def tensors(self) -> list[paddle.Tensor]:
+        return [t for t in (self.weight, self.bias) if t is not None]
+
 
 @dataclass(frozen=True)
 class PackedLinear:
     ops: ModuleType
-    packed: paddle.Tensor  # [out panels, in, 16] from bs_linear_pack
+    packed: paddle.Tensor  # uint8 [out panels, panel bytes] from a bs_linear_pack* op
     bias: paddle.Tensor | None
+    in_features: int
     out_features: int
-    avx512: bool
-
-    @property
-    def in_features(self) -> int:
-        return self.packed.shape[1]
+    format: WeightFormat
+    isa: int  # the ops' isa bits
 
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
-        return self.ops.bs_linear(x, self.packed, self.bias, self.out_features, self.avx512)
+        return self.ops.bs_linear(x, self.packed, self.bias, self.out_features, int(self.format), self.isa)
+
+    def tensors(self) -> list[paddle.Tensor]:
+        return [t for t in (self.packed, self.bias) if t is not None]
+
+    def columns(self, ids: paddle.Tensor) -> paddle.Tensor:
+        """W[:, ids].T in fp32: [len(ids), in_features] (the rows of a tied embedding)."""
+        return self.ops.bs_linear_columns(self.packed, ids, self.in_features, self.out_features, int(self.format))
 
 
 Linear = PaddleLinear | PackedLinear
@@ -64,31 +81,90 @@ class TiedLmHead:
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
         return paddle.matmul(x, self.embedding, transpose_y=True)
 
+    def tensors(self) -> list[paddle.Tensor]:
+        return [self.embedding]
 
-def fused_linear(kernels: Kernels, weights: list[np.ndarray], biases: list[np.ndarray | None]) -> Linear:
-    """One layer computing every [out_i, in] weight (Hugging Face's layout) side by side: y = y_0 | y_1 | ..."""
-    weight = np.ascontiguousarray(np.concatenate(weights, axis=0).T, dtype=np.float32)
+
+@dataclass(frozen=True)
+class PaddleEmbedding:
+    table: paddle.Tensor  # [vocab, hidden] fp32 (on a GPU, the model's dtype)
+
+    def __call__(self, ids: paddle.Tensor) -> paddle.Tensor:
+        return F.embedding(ids, self.table)
+
+    def tensors(self) -> list[paddle.Tensor]:
+        return [self.table]
+
+
+@dataclass(frozen=True)
+class PackedEmbedding:
+    weight: PackedLinear  # the table transposed: [hidden, vocab], an lm_head's layout
+
+    def __call__(self, ids: paddle.Tensor) -> paddle.Tensor:
+        return self.weight.columns(ids)
+
+    def tensors(self) -> list[paddle.Tensor]:
+        return self.weight.tensors()
+
+
+Embedding = PaddleEmbedding | PackedEmbedding
+
+
+def fused_linear(
+    kernels: Kernels, weights: list[Weight], biases: list[np.ndarray | None], precision: Precision
+) -> Linear:
+    """One layer computing every weight side by side: y = y_0 | y_1 | ..."""
     bias = None
     if any(b is not None for b in biases):
-        bias = np.concatenate([np.zeros(w.shape[0], np.float32) if b is None else b for w, b in zip(weights, biases)])
-    return linear(kernels, weight, bias)
+        bias = np.concatenate(
+            [np.zeros(_out_features(w), np.float32) if b is None else b for w, b in zip(weights, biases)]
+        )
+    same_blocks = all(isinstance(w, GgufBlocks) and w.format == weights[0].format for w in weights)
+    if same_blocks and kernels.name == "custom":
+        fused = GgufBlocks(weights[0].format, np.concatenate([w.rows for w in weights]), weights[0].in_features)
+    else:
+        fused = np.concatenate([dense(w) for w in weights], axis=0)
+    return linear(kernels, fused, bias, precision)
 
 
-def linear(kernels: Kernels, weight: np.ndarray, bias: np.ndarray | None) -> Linear:
-    """The layer for an [in, out] weight on `kernels`' path."""
+def linear(kernels: Kernels, weight: Weight, bias: np.ndarray | None, precision: Precision) -> Linear:
+    """The layer for a weight [out, in] on `kernels`' path."""
     bias_tensor = None if bias is None else paddle.to_tensor(np.asarray(bias, dtype=np.float32))
     if kernels.name != "custom":
-        return PaddleLinear(paddle.to_tensor(weight), bias_tensor)
-    packed = kernels.ops.bs_linear_pack(paddle.to_tensor(weight))
-    return PackedLinear(kernels.ops, packed, bias_tensor, weight.shape[1], kernels.avx512)
+        return PaddleLinear(paddle.to_tensor(np.ascontiguousarray(dense(weight).T)), bias_tensor)
+    return _packed(kernels, weight, bias_tensor, precision)
 
 
-def lm_head(kernels: Kernels, weight: np.ndarray | None, embedding: paddle.Tensor) -> Linear | TiedLmHead:
-    """The output projection: the untied [vocab, hidden] weight, or the embedding when tied.
+def embedding_and_lm_head(
+    kernels: Kernels, embedding: Weight, lm_head: Weight | None, precision: Precision
+) -> tuple[Embedding, Linear | TiedLmHead]:
+    """The token embedding [vocab, hidden] and the output projection (tied to it when `lm_head` is None)."""
+    if kernels.name != "custom":
+        table = paddle.to_tensor(dense(embedding))
+        head = TiedLmHead(table) if lm_head is None else linear(kernels, lm_head, None, precision)
+        return PaddleEmbedding(table), head
+    packed_table = _packed(kernels, embedding, None, precision)
+    head = packed_table if lm_head is None else _packed(kernels, lm_head, None, precision)
+    return PackedEmbedding(packed_table), head
 
-    The custom path packs a transposed copy of a tied embedding (memory for speed).
-    """
-    if weight is None and kernels.name != "custom":
-        return TiedLmHead(embedding)
-    source = embedding.numpy() if weight is None else weight
-    return linear(kernels, np.ascontiguousarray(source.T), None)
+
+def _packed(kernels: Kernels, weight: Weight, bias: paddle.Tensor | None, precision: Precision) -> PackedLinear:
+    weight_format = precision.weight_format(weight)
+    ops = kernels.ops
+    if weight_format.is_gguf_block:
+        packed = ops.bs_linear_pack_gguf(paddle.to_tensor(weight.rows), int(weight_format), weight.in_features)
+    elif weight_format == WeightFormat.INT8:
+        q, scales = quantize_int8(np.ascontiguousarray(dense(weight).T))
+        packed = ops.bs_linear_pack_int8(paddle.to_tensor(q), paddle.to_tensor(scales))
+    else:
+        packed = ops.bs_linear_pack(paddle.to_tensor(np.ascontiguousarray(dense(weight).T)), int(weight_format))
+    out_features, in_features = _out_features(weight), _in_features(weight)
+    return PackedLinear(ops, packed, bias, in_features, out_features, weight_format, kernels.isa.bits)
+
+
+def _out_features(weight: Weight) -> int:
+    return weight.out_features if isinstance(weight, GgufBlocks) else weight.shape[0]
+
+
+def _in_features(weight: Weight) -> int:
+    return weight.in_features if isinstance(weight, GgufBlocks) else weight.shape[1]

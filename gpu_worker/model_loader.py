@@ -7,9 +7,12 @@ import re
 import time
 from dataclasses import dataclass
 
+from gpu_worker.cpu_memory import release_freed_memory, resident_anonymous_bytes
+from gpu_worker.gguf_checkpoint import GGUFCheckpoint
 from gpu_worker.kernels import Kernels
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.precision import Precision, PrecisionUnavailable
 from gpu_worker.weights import Checkpoint, open_checkpoint, read_weights
 from service import wire
 from service.config import Settings
@@ -25,6 +28,9 @@ class LoadedModel:
     model: LlamaForCausalLM
     config: ModelConfig
     info: wire.ModelInfo
+    weight_bytes: int  # what the model's tensors hold
+    file_tensor_bytes: int  # the checkpoint's tensors as stored
+    resident_growth_bytes: int | None  # resident anonymous memory gained while loading (None: not measured)
 
 
 def served_names(checkpoint_name: str, settings: Settings) -> tuple[str, list[str]]:
@@ -59,11 +65,39 @@ def model_info(checkpoint: Checkpoint, settings: Settings) -> wire.ModelInfo:
     )
 
 
-def load_model(settings: Settings, kernels: Kernels) -> LoadedModel:
-    """Read `settings.model_path()` (BLOCKSERVE_MODEL) into fp32 Paddle tensors; logs the time it took."""
+def load_model(settings: Settings, kernels: Kernels, precision: Precision) -> LoadedModel:
+    """Read `settings.model_path()` (BLOCKSERVE_MODEL) into Paddle tensors in `precision`; logs the time it
+    took and the memory the weights take."""
     started = time.perf_counter()
+    resident_before = resident_anonymous_bytes()
     checkpoint = open_checkpoint(settings.model_path())
+    if precision.quantization == "gguf" and not isinstance(checkpoint, GGUFCheckpoint):
+        raise PrecisionUnavailable(f"BLOCKSERVE_QUANTIZATION=gguf needs a GGUF model, not {checkpoint.path}")
     info = model_info(checkpoint, settings)
-    model = LlamaForCausalLM(checkpoint.config, read_weights(checkpoint), info.max_model_len, kernels)
+    weights = read_weights(checkpoint, keep_gguf_blocks=precision.quantization == "gguf")
+    model = LlamaForCausalLM(checkpoint.config, weights, info.max_model_len, kernels, precision)
+    del weights
+    release_freed_memory()  # the fp32 (or block) copies read from the file, packed and dropped by now
+    resident_after = resident_anonymous_bytes()
+    loaded = LoadedModel(
+        model=model,
+        config=checkpoint.config,
+        info=info,
+        weight_bytes=model.weight_bytes(),
+        file_tensor_bytes=checkpoint.tensor_bytes,
+        resident_growth_bytes=None if resident_before is None else resident_after - resident_before,
+    )
     log.info("loaded model %s (%s) in %.1f s", info.name, checkpoint.path, time.perf_counter() - started)
-    return LoadedModel(model=model, config=checkpoint.config, info=info)
+    growth = (
+        "not measured" if loaded.resident_growth_bytes is None else f"{loaded.resident_growth_bytes / 2**20:.1f} MiB"
+    )
+    log.info(
+        "weights: %.1f MiB in %s/%s (%.2fx the file's %.1f MiB of tensors); resident memory grew %s while loading",
+        loaded.weight_bytes / 2**20,
+        precision.dtype,
+        precision.quantization,
+        loaded.weight_bytes / loaded.file_tensor_bytes,
+        loaded.file_tensor_bytes / 2**20,
+        growth,
+    )
+    return loaded

@@ -7,12 +7,18 @@ from dataclasses import dataclass, field
 
 import paddle
 
+from gpu_worker.compute_clock import ComputeClock, gpu_event
 from gpu_worker.cpu_memory import keep_freed_memory
+from gpu_worker.custom_attention import CustomPagedAttention
+from gpu_worker.device import activation_bytes, choose_device, kv_cache_budget
+from gpu_worker.device_model import move_model, on_host
 from gpu_worker.kernels import select_kernels
 from gpu_worker.kv_cache import KVCache, num_blocks_for
 from gpu_worker.model_loader import load_model
+from gpu_worker.precision import resolve_precision
 from gpu_worker.sampler import Sampler
 from gpu_worker.step_inputs import RequestState, StepError, StepInputs, build_step_inputs, fill_pending_tokens
+from gpu_worker.step_upload import DeviceInputs, HostInputs, ModelInputs
 from gpu_worker.tensor_ops import take_rows
 from service import wire
 from service.config import Settings
@@ -28,7 +34,7 @@ class PreparedStep:
     step: wire.SchedulerOutput
     scheduled: list[tuple[RequestState, int]] = field(default_factory=list)
     inputs: StepInputs | None = None  # None: nothing to compute
-    attention_metadata: object = None
+    attention_metadata: object = None  # or the step's delta, where the inputs are built on the device
     error: str | None = None
 
 
@@ -37,38 +43,81 @@ class LaunchedStep:
     prepared: PreparedStep
     logits: paddle.Tensor | None = None  # None: nothing to sample
     error: str | None = None
+    model_inputs: ModelInputs | None = None
 
 
 class ModelRunner:
     """The model, its paged KV cache and the state of the requests the scheduler has sent."""
 
     def __init__(self, settings: Settings):
-        if paddle.get_device() == "cpu":
+        compiled_with_cuda = paddle.is_compiled_with_cuda()
+        gpu_count = paddle.device.cuda.device_count() if compiled_with_cuda else 0
+        self.device = choose_device(settings.device, compiled_with_cuda, gpu_count)
+        paddle.set_device(self.device)
+        if self.device == "cpu":
             keep_freed_memory()
         choice = select_kernels(settings.kernels)
-        self.kernels = choice.describe()  # reported in the hello and the scheduler's settings_info
-        log.info("kernels: %s (%s)", " ".join(f"{k}={v}" for k, v in self.kernels.items()), choice.reason)
-        loaded = load_model(settings, choice.kernels)
+        custom = choice.kernels.name == "custom"
+        precision = resolve_precision(
+            settings.dtype, settings.quantization, choice.kernels.name, bf16_dot=custom and choice.kernels.isa.bf16
+        )
+        log.info("kernels: %s (%s)", " ".join(f"{k}={v}" for k, v in choice.describe().items()), choice.reason)
+        log.info(
+            "device=%s dtype=%s quantization=%s (%s)",
+            self.device,
+            precision.dtype,
+            precision.quantization,
+            precision.reason,
+        )
+        with on_host():  # on a GPU the weights are read in host memory and moved once, cast to the dtype
+            loaded = load_model(settings, choice.kernels, precision)
+        if self.device != "cpu":
+            move_model(loaded.model, self.device, precision.dtype)
+        weight_bytes = loaded.model.weight_bytes()  # after the move: on a GPU in the precision's dtype
+        # Reported in the hello and the scheduler's settings_info (worker_kernels, worker_device, worker_dtype, ...).
+        self.kernels = {
+            **choice.describe(),
+            "device": self.device,
+            "dtype": precision.dtype,
+            "quantization": precision.quantization,
+            "weights_mib": f"{weight_bytes / 2**20:.1f}",
+        }
         config = loaded.config
         self.model = loaded.model
         self.model_info = loaded.info
         self.block_size = settings.block_size
-        self.num_kv_blocks = num_blocks_for(
-            config, self.block_size, int(settings.kv_cache_memory), settings.num_kv_blocks
+        budget = kv_cache_budget(
+            int(settings.kv_cache_memory) if "kv_cache_memory" in settings.model_fields_set else None,
+            int(settings.kv_cache_memory),
+            self.device,
+            _free_and_total_memory(self.device),
+            settings.gpu_memory_utilization,
+            activation_bytes(config, settings.max_num_batched_tokens, settings.max_num_seqs, precision.dtype),
         )
-        self.kv_cache = KVCache(config, self.num_kv_blocks, self.block_size)
+        self.num_kv_blocks = num_blocks_for(
+            config, self.block_size, budget.num_bytes, settings.num_kv_blocks, precision.kv_cache_dtype
+        )
+        self.kv_cache = KVCache(config, self.num_kv_blocks, self.block_size, precision.kv_cache_dtype)
         self.attention = choice.kernels.attention(config, self.block_size, self.model.rotary)
+        if choice.kernels.name == "cuda" and isinstance(self.attention, CustomPagedAttention):
+            max_blocks = -(-self.model_info.max_model_len // self.block_size)
+            self.step_inputs = DeviceInputs(choice.kernels.ops, self.block_size, settings.max_num_seqs, max_blocks)
+        else:
+            self.step_inputs = HostInputs(self.attention)
+        self.clock = ComputeClock(gpu_event if self.device != "cpu" else None)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         # Requests refused for their own parameters, and why: never computed (no token; each result that skips
         # one says why, and the scheduler ends it alone with that reason), until the scheduler says they finished.
         self.refused_requests: dict[str, str] = {}
         log.info(
-            "KV cache on %s: %d blocks of %d tokens, %.1f MiB",
-            paddle.get_device(),
+            "KV cache on %s: %d blocks of %d tokens, %s, %.1f MiB (%s)",
+            self.device,
             self.num_kv_blocks,
             self.block_size,
+            self.kv_cache.dtype,
             self.kv_cache.num_bytes / 2**20,
+            budget.reason if settings.num_kv_blocks is None else "BLOCKSERVE_NUM_KV_BLOCKS",
         )
 
     def execute(self, step: wire.SchedulerOutput) -> wire.StepResult:
@@ -90,7 +139,7 @@ class ModelRunner:
         if not scheduled:
             return PreparedStep(step)
         inputs = build_step_inputs(scheduled, self.block_size, self.num_kv_blocks)
-        return PreparedStep(step, scheduled, inputs, self.attention.prepare(inputs))
+        return PreparedStep(step, scheduled, inputs, self.step_inputs.prepare(inputs, scheduled))
 
     def launch(self, prepared: PreparedStep) -> LaunchedStep:
         if prepared.error is not None or prepared.inputs is None:
@@ -103,8 +152,9 @@ class ModelRunner:
                 if prepared.inputs is None:
                     return LaunchedStep(prepared)
             inputs = prepared.inputs
+            model_inputs = self.step_inputs.launch(inputs, prepared.attention_metadata, prepared.scheduled)
             hidden = self.model.forward(
-                paddle.to_tensor(inputs.input_ids), self.kv_cache, self.attention, prepared.attention_metadata
+                model_inputs.input_ids, self.kv_cache, self.attention, model_inputs.attention_metadata
             )
             for state, num_scheduled in prepared.scheduled:
                 state.num_computed_tokens += num_scheduled
@@ -113,7 +163,8 @@ class ModelRunner:
             for state in inputs.sampling_requests:
                 state.awaiting_token = True
             logits = self.model.compute_logits(take_rows(hidden, paddle.to_tensor(inputs.logits_indices)))
-            return LaunchedStep(prepared, logits)
+            self.clock.launched()
+            return LaunchedStep(prepared, logits, model_inputs=model_inputs)
         except Exception as exc:
             log.exception("step %d failed", prepared.step.step_id)
             return LaunchedStep(prepared, error=f"{type(exc).__name__}: {exc}")
@@ -125,7 +176,10 @@ class ModelRunner:
         sampling = prepared.inputs.sampling_requests if prepared.inputs is not None else []
         try:
             if error is None and launched.logits is not None:
-                sampled = self.sampler.sample(launched.logits, sampling)
+                draw = self.sampler.draw(launched.logits, sampling)
+                self.step_inputs.record(launched.model_inputs, draw)
+                sampled = draw.fetch()  # waits for the device: the step's one copy to the host
+                self.clock.finished()
                 for state, token in zip(sampling, sampled):
                     state.token_ids.append(token.token_id)
                 return wire.StepResult(step_id=step_id, sampled=sampled, refused=self._refusals(prepared.step))
@@ -151,20 +205,21 @@ class ModelRunner:
         metadata = self.attention.prepare(inputs)
         return self.model.forward(paddle.to_tensor(inputs.input_ids), self.kv_cache, self.attention, metadata)
 
-    @staticmethod
-    def remaining_s(launched: LaunchedStep) -> float:
-        """How long the device may still compute `launched`: unknown here, so prepare ahead only
-        what has already come (on the CPU the forward has finished when launch returns)."""
-        return 0.0
+    def remaining_s(self, launched: LaunchedStep) -> float:
+        """How long the device may still compute `launched` (0 on a CPU: the forward has finished when
+        launch returns); the worker loop waits that long for the next step and prepares it meanwhile."""
+        return self.clock.remaining_s() if launched.logits is not None else 0.0
 
     def _update_states(self, step: wire.SchedulerOutput) -> list[tuple[RequestState, int]]:
         """Apply the step's deltas; return (state, tokens to compute) of every scheduled request."""
         if step.reset:  # a new scheduler: whatever this worker holds belongs to no request any more
             self.requests.clear()
             self.refused_requests.clear()
+            self.step_inputs.clear()
         for request_id in (*step.finished_request_ids, *step.preempted_request_ids):
             self.requests.pop(request_id, None)
             self.refused_requests.pop(request_id, None)
+            self.step_inputs.release(request_id)
         scheduled = []
         for new in step.new_requests:
             if problem := sampling_problem(new.sampling, self.model_info.vocab_size):
@@ -190,3 +245,11 @@ class ModelRunner:
             state.block_ids.extend(running.new_block_ids)
             scheduled.append((state, running.num_scheduled_tokens))
         return [(state, count) for state, count in scheduled if count > 0]
+
+
+def _free_and_total_memory(device: str) -> tuple[int, int] | None:
+    """(free, total) bytes of a GPU once Paddle's cache of freed blocks is returned; None on a CPU."""
+    if device == "cpu":
+        return None
+    paddle.device.cuda.empty_cache()
+    return paddle.cuda.mem_get_info(device)

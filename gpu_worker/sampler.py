@@ -7,11 +7,16 @@ preemption and recompute. Logprobs come from the raw model logits.
 
 Rows without top_k/top_p draw over the vocabulary in id order (no sort); only rows that truncate
 pay for a top-k (or, without top_k, a full sort).
+
+Everything stays on the logits' device until `Draw.fetch()`, which copies the tokens and the asked
+logprobs to the host in one transfer; on a GPU the worker keeps `Draw.tokens` there for the next
+step's inputs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import paddle
@@ -28,29 +33,64 @@ def _rows(tensor: paddle.Tensor, selected: np.ndarray) -> paddle.Tensor:
     return take_rows(tensor, paddle.to_tensor(np.flatnonzero(selected)))
 
 
+@dataclass(frozen=True)
+class Draw:
+    """One step's sampling, queued on the device: `tokens` [rows] int64 there, `fetch()` for the host."""
+
+    requests: Sequence[SamplingRequest]
+    tokens: paddle.Tensor
+    packed: paddle.Tensor  # float64: the tokens, then per logprobs row its logprob and top-k values and ids
+    logprob_rows: np.ndarray  # rows that asked for logprobs
+    max_k: int
+
+    def fetch(self) -> list[wire.SampledToken]:
+        """The sampled tokens with their logprobs (one device-to-host copy)."""
+        host = self.packed.numpy()
+        rows = len(self.requests)
+        tokens = host[:rows].astype(np.int64)
+        sampled = [wire.SampledToken(r.request_id, int(t)) for r, t in zip(self.requests, tokens)]
+        logprobs = host[rows:].reshape(len(self.logprob_rows), 1 + 2 * self.max_k)
+        for values, row in zip(logprobs, self.logprob_rows):
+            k = self.requests[row].sampling.logprobs
+            top_values, top_ids = values[1 : 1 + self.max_k], values[1 + self.max_k :]
+            top = [wire.TokenLogprob(int(top_ids[j]), float(top_values[j])) for j in range(k)]
+            sampled[row] = wire.SampledToken(self.requests[row].request_id, int(tokens[row]), float(values[0]), top)
+        return sampled
+
+
 class Sampler:
-    """`sample(logits, requests)` -> one SampledToken per row."""
+    """`sample(logits, requests)` -> one SampledToken per row; `draw` leaves the result on the device."""
 
     def __init__(self, seed: int | None = None):
         self._rng = np.random.default_rng(seed)
 
     def sample(self, logits: paddle.Tensor, requests: Sequence[SamplingRequest]) -> list[wire.SampledToken]:
+        return self.draw(logits, requests).fetch()
+
+    def draw(self, logits: paddle.Tensor, requests: Sequence[SamplingRequest]) -> Draw:
+        logits = logits if logits.dtype == paddle.float32 else logits.astype("float32")
         params = [r.sampling for r in requests]
         greedy = np.array([p.temperature < GREEDY_TEMPERATURE for p in params])
         truncated = np.array([p.top_k > 0 or p.top_p < 1.0 for p in params]) & ~greedy
         plain = ~greedy & ~truncated
         penalised = apply_logit_bias(apply_penalties(logits, requests), requests)
         uniforms = self._uniforms(requests, ~greedy)
-        tokens = np.empty(len(requests), dtype=np.int64)
+        groups, group_tokens = [], []
         if greedy.any():
-            tokens[greedy] = paddle.argmax(_rows(penalised, greedy), axis=-1).numpy()
+            groups.append(np.flatnonzero(greedy))
+            group_tokens.append(paddle.argmax(_rows(penalised, greedy), axis=-1).astype("int64"))
         if plain.any():
             probs = F.softmax(_scaled(_rows(penalised, plain), _select(params, plain)), axis=-1)
-            tokens[plain] = _inverse_cdf(probs, uniforms[plain])
+            groups.append(np.flatnonzero(plain))
+            group_tokens.append(_inverse_cdf(probs, uniforms[plain]))
         if truncated.any():
             chosen = _select(params, truncated)
             scaled = _scaled(_rows(penalised, truncated), chosen)
-            tokens[truncated] = _draw_truncated(scaled, chosen, uniforms[truncated])
+            groups.append(np.flatnonzero(truncated))
+            group_tokens.append(_draw_truncated(scaled, chosen, uniforms[truncated]))
+        # The groups' tokens back in row order: row i is entry position_of_row[i] of their concatenation.
+        position_of_row = np.argsort(np.concatenate(groups))
+        tokens = paddle.gather(paddle.concat(group_tokens), paddle.to_tensor(position_of_row))
         return _with_logprobs(logits, requests, tokens)
 
     def _uniforms(self, requests: Sequence[SamplingRequest], needed: np.ndarray) -> np.ndarray:
@@ -80,7 +120,7 @@ def _scaled(logits: paddle.Tensor, params: list[wire.SamplingParams]) -> paddle.
     return logits
 
 
-def _draw_truncated(logits: paddle.Tensor, params: list[wire.SamplingParams], uniforms: np.ndarray) -> np.ndarray:
+def _draw_truncated(logits: paddle.Tensor, params: list[wire.SamplingParams], uniforms: np.ndarray) -> paddle.Tensor:
     """Draw among each row's top_k tokens, cut further to the smallest set holding top_p of the mass."""
     vocab_size = logits.shape[-1]
     top_k = np.array([p.top_k if p.top_k > 0 else vocab_size for p in params])
@@ -96,30 +136,29 @@ def _draw_truncated(logits: paddle.Tensor, params: list[wire.SamplingParams], un
     kept = (mass_before < paddle.to_tensor(top_p)) | paddle.to_tensor(np.arange(probs.shape[-1])[None, :] == 0)
     probs = paddle.where(kept, probs, paddle.zeros_like(probs))
     picked = _inverse_cdf(probs, uniforms)
-    return np.take_along_axis(sorted_ids.numpy(), picked[:, None], axis=-1)[:, 0]
+    return paddle.take_along_axis(sorted_ids, picked.unsqueeze(-1), axis=-1).squeeze(-1).astype("int64")
 
 
-def _inverse_cdf(probs: paddle.Tensor, uniforms: np.ndarray) -> np.ndarray:
+def _inverse_cdf(probs: paddle.Tensor, uniforms: np.ndarray) -> paddle.Tensor:
     """Index of the first entry whose cumulative (unnormalised) mass exceeds uniform * total."""
     cdf = paddle.cumsum(probs.astype("float64"), axis=-1)
     targets = paddle.to_tensor(uniforms[:, None]) * cdf[:, -1:]
-    picked = paddle.searchsorted(cdf, targets, right=True).numpy()[:, 0]
-    return np.minimum(picked, probs.shape[-1] - 1)
+    picked = paddle.searchsorted(cdf, targets, right=True)[:, 0]
+    return paddle.minimum(picked, paddle.full_like(picked, probs.shape[-1] - 1)).astype("int64")
 
 
-def _with_logprobs(logits: paddle.Tensor, requests: Sequence[SamplingRequest], tokens: np.ndarray):
-    """SampledTokens, with the chosen token's logprob and the top-k for requests that asked."""
-    sampled = [wire.SampledToken(r.request_id, int(t)) for r, t in zip(requests, tokens)]
+def _with_logprobs(logits: paddle.Tensor, requests: Sequence[SamplingRequest], tokens: paddle.Tensor) -> Draw:
+    """The draw, with the chosen token's logprob and the top-k packed for the rows that asked."""
     wanted = np.array([r.sampling.logprobs is not None for r in requests])
-    if not wanted.any():
-        return sampled
     rows = np.flatnonzero(wanted)
-    logprobs = log_softmax(_rows(logits, wanted))
-    chosen = paddle.take_along_axis(logprobs, paddle.to_tensor(tokens[rows, None]), axis=-1).numpy()[:, 0]
-    max_k = max(requests[row].sampling.logprobs for row in rows)
-    top_values, top_ids = (t.numpy() for t in paddle.topk(logprobs, max_k, axis=-1)) if max_k else (None, None)
-    for position, row in enumerate(rows):
-        k = requests[row].sampling.logprobs
-        top = [wire.TokenLogprob(int(top_ids[position, j]), float(top_values[position, j])) for j in range(k)]
-        sampled[row] = wire.SampledToken(requests[row].request_id, int(tokens[row]), float(chosen[position]), top)
-    return sampled
+    max_k = max((requests[row].sampling.logprobs for row in rows), default=0)
+    packed = [tokens.astype("float64")]
+    if len(rows):
+        logprobs = log_softmax(_rows(logits, wanted))
+        chosen_ids = paddle.gather(tokens, paddle.to_tensor(rows)).unsqueeze(-1)
+        parts = [paddle.take_along_axis(logprobs, chosen_ids, axis=-1)]
+        if max_k:
+            top_values, top_ids = paddle.topk(logprobs, max_k, axis=-1)
+            parts += [top_values, top_ids.astype(logprobs.dtype)]
+        packed.append(paddle.concat(parts, axis=-1).astype("float64").reshape([-1]))
+    return Draw(requests, tokens, paddle.concat(packed) if len(packed) > 1 else packed[0], rows, max_k)

@@ -1,4 +1,5 @@
-"""Open a model (GGUF file or Hugging Face folder) and read its weights as fp32 numpy arrays."""
+"""Open a model (GGUF file or Hugging Face folder) and read its weights: fp32 numpy arrays, or a GGUF
+file's own quantized blocks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from tqdm import tqdm
 
 from gpu_worker.folder_checkpoint import FolderCheckpoint
 from gpu_worker.gguf_checkpoint import GGUFCheckpoint
+from gpu_worker.weight_format import GgufBlocks
 
 Checkpoint = GGUFCheckpoint | FolderCheckpoint
 
@@ -23,7 +25,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     raise FileNotFoundError(f"model {path} is neither a .gguf file nor a model folder")
 
 
-def read_weights(checkpoint: Checkpoint) -> dict[str, np.ndarray]:
-    """Every tensor under its Hugging Face name, with a progress bar."""
-    tensors = tqdm(checkpoint.tensors(), total=checkpoint.num_tensors, desc=f"Loading {checkpoint.name}", unit="tensor")
+def read_weights(checkpoint: Checkpoint, keep_gguf_blocks: bool = False) -> dict[str, np.ndarray | GgufBlocks]:
+    """Every tensor under its Hugging Face name, with a progress bar; `keep_gguf_blocks`: a GGUF file's
+    matrices in the block types the custom GEMM serves stay as stored."""
+    if keep_gguf_blocks and not isinstance(checkpoint, GGUFCheckpoint):
+        raise ValueError(f"{checkpoint.path} is not a GGUF file: it has no GGUF blocks to serve")
+    read = checkpoint.tensors(keep_blocks=True) if keep_gguf_blocks else checkpoint.tensors()
+    tensors = tqdm(read, total=checkpoint.num_tensors, desc=f"Loading {checkpoint.name}", unit="tensor")
     return dict(tensors)

@@ -219,6 +219,9 @@ def serve_pipelined(runner: PipelinedRunner, link: SchedulerLink, serving: Calla
 
 
 def run_worker(settings: Settings) -> None:
+    from gpu_worker.cpu_threads import set_thread_defaults
+
+    set_thread_defaults()  # before Paddle and the custom ops load their OpenMP runtimes
     from gpu_worker.model_runner import ModelRunner
 
     serve_worker(ModelRunner(settings), settings)

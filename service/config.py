@@ -54,7 +54,29 @@ class Settings(BaseSettings):
 
     kernels: Literal["auto", "custom", "paddle"] = Field(
         default="auto",
-        description="Worker kernels: custom C++ CPU ops, pure Paddle, or auto = custom where they build and run",
+        description="Worker kernels: custom C++ CPU ops (CUDA ops on a GPU), pure Paddle, or auto = custom where they "
+        "build and run",
+    )
+    device: str = Field(
+        default="auto",
+        pattern=r"^(auto|cpu|gpu(:\d+)?)$",
+        description="Worker device: cpu, gpu (gpu:0) or gpu:N; auto = gpu:0 where Paddle has CUDA and sees a GPU",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="Worker weights and KV cache (sums in float32); auto = bfloat16 on a GPU with the CUDA kernels "
+        "and on a CPU with AVX512-BF16, float32 elsewhere; float16 on a GPU only",
+    )
+    quantization: Literal["none", "int8", "gguf"] = Field(
+        default="none",
+        description="Worker weights: int8 per output channel (quantized at load), gguf = a GGUF file's own blocks",
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9,
+        gt=0.0,
+        le=1.0,
+        description="GPU: share of the device's memory the worker may use (weights, activations, KV cache); "
+        "the KV cache gets the rest unless kv_cache_memory or num_kv_blocks is set",
     )
 
     # KV cache and scheduling

@@ -4,60 +4,46 @@
 #include "cpu_isa.h"
 #include "kernel_set.h"
 #include "paddle/extension.h"
+#include "row_ops.h"
 
 namespace {
-
-const bs::KernelSet& kernels_for(bool avx512) {
-  bs::require_avx2_fma();
-  return bs::use_avx512(avx512) ? bs::avx512_kernels() : bs::avx2_kernels();
-}
 
 void check_rows(const paddle::Tensor& x, const char* name) {
   PD_CHECK(x.is_cpu() && x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2,
            name, " must be a 2-d float32 CPU tensor");
 }
 
-std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, const paddle::Tensor& weight, float eps, bool avx512) {
+std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, const paddle::Tensor& weight, float eps, int isa) {
   check_rows(x, "x");
-  const auto& kernels = kernels_for(avx512);
+  const auto& kernels = bs::kernels_for(bs::resolve_isa(isa).avx512);
   const int64_t rows = x.shape()[0], width = x.shape()[1];
   PD_CHECK(weight.numel() == width, "weight must have one entry per column");
   auto out = paddle::empty({rows, width}, paddle::DataType::FLOAT32, x.place());
-  const float *src = x.data<float>(), *w = weight.data<float>();
-  float* dst = out.data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) kernels.rms_norm_row(src + r * width, nullptr, w, dst + r * width, nullptr, width, eps);
+  bs::rms_norm_rows(kernels, x.data<float>(), nullptr, weight.data<float>(), out.data<float>(), nullptr, rows, width, eps);
   return {out};
 }
 
 std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x, const paddle::Tensor& residual,
-                                       const paddle::Tensor& weight, float eps, bool avx512) {
+                                       const paddle::Tensor& weight, float eps, int isa) {
   check_rows(x, "x");
   PD_CHECK(residual.shape() == x.shape(), "residual must have the shape of x");
-  const auto& kernels = kernels_for(avx512);
+  const auto& kernels = bs::kernels_for(bs::resolve_isa(isa).avx512);
   const int64_t rows = x.shape()[0], width = x.shape()[1];
   PD_CHECK(weight.numel() == width, "weight must have one entry per column");
   auto out = paddle::empty({rows, width}, paddle::DataType::FLOAT32, x.place());
   auto summed = paddle::empty({rows, width}, paddle::DataType::FLOAT32, x.place());
-  const float *src = x.data<float>(), *res = residual.data<float>(), *w = weight.data<float>();
-  float *dst = out.data<float>(), *sum = summed.data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    kernels.rms_norm_row(src + r * width, res + r * width, w, dst + r * width, sum + r * width, width, eps);
-  }
+  bs::rms_norm_rows(kernels, x.data<float>(), residual.data<float>(), weight.data<float>(), out.data<float>(),
+                    summed.data<float>(), rows, width, eps);
   return {out, summed};
 }
 
-std::vector<paddle::Tensor> SiluAndMul(const paddle::Tensor& gate_up, bool avx512) {
+std::vector<paddle::Tensor> SiluAndMul(const paddle::Tensor& gate_up, int isa) {
   check_rows(gate_up, "gate_up");
-  const auto& kernels = kernels_for(avx512);
+  const auto& kernels = bs::kernels_for(bs::resolve_isa(isa).avx512);
   const int64_t rows = gate_up.shape()[0], width = gate_up.shape()[1] / 2;
   PD_CHECK(gate_up.shape()[1] % 2 == 0, "gate_up must hold gate and up halves");
   auto out = paddle::empty({rows, width}, paddle::DataType::FLOAT32, gate_up.place());
-  const float* src = gate_up.data<float>();
-  float* dst = out.data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) kernels.silu_and_mul_row(src + r * 2 * width, dst + r * width, width);
+  bs::silu_and_mul_rows(kernels, gate_up.data<float>(), out.data<float>(), rows, width);
   return {out};
 }
 
@@ -66,17 +52,17 @@ std::vector<paddle::Tensor> SiluAndMul(const paddle::Tensor& gate_up, bool avx51
 PD_BUILD_OP(bs_rms_norm)
     .Inputs({"X", "Weight"})
     .Outputs({"Out"})
-    .Attrs({"eps: float", "avx512: bool"})
+    .Attrs({"eps: float", "isa: int"})
     .SetKernelFn(PD_KERNEL(RmsNorm));
 
 PD_BUILD_OP(bs_add_rms_norm)
     .Inputs({"X", "Residual", "Weight"})
     .Outputs({"Out", "Summed"})
-    .Attrs({"eps: float", "avx512: bool"})
+    .Attrs({"eps: float", "isa: int"})
     .SetKernelFn(PD_KERNEL(AddRmsNorm));
 
 PD_BUILD_OP(bs_silu_and_mul)
     .Inputs({"GateUp"})
     .Outputs({"Out"})
-    .Attrs({"avx512: bool"})
+    .Attrs({"isa: int"})
     .SetKernelFn(PD_KERNEL(SiluAndMul));

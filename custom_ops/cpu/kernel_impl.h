@@ -24,6 +24,20 @@ static inline reg vexp(reg x) {
 
 static inline float sexp(float x) { return __builtin_expf(x); }
 
+// One value as the cache stores it: itself, or rounded to bf16 (nearest even; inputs are finite).
+template <class Out>
+static inline Out to_cache(float x);
+template <>
+inline float to_cache<float>(float x) {
+  return x;
+}
+template <>
+inline bf16 to_cache<bf16>(float x) {
+  unsigned bits;
+  __builtin_memcpy(&bits, &x, sizeof bits);
+  return static_cast<bf16>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
 static void rms_norm_row(const float* x, const float* residual, const float* weight, float* out, float* summed,
                          int64_t width, float eps) {
   const int64_t full = width - width % W;
@@ -68,7 +82,9 @@ static void silu_and_mul_row(const float* gate_up, float* out, int64_t width) {
   }
 }
 
-static void rotate_head(const float* x, const float* cos, const float* sin, float* out, int64_t head_dim) {
+// Rotary embedding of one head into the query (fp32) or the cache (Out = float or bf16).
+template <class Out>
+static void rotate_head_to(const float* x, const float* cos, const float* sin, Out* out, int64_t head_dim) {
   const int64_t half = head_dim / 2, full = half - half % W;
   for (int64_t i = 0; i < full; i += W) {
     reg x1 = Vec::load(x + i), x2 = Vec::load(x + half + i), c = Vec::load(cos + i), s = Vec::load(sin + i);
@@ -77,14 +93,28 @@ static void rotate_head(const float* x, const float* cos, const float* sin, floa
   }
   for (int64_t i = full; i < half; ++i) {
     const float x1 = x[i], x2 = x[half + i];
-    out[i] = x1 * cos[i] - x2 * sin[i];
-    out[half + i] = x2 * cos[i] + x1 * sin[i];
+    out[i] = to_cache<Out>(x1 * cos[i] - x2 * sin[i]);
+    out[half + i] = to_cache<Out>(x2 * cos[i] + x1 * sin[i]);
   }
 }
 
+static void rotate_head(const float* x, const float* cos, const float* sin, float* out, int64_t head_dim) {
+  rotate_head_to(x, cos, sin, out, head_dim);
+}
+
+static void rotate_head_bf16(const float* x, const float* cos, const float* sin, bf16* out, int64_t head_dim) {
+  rotate_head_to(x, cos, sin, out, head_dim);
+}
+
+static void store_bf16(const float* x, bf16* out, int64_t width) {
+  const int64_t full = width - width % W;
+  for (int64_t i = 0; i < full; i += W) Vec::store(out + i, Vec::load(x + i));
+  for (int64_t i = full; i < width; ++i) out[i] = to_cache<bf16>(x[i]);
+}
+
 // scores[r * kKeySpan + j] = q_r . k_j for ROWS query rows and num_keys (a multiple of 4) keys.
-template <int ROWS>
-static inline void score_rows(const float* q, int64_t head_dim, const float* const* keys, int64_t num_keys,
+template <int ROWS, class Cache>
+static inline void score_rows(const float* q, int64_t head_dim, const Cache* const* keys, int64_t num_keys,
                               float* scores) {
   for (int64_t j = 0; j < num_keys; j += 4) {
     reg acc[ROWS][4];
@@ -102,37 +132,41 @@ static inline void score_rows(const float* q, int64_t head_dim, const float* con
   }
 }
 
-// acc[0..head_dim) += sum_j probs[j] * values[j]
-static inline void accumulate_values(float* acc, const float* probs, const float* const* values, int64_t num_keys,
+// acc_r[0..head_dim) += sum_j probs_r[j] * values[j] for ROWS rows at once: each value vector is loaded
+// once for all rows. CHUNK vectors of the head per pass keep ROWS * CHUNK accumulators in registers.
+template <int ROWS, class Cache>
+static inline void accumulate_values(float* acc, const float* probs, const Cache* const* values, int64_t num_keys,
                                      int64_t head_dim) {
+  constexpr int CHUNK = W == 16 ? 4 : ROWS == 1 ? 4 : 2;
   int64_t d = 0;
-  for (; d + 4 * W <= head_dim; d += 4 * W) {
-    reg a0 = Vec::load(acc + d), a1 = Vec::load(acc + d + W), a2 = Vec::load(acc + d + 2 * W),
-        a3 = Vec::load(acc + d + 3 * W);
+  for (; d + CHUNK * W <= head_dim; d += CHUNK * W) {
+    reg a[ROWS][CHUNK];
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < CHUNK; ++c) a[r][c] = Vec::load(acc + r * head_dim + d + c * W);
     for (int64_t j = 0; j < num_keys; ++j) {
-      const reg p = Vec::set1(probs[j]);
-      const float* v = values[j] + d;
-      a0 = Vec::fmadd(p, Vec::load(v), a0);
-      a1 = Vec::fmadd(p, Vec::load(v + W), a1);
-      a2 = Vec::fmadd(p, Vec::load(v + 2 * W), a2);
-      a3 = Vec::fmadd(p, Vec::load(v + 3 * W), a3);
+      reg v[CHUNK];
+      for (int c = 0; c < CHUNK; ++c) v[c] = Vec::load(values[j] + d + c * W);
+      for (int r = 0; r < ROWS; ++r) {
+        const reg p = Vec::set1(probs[r * kKeySpan + j]);
+        for (int c = 0; c < CHUNK; ++c) a[r][c] = Vec::fmadd(p, v[c], a[r][c]);
+      }
     }
-    Vec::store(acc + d, a0);
-    Vec::store(acc + d + W, a1);
-    Vec::store(acc + d + 2 * W, a2);
-    Vec::store(acc + d + 3 * W, a3);
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < CHUNK; ++c) Vec::store(acc + r * head_dim + d + c * W, a[r][c]);
   }
   for (; d < head_dim; d += W) {
-    reg a = Vec::load(acc + d);
-    for (int64_t j = 0; j < num_keys; ++j) a = Vec::fmadd(Vec::set1(probs[j]), Vec::load(values[j] + d), a);
-    Vec::store(acc + d, a);
+    for (int r = 0; r < ROWS; ++r) {
+      reg a = Vec::load(acc + r * head_dim + d);
+      for (int64_t j = 0; j < num_keys; ++j) a = Vec::fmadd(Vec::set1(probs[r * kKeySpan + j]), Vec::load(values[j] + d), a);
+      Vec::store(acc + r * head_dim + d, a);
+    }
   }
 }
 
-// One online-softmax update of row `scores[0..visible)`: scores become probabilities, the running max,
-// sum and the row's accumulator are rescaled when the max grows.
-static inline void softmax_update(float* scores, int64_t visible, float* running_max, float* running_sum, float* acc,
-                                  int64_t head_dim) {
+// One online-softmax update of row `scores[0..visible)`: scores become probabilities (zero from `visible`
+// to `padded`), the running max, sum and the row's accumulator are rescaled when the max grows.
+static inline void softmax_update(float* scores, int64_t visible, int64_t padded, float* running_max,
+                                  float* running_sum, float* acc, int64_t head_dim) {
   const int64_t full = visible - visible % W;
   float new_max = *running_max;
   if (full > 0) {
@@ -154,6 +188,7 @@ static inline void softmax_update(float* scores, int64_t visible, float* running
     scores[j] = sexp(scores[j] - new_max);
     sum += scores[j];
   }
+  for (int64_t j = visible; j < padded; ++j) scores[j] = 0.0f;
   if (new_max > *running_max) {
     const float correction = sexp(*running_max - new_max);  // 0 on the first span (max = -inf)
     const reg c = Vec::set1(correction);
@@ -164,61 +199,110 @@ static inline void softmax_update(float* scores, int64_t visible, float* running
   *running_sum += sum;
 }
 
-static void attend_tile(const AttentionTile& t) {
-  const int64_t group = t.num_heads / t.num_kv_heads, dim = t.head_dim;
-  const int64_t rows = t.num_queries * group;  // row qi * group + i: query qi, head kv_head * group + i
-  float* q = t.scratch;
-  float* acc = q + rows * dim;
-  float* scores = acc + rows * dim;
-  float* running_max = scores + rows * kKeySpan;
-  float* running_sum = running_max + rows;
-  const reg scale = Vec::set1(t.scale);
-  for (int64_t qi = 0; qi < t.num_queries; ++qi) {
-    for (int64_t i = 0; i < group; ++i) {
-      const float* src = t.query + ((t.first_token + qi) * t.num_heads + t.kv_head * group + i) * dim;
-      float* row = q + (qi * group + i) * dim;
-      for (int64_t d = 0; d < dim; d += W) Vec::store(row + d, Vec::mul(Vec::load(src + d), scale));
-    }
-  }
-  for (int64_t i = 0; i < rows * dim; i += W) Vec::store(acc + i, Vec::zero());
-  for (int64_t r = 0; r < rows; ++r) running_max[r] = -__builtin_inff(), running_sum[r] = 0.0f;
+// One kv head's rows of a tile: its queries (scaled), accumulators and running softmax state.
+struct HeadRows {
+  float* q;             // [rows, dim]
+  float* acc;           // [rows, dim]
+  float* running_max;   // [rows]
+  float* running_sum;   // [rows]
+};
 
-  const float* keys[kKeySpan];
-  const float* values[kKeySpan];
+// Scores, softmax and values of one span for ROWS consecutive rows (from row r) of one kv head.
+template <int ROWS, class Cache>
+static inline void attend_rows(const AttentionTile<Cache>& t, const HeadRows& head, int64_t r, int64_t span,
+                               int64_t span_keys, int64_t padded_keys, const Cache* const* keys,
+                               const Cache* const* values, float* scores) {
+  const int64_t group = t.num_heads / t.num_kv_heads, dim = t.head_dim;
+  score_rows<ROWS>(head.q + r * dim, dim, keys, padded_keys, scores + r * kKeySpan);
+  int64_t visible[ROWS], most_visible = 0;
+  for (int i = 0; i < ROWS; ++i) {
+    const int64_t position = t.first_position + (r + i) / group;
+    visible[i] = position - span + 1 < span_keys ? position - span + 1 : span_keys;
+    most_visible = visible[i] > most_visible ? visible[i] : most_visible;
+  }
+  for (int i = 0; i < ROWS; ++i) {
+    softmax_update(scores + (r + i) * kKeySpan, visible[i], most_visible, head.running_max + r + i,
+                   head.running_sum + r + i, head.acc + (r + i) * dim, dim);
+  }
+  accumulate_values<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim);
+}
+
+// Attention of a tile's queries for its kv heads [kv_head, kv_head + num_tile_kv_heads). The keys of
+// one span are scattered over the cache (one row per slot and head): the span's slots are asked for
+// up front, every head of the tile at once, so that many misses are in flight, and each slot's
+// heads are read while they are in cache.
+template <class Cache>
+static void attend_tile_of(const AttentionTile<Cache>& t) {
+  const int64_t group = t.num_heads / t.num_kv_heads, dim = t.head_dim;
+  const int64_t rows = t.num_queries * group;  // per kv head: row qi * group + i = query qi, head group member i
+  float* scores = t.scratch;                   // [rows, kKeySpan], reused by each head
+  float* state = scores + rows * kKeySpan;
+  HeadRows heads[kMaxTileKvHeads];
+  for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
+    HeadRows& head = heads[h];
+    head.q = state + h * rows * (2 * dim + 2);
+    head.acc = head.q + rows * dim;
+    head.running_max = head.acc + rows * dim;
+    head.running_sum = head.running_max + rows;
+    const int64_t kv_head = t.kv_head + h;
+    for (int64_t qi = 0; qi < t.num_queries; ++qi) {
+      for (int64_t i = 0; i < group; ++i) {
+        const float* src = t.query + ((t.first_token + qi) * t.num_heads + kv_head * group + i) * dim;
+        float* row = head.q + (qi * group + i) * dim;
+        for (int64_t d = 0; d < dim; d += W) Vec::store(row + d, Vec::mul(Vec::load(src + d), Vec::set1(t.scale)));
+      }
+    }
+    for (int64_t i = 0; i < rows * dim; i += W) Vec::store(head.acc + i, Vec::zero());
+    for (int64_t r = 0; r < rows; ++r) head.running_max[r] = -__builtin_inff(), head.running_sum[r] = 0.0f;
+  }
+
+  int64_t slot_offsets[kKeySpan];  // elements from the cache's start to the slot's first kv head of the tile
+  const Cache* keys[kKeySpan];
+  const Cache* values[kKeySpan];
+  const int64_t tile_bytes = t.num_tile_kv_heads * dim * static_cast<int64_t>(sizeof(Cache));
   const int64_t num_keys = t.first_position + t.num_queries;
   for (int64_t span = 0; span < num_keys; span += kKeySpan) {
     const int64_t span_keys = num_keys - span < kKeySpan ? num_keys - span : kKeySpan;
     for (int64_t j = 0; j < span_keys; ++j) {
       const int64_t position = span + j;
       const int64_t slot = t.block_ids[position / t.block_size] * t.block_size + position % t.block_size;
-      const int64_t offset = (slot * t.num_kv_heads + t.kv_head) * dim;
-      keys[j] = t.key_cache + offset;
-      values[j] = t.value_cache + offset;
+      slot_offsets[j] = (slot * t.num_kv_heads + t.kv_head) * dim;
+      const char* key_rows = reinterpret_cast<const char*>(t.key_cache + slot_offsets[j]);
+      const char* value_rows = reinterpret_cast<const char*>(t.value_cache + slot_offsets[j]);
+      for (int64_t line = 0; line < tile_bytes; line += 64) {
+        __builtin_prefetch(key_rows + line, 0, 3);
+        __builtin_prefetch(value_rows + line, 0, 2);
+      }
     }
     const int64_t padded_keys = (span_keys + 3) / 4 * 4;  // extra keys repeat one; their scores are never read
-    for (int64_t j = span_keys; j < padded_keys; ++j) keys[j] = keys[0];
     // Queries before the span see none of it.
-    const int64_t first_query = span > t.first_position ? span - t.first_position : 0;
-    int64_t r = first_query * group;
-    for (; r + 3 <= rows; r += 3) score_rows<3>(q + r * dim, dim, keys, padded_keys, scores + r * kKeySpan);
-    if (rows - r == 2) score_rows<2>(q + r * dim, dim, keys, padded_keys, scores + r * kKeySpan);
-    if (rows - r == 1) score_rows<1>(q + r * dim, dim, keys, padded_keys, scores + r * kKeySpan);
-    for (r = first_query * group; r < rows; ++r) {
-      const int64_t position = t.first_position + r / group;
-      const int64_t visible = position - span + 1 < span_keys ? position - span + 1 : span_keys;
-      float* row_scores = scores + r * kKeySpan;
-      softmax_update(row_scores, visible, running_max + r, running_sum + r, acc + r * dim, dim);
-      accumulate_values(acc + r * dim, row_scores, values, visible, dim);
+    const int64_t first_row = (span > t.first_position ? span - t.first_position : 0) * group;
+    for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
+      for (int64_t j = 0; j < span_keys; ++j) {
+        keys[j] = t.key_cache + slot_offsets[j] + h * dim;
+        values[j] = t.value_cache + slot_offsets[j] + h * dim;
+      }
+      for (int64_t j = span_keys; j < padded_keys; ++j) keys[j] = keys[0];
+      int64_t r = first_row;
+      for (; r + 3 <= rows; r += 3) attend_rows<3>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores);
+      if (rows - r == 2) attend_rows<2>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores);
+      if (rows - r == 1) attend_rows<1>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores);
     }
   }
-  for (int64_t qi = 0; qi < t.num_queries; ++qi) {
-    for (int64_t i = 0; i < group; ++i) {
-      const int64_t r = qi * group + i;
-      const reg inv = Vec::set1(1.0f / running_sum[r]);
-      float* dst = t.out + (t.first_token + qi) * t.num_heads * dim + (t.kv_head * group + i) * dim;
-      for (int64_t d = 0; d < dim; d += W) Vec::store(dst + d, Vec::mul(Vec::load(acc + r * dim + d), inv));
+  for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
+    for (int64_t qi = 0; qi < t.num_queries; ++qi) {
+      for (int64_t i = 0; i < group; ++i) {
+        const int64_t r = qi * group + i;
+        const reg inv = Vec::set1(1.0f / heads[h].running_sum[r]);
+        float* dst = t.out + (t.first_token + qi) * t.num_heads * dim + ((t.kv_head + h) * group + i) * dim;
+        for (int64_t d = 0; d < dim; d += W) Vec::store(dst + d, Vec::mul(Vec::load(heads[h].acc + r * dim + d), inv));
+      }
     }
   }
 }
 
-static const KernelSet kKernels = {rms_norm_row, silu_and_mul_row, rotate_head, attend_tile};
+static void attend_tile(const AttentionTile<float>& tile) { attend_tile_of(tile); }
+static void attend_tile_bf16(const AttentionTile<bf16>& tile) { attend_tile_of(tile); }
+
+static const KernelSet kKernels = {rms_norm_row,     silu_and_mul_row, rotate_head, rotate_head_bf16,
+                                   store_bf16,       attend_tile,      attend_tile_bf16};

@@ -7,27 +7,38 @@
 namespace bs {
 
 // Keys scored together in one online-softmax update of attend_tile.
-constexpr int64_t kKeySpan = 64;
+constexpr int64_t kKeySpan = 128;
+// Kv heads one attention tile may cover (decode tiles cover all of a request's heads).
+constexpr int64_t kMaxTileKvHeads = 16;
+// Below this many floats of work a row-wise op runs on one thread: waking a second one (a futex with
+// passive waits) costs more than it saves, and a decode step of one sequence calls these ops 120 times.
+constexpr int64_t kParallelFloats = 1 << 15;
 
-// Queries of one request sharing one kv head, at consecutive positions (a query tile).
+// The KV cache's element type: fp32, or bf16 (the upper half of an fp32, rounded to nearest even).
+typedef uint16_t bf16;
+
+// Queries of one request at consecutive positions (a query tile), for one or more consecutive kv heads.
+template <class Cache>
 struct AttentionTile {
   const float* query;        // [tokens, num_heads, head_dim]
-  const float* key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
-  const float* value_cache;  // same layout
+  const Cache* key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
+  const Cache* value_cache;  // same layout
   const int64_t* block_ids;  // the request's block-table row
   float* out;                // [tokens, num_heads * head_dim]
   float* scratch;            // attention_scratch_floats(...) floats, one buffer per thread
   int64_t first_token;       // flat index of the tile's first query
   int64_t num_queries;
   int64_t first_position;  // absolute position of the first query; query i sees keys 0..first_position + i
-  int64_t kv_head;
+  int64_t kv_head;            // the tile's first kv head
+  int64_t num_tile_kv_heads;  // kv heads of the tile, at most kMaxTileKvHeads
   int64_t num_heads, num_kv_heads, head_dim, block_size;
   float scale;
 };
 
-inline int64_t attention_scratch_floats(int64_t query_tile, int64_t group, int64_t head_dim) {
-  const int64_t rows = query_tile * group;
-  return rows * (2 * head_dim + kKeySpan + 2);
+// Scratch of a tile of `queries` queries over `tile_kv_heads` kv heads.
+inline int64_t attention_scratch_floats(int64_t queries, int64_t tile_kv_heads, int64_t group, int64_t head_dim) {
+  const int64_t rows = queries * group;  // per kv head
+  return rows * kKeySpan + tile_kv_heads * rows * (2 * head_dim + 2);
 }
 
 struct KernelSet {
@@ -39,10 +50,15 @@ struct KernelSet {
   void (*silu_and_mul_row)(const float* gate_up, float* out, int64_t width);
   // Rotary embedding of one head, Hugging Face layout (halves): cos/sin are the position's first half_dim entries.
   void (*rotate_head)(const float* x, const float* cos, const float* sin, float* out, int64_t head_dim);
-  void (*attend_tile)(const AttentionTile& tile);
+  void (*rotate_head_bf16)(const float* x, const float* cos, const float* sin, bf16* out, int64_t head_dim);
+  void (*store_bf16)(const float* x, bf16* out, int64_t width);
+  void (*attend_tile)(const AttentionTile<float>& tile);
+  void (*attend_tile_bf16)(const AttentionTile<bf16>& tile);
 };
 
 const KernelSet& avx2_kernels();
 const KernelSet& avx512_kernels();
+
+inline const KernelSet& kernels_for(bool avx512) { return avx512 ? avx512_kernels() : avx2_kernels(); }
 
 }  // namespace bs

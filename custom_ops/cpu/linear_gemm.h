@@ -1,19 +1,17 @@
-// fp32 GEMM over weights packed once into 16-column panels: y = x @ W (+ bias).
+// The packed-weight GEMM: y = x @ W (+ bias) for every weight format of weight_format.h.
 #pragma once
 
 #include <cstdint>
 
+#include "isa.h"
+#include "weight_format.h"
+
 namespace bs::linear {
 
-constexpr int kPanelWidth = 16;  // output columns per packed weight panel
-
-inline int64_t num_panels(int64_t n) { return (n + kPanelWidth - 1) / kPanelWidth; }
-
-// w[k, n] (row-major) -> packed[num_panels(n), k, kPanelWidth], the columns past n zero.
-void pack_weight(const float* w, int64_t k, int64_t n, float* packed);
-
-// y[m, n] = x[m, k] @ W + bias (bias may be null); `avx512` picks that kernel (the caller checked the CPU).
-void gemm(bool avx512, const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
-          float* y);
+// y[m, n] = x[m, k] @ W + bias (bias may be null) with W packed in `format` (weight_pack.h), on the
+// fastest kernel `isa` has: vdpbf16ps for BF16 (x rounded to bf16), vpdpbusd for INT8 and the GGUF
+// blocks (x quantized per 32 inputs to int8), else the weights widened to fp32 (x as it is).
+void gemm(const Isa& isa, Format format, const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n,
+          const float* bias, float* y);
 
 }  // namespace bs::linear

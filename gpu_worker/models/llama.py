@@ -1,22 +1,23 @@
 """Llama-family decoder (Llama, SmolLM2, Qwen2) over a flat batch of tokens with a paged KV cache.
 
 Projections that read the same input are one GEMM (q|k|v, gate|up: gpu_worker/linear.py), and
-residual adds are fused into the RMS norms.
+residual adds are fused into the RMS norms. Weights are held in the precision's formats
+(gpu_worker/precision.py); on a CPU norms stay fp32, on a GPU every tensor but the rotary tables takes
+the model's dtype (gpu_worker/device_model.py); every sum is fp32.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import paddle
-import paddle.nn.functional as F
 
 from gpu_worker.kernels import AttentionBackend, Kernels
 from gpu_worker.kv_cache import KVCache
-from gpu_worker.linear import Linear, fused_linear, lm_head
+from gpu_worker.linear import Linear, Weight, embedding_and_lm_head, fused_linear
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.rope import RotaryEmbedding
+from gpu_worker.precision import Precision
 
 
 @dataclass(frozen=True)
@@ -36,22 +37,32 @@ class DecoderLayer:
 class LlamaForCausalLM:
     """The decoder stack; `forward` fills the KV cache and returns hidden states per token."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], max_positions: int, kernels: Kernels):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, Weight],
+        max_positions: int,
+        kernels: Kernels,
+        precision: Precision,
+    ):
         self.config = config
         self.kernels = kernels  # norms, activation (and, through the runner, attention) of the chosen path
+        self.precision = precision
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
-        self.embed_tokens = paddle.to_tensor(weights.pop("model.embed_tokens.weight"))
-        self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(config.num_layers)]
+        self.layers = [self._load_layer(weights, f"model.layers.{i}.") for i in range(config.num_layers)]
         self.norm = paddle.to_tensor(weights.pop("model.norm.weight"))
-        self.lm_head = lm_head(kernels, weights.pop("lm_head.weight", None), self.embed_tokens)
+        self.embed_tokens, self.lm_head = embedding_and_lm_head(
+            kernels, weights.pop("model.embed_tokens.weight"), weights.pop("lm_head.weight", None), precision
+        )
         if weights:
             raise ValueError(f"unused weights: {sorted(weights)[:5]}")
 
-    def _layer(self, weights: dict[str, np.ndarray], prefix: str) -> DecoderLayer:
+    def _load_layer(self, weights: dict[str, Weight], prefix: str) -> DecoderLayer:
         def linear(*names: str) -> Linear:
             """The projections `names` (weights [out, in] as Hugging Face stores them) as one layer."""
             found = [weights.pop(f"{prefix}{name}.weight") for name in names]
-            return fused_linear(self.kernels, found, [weights.pop(f"{prefix}{name}.bias", None) for name in names])
+            biases = [weights.pop(f"{prefix}{name}.bias", None) for name in names]
+            return fused_linear(self.kernels, found, biases, self.precision)
 
         return DecoderLayer(
             input_norm=paddle.to_tensor(weights.pop(prefix + "input_layernorm.weight")),
@@ -61,6 +72,15 @@ class LlamaForCausalLM:
             gate_up=linear("mlp.gate_proj", "mlp.up_proj"),
             down=linear("mlp.down_proj"),
         )
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights the model holds (packed matrices, embedding, norms, biases)."""
+        tensors = [self.norm, *self.embed_tokens.tensors(), *self.lm_head.tensors()]
+        for layer in self.layers:
+            tensors += [layer.input_norm, layer.post_attention_norm]
+            tensors += [tensor for linear in layer.linears for tensor in linear.tensors()]
+        unique = {id(tensor): tensor for tensor in tensors}.values()  # a tied table counts once
+        return sum(int(tensor.numel()) * tensor.element_size() for tensor in unique)
 
     def _norm(self, x: paddle.Tensor, weight: paddle.Tensor, residual: paddle.Tensor | None = None):
         """(rms_norm(x + residual) * weight, x + residual)."""
@@ -75,14 +95,24 @@ class LlamaForCausalLM:
         attn_metadata: object,
     ) -> paddle.Tensor:
         """Hidden states [tokens, hidden] after the last layer (before the final norm)."""
-        hidden, residual = F.embedding(input_ids, self.embed_tokens), None
+        hidden, residual = self.embed_tokens(input_ids), None
+        fused = self.kernels.fused_layer(attention, self.config)
         for layer, key_cache, value_cache in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches):
-            x, residual = self._norm(hidden, layer.input_norm, residual)
-            qkv = layer.qkv(x)
-            attended = attention.attend_qkv(qkv, key_cache, value_cache, attn_metadata)  # rope, cache write, attention
-            x, residual = self._norm(layer.o(attended), layer.post_attention_norm, residual)
-            hidden = layer.down(self.kernels.silu_and_mul(layer.gate_up(x)))
+            if fused is not None:
+                hidden, residual = fused(layer, hidden, residual, key_cache, value_cache, attn_metadata)
+            else:
+                hidden, residual = self._layer_op_by_op(
+                    layer, hidden, residual, key_cache, value_cache, attention, attn_metadata
+                )
         return hidden + residual
+
+    def _layer_op_by_op(self, layer: DecoderLayer, hidden, residual, key_cache, value_cache, attention, attn_metadata):
+        """One decoder layer op by op: (hidden, residual) after it."""
+        x, residual = self._norm(hidden, layer.input_norm, residual)
+        qkv = layer.qkv(x)
+        attended = attention.attend_qkv(qkv, key_cache, value_cache, attn_metadata)  # rope, cache write, attention
+        x, residual = self._norm(layer.o(attended), layer.post_attention_norm, residual)
+        return layer.down(self.kernels.silu_and_mul(layer.gate_up(x))), residual
 
     @paddle.no_grad()
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:

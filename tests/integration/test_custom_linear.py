@@ -1,29 +1,47 @@
-"""The linear layers: the packed custom GEMM against NumPy on both instruction sets, and fused
-projections equal to the separate ones on both kernel paths."""
+"""The linear layers: the packed custom GEMM against NumPy for every weight format on every instruction-set
+path this CPU has, columns read back from packed weights, and fused projections equal to the separate ones
+on both kernel paths."""
 
 from __future__ import annotations
 
 import numpy as np
 import paddle
 import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from gpu_worker.custom_ops import cpu_features
 from gpu_worker.kernels import PaddleKernels, select_kernels
-from gpu_worker.linear import PackedLinear, fused_linear, linear, lm_head
+from gpu_worker.linear import PackedLinear, embedding_and_lm_head, fused_linear, linear
+from gpu_worker.precision import Precision
+from gpu_worker.weight_format import GgufBlocks, WeightFormat, quantize_int8
+from tests.support.numerics import bf16_rounded
 
-# (in_features, out_features): not multiples of the 16-column panel or of the register tile; depths past
-# one K block (256) and widths of many panels; SmolLM2's fused q|k|v for scale.
+# (in_features, out_features): not multiples of the 16-column panel, the register tile or a bf16 pair / int8
+# quad; depths past one K block (256) and widths of many panels; SmolLM2's fused q|k|v for scale.
 SHAPES = [(37, 53), (5, 16), (300, 17), (1000, 100), (576, 960)]
+GGUF_SHAPES = [(32, 53), (96, 17), (576, 200)]  # GGUF rows are whole blocks of 32
 ROWS = [1, 3, 17, 64, 300]  # GEMV-like, partial tiles, a whole tile set, past one row block (96)
+FLOAT32 = Precision("float32", "none", "test")
+GGUF_TYPES = {
+    WeightFormat.Q8_0: GGMLQuantizationType.Q8_0,
+    WeightFormat.Q4_0: GGMLQuantizationType.Q4_0,
+    WeightFormat.Q4_1: GGMLQuantizationType.Q4_1,
+}
 
 
-@pytest.fixture(scope="module", params=["avx2", "avx512"])
+@pytest.fixture(scope="module", params=["avx2", "avx512", "all"])
 def custom(request):
-    """The custom kernels on one instruction set: AVX2 forced, or AVX-512 where the CPU has it."""
-    if request.param == "avx512" and "avx512f" not in cpu_features():
+    """The custom kernels on one instruction-set path: AVX2 forced, AVX-512F alone, or everything this CPU has
+    (AVX512-BF16's vdpbf16ps and AVX512-VNNI's vpdpbusd)."""
+    features = cpu_features()
+    if request.param != "avx2" and "avx512f" not in features:
         pytest.skip("this CPU has no AVX-512F")
-    kernels = select_kernels("custom", force_avx2=request.param == "avx2").kernels
-    assert kernels.avx512 == (request.param == "avx512")
+    if request.param == "all" and not {"avx512_bf16", "avx512_vnni"} & features:
+        pytest.skip("this CPU has neither AVX512-BF16 nor AVX512-VNNI")
+    kernels = select_kernels("custom", isa_cap=request.param).kernels
+    assert kernels.isa.avx512 == (request.param != "avx2")
+    assert kernels.isa.bf16 == (request.param == "all" and "avx512_bf16" in features)
     return kernels
 
 
@@ -36,14 +54,44 @@ def reference(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.
     return expected if bias is None else expected + bias
 
 
+def int8_activations(x: np.ndarray) -> np.ndarray:
+    """x as vpdpbusd multiplies it: quantized per row and group of 32 inputs to rint(x * 127 / max|x|), times
+    max|x| / 127."""
+    rows, width = x.shape
+    padded = np.zeros((rows, -(-width // 32) * 32), np.float32)
+    padded[:, :width] = x
+    groups = padded.reshape(rows, -1, 32)
+    max_abs = np.abs(groups).max(axis=2, keepdims=True)
+    inverse = np.where(max_abs > 0, np.float32(127) / np.where(max_abs > 0, max_abs, 1), 0).astype(np.float32)
+    quantized = np.rint(groups * inverse) * (max_abs / np.float32(127))
+    return quantized.reshape(rows, -1)[:, :width]
+
+
+def pack(
+    custom, weight_format: WeightFormat, weight: np.ndarray, bias: np.ndarray | None = None
+) -> tuple[PackedLinear, np.ndarray]:
+    """The layer for an [in, out] weight in `weight_format`, and the fp32 values that format holds."""
+    dtype = "bfloat16" if weight_format == WeightFormat.BF16 else "float32"
+    quantization = "int8" if weight_format == WeightFormat.INT8 else "gguf" if weight_format.is_gguf_block else "none"
+    precision = Precision(dtype, quantization, "test")
+    if weight_format.is_gguf_block:
+        blocks = GgufBlocks(weight_format, quantize(weight.T.copy(), GGUF_TYPES[weight_format]), weight.shape[0])
+        return linear(custom, blocks, bias, precision), blocks.dequantized().T
+    layer = linear(custom, np.ascontiguousarray(weight.T), bias, precision)
+    if weight_format == WeightFormat.INT8:
+        q, scales = quantize_int8(weight)
+        return layer, q * scales
+    return layer, bf16_rounded(weight) if weight_format == WeightFormat.BF16 else weight
+
+
 @pytest.mark.parametrize("in_features, out_features", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
-def test_packed_linear_matches_numpy(custom, in_features, out_features, with_bias):
+def test_packed_float_linear_matches_numpy(custom, in_features, out_features, with_bias):
     rng = np.random.default_rng(in_features * out_features)
     weight = random(rng, in_features, out_features)
     bias = random(rng, out_features) if with_bias else None
-    layer = linear(custom, weight, bias)
-    assert isinstance(layer, PackedLinear)
+    layer = linear(custom, np.ascontiguousarray(weight.T), bias, FLOAT32)
+    assert isinstance(layer, PackedLinear) and layer.format == WeightFormat.F32
 
     for rows in ROWS:
         x = random(rng, rows, in_features)
@@ -52,15 +100,75 @@ def test_packed_linear_matches_numpy(custom, in_features, out_features, with_bia
         np.testing.assert_allclose(got, reference(x, weight, bias), rtol=1e-4, atol=1e-4 * np.sqrt(in_features))
 
 
+@pytest.mark.parametrize("in_features, out_features", SHAPES)
+def test_bf16_weights_are_rounded_once_and_summed_in_float32(custom, in_features, out_features):
+    """Weights rounded to bf16 at load; x is rounded too where vdpbf16ps multiplies, kept fp32 where the
+    weights are widened."""
+    rng = np.random.default_rng(in_features + out_features)
+    weight, bias = random(rng, in_features, out_features), random(rng, out_features)
+    layer, values = pack(custom, WeightFormat.BF16, weight, bias)
+
+    for rows in ROWS:
+        x = random(rng, rows, in_features)
+        x_used = bf16_rounded(x) if custom.isa.bf16 else x
+        got = layer(paddle.to_tensor(x)).numpy()
+        np.testing.assert_allclose(got, reference(x_used, values, bias), rtol=1e-4, atol=1e-4 * np.sqrt(in_features))
+
+
+@pytest.mark.parametrize("in_features, out_features", SHAPES)
+def test_int8_weights_with_a_scale_per_output_feature(custom, in_features, out_features):
+    """VNNI also quantizes x per 32 inputs; elsewhere the int8 weights are widened and x stays fp32."""
+    rng = np.random.default_rng(3 * in_features + out_features)
+    weight, bias = random(rng, in_features, out_features), random(rng, out_features)
+    q, scales = quantize_int8(weight)
+    assert q.dtype == np.int8 and np.abs(q).max() == 127
+    assert (np.abs(q * scales - weight) <= scales / 2 * 1.0001).all()
+    layer, values = pack(custom, WeightFormat.INT8, weight, bias)
+
+    for rows in ROWS:
+        x = random(rng, rows, in_features)
+        x_used = int8_activations(x) if custom.isa.vnni else x
+        got = layer(paddle.to_tensor(x)).numpy()
+        expected = reference(x_used, values, bias)
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.sqrt(in_features))
+
+
+@pytest.mark.parametrize("weight_format", list(GGUF_TYPES), ids=lambda f: f.name)
+@pytest.mark.parametrize("in_features, out_features", GGUF_SHAPES)
+def test_gguf_blocks_multiply_as_the_values_they_stand_for(custom, weight_format, in_features, out_features):
+    """On VNNI as llama.cpp multiplies them: x quantized per 32 inputs (a GGUF block) to int8."""
+    rng = np.random.default_rng(in_features * 7 + out_features)
+    layer, values = pack(custom, weight_format, random(rng, in_features, out_features))
+    file_bytes = out_features * in_features // 32 * {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[weight_format.name]
+    assert layer.format == weight_format and layer.packed.numel() <= file_bytes + 16 * in_features  # one padded panel
+
+    for rows in ROWS:
+        x = random(rng, rows, in_features)
+        x_used = int8_activations(x) if custom.isa.vnni else x
+        got = layer(paddle.to_tensor(x)).numpy()
+        np.testing.assert_allclose(got, reference(x_used, values, None), rtol=1e-4, atol=1e-4 * np.sqrt(in_features))
+
+
+@pytest.mark.parametrize("weight_format", list(WeightFormat), ids=lambda f: f.name)
+def test_columns_read_back_from_a_packed_weight_are_its_values(custom, weight_format):
+    rng = np.random.default_rng(int(weight_format))
+    layer, values = pack(custom, weight_format, random(rng, 64, 41))
+    ids = np.array([0, 40, 17, 17, 16], dtype=np.int64)
+
+    columns = layer.columns(paddle.to_tensor(ids)).numpy()
+
+    np.testing.assert_array_equal(columns, values[:, ids].T.astype(np.float32))
+
+
 def test_packed_linear_rejects_an_input_of_the_wrong_width(custom):
-    layer = linear(custom, np.ones((8, 4), np.float32), None)
+    layer = linear(custom, np.ones((4, 8), np.float32), None, FLOAT32)
     with pytest.raises(OSError, match="bs_linear_pack"):  # how Paddle raises a PD_CHECK failure
         layer(paddle.ones([2, 9]))
 
 
 @pytest.fixture(params=["custom", "paddle"])
 def kernels(request):
-    return PaddleKernels() if request.param == "paddle" else select_kernels("custom", force_avx2=True).kernels
+    return PaddleKernels() if request.param == "paddle" else select_kernels("custom", isa_cap="avx2").kernels
 
 
 def test_fused_projections_equal_the_separate_ones_with_a_bias_on_some(kernels):
@@ -69,18 +177,45 @@ def test_fused_projections_equal_the_separate_ones_with_a_bias_on_some(kernels):
     biases = [random(rng, 24), None, random(rng, 8)]
     x = random(rng, 5, 40)
 
-    fused = fused_linear(kernels, hf_weights, biases)(paddle.to_tensor(x)).numpy()
+    fused = fused_linear(kernels, hf_weights, biases, FLOAT32)(paddle.to_tensor(x)).numpy()
 
     separate = [reference(x, w.T, b) for w, b in zip(hf_weights, biases)]
     np.testing.assert_allclose(fused, np.concatenate(separate, axis=1), rtol=1e-4, atol=1e-4)
 
 
-def test_lm_head_gives_logits_through_the_tied_embedding_or_its_own_weight(kernels):
+def test_fused_gguf_projections_keep_their_blocks_or_fall_back_to_the_values_when_types_differ():
+    custom = select_kernels("custom", isa_cap="avx2").kernels
+    rng = np.random.default_rng(9)
+    weights = [random(rng, 48, 64), random(rng, 16, 64)]
+    gguf = Precision("float32", "gguf", "test")
+    same = [GgufBlocks(WeightFormat.Q4_1, quantize(w, GGMLQuantizationType.Q4_1), 64) for w in weights]
+    mixed = [same[0], GgufBlocks(WeightFormat.Q8_0, quantize(weights[1], GGMLQuantizationType.Q8_0), 64)]
+    x = random(rng, 3, 64)
+
+    for blocks, expected_format in ((same, WeightFormat.Q4_1), (mixed, WeightFormat.F32)):
+        layer = fused_linear(custom, blocks, [None, None], gguf)
+        values = np.concatenate([b.dequantized() for b in blocks])
+        assert layer.format == expected_format
+        np.testing.assert_allclose(
+            layer(paddle.to_tensor(x)).numpy(), reference(x, values.T, None), rtol=1e-4, atol=1e-4
+        )
+
+
+def test_embedding_and_lm_head_through_the_tied_table_or_their_own_weights(kernels):
     rng = np.random.default_rng(8)
-    embedding, untied, hidden = random(rng, 50, 24), random(rng, 50, 24), random(rng, 3, 24)
+    table, untied, hidden = random(rng, 50, 24), random(rng, 50, 24), random(rng, 3, 24)
+    ids = paddle.to_tensor(np.array([3, 49, 0], dtype=np.int64))
 
-    tied_logits = lm_head(kernels, None, paddle.to_tensor(embedding))(paddle.to_tensor(hidden)).numpy()
-    untied_logits = lm_head(kernels, untied, paddle.to_tensor(embedding))(paddle.to_tensor(hidden)).numpy()
+    tied_embedding, tied_head = embedding_and_lm_head(kernels, table, None, FLOAT32)
+    embedding, untied_head = embedding_and_lm_head(kernels, table, untied, FLOAT32)
 
-    np.testing.assert_allclose(tied_logits, reference(hidden, embedding.T, None), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(untied_logits, reference(hidden, untied.T, None), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        tied_head(paddle.to_tensor(hidden)).numpy(), reference(hidden, table.T, None), rtol=1e-4, atol=1e-4
+    )
+    np.testing.assert_allclose(
+        untied_head(paddle.to_tensor(hidden)).numpy(), reference(hidden, untied.T, None), rtol=1e-4, atol=1e-4
+    )
+    for lookup in (tied_embedding, embedding):
+        np.testing.assert_array_equal(lookup(ids).numpy(), table[[3, 49, 0]])
+    if kernels.name == "custom":  # the tied table is held once, as the packed lm_head
+        assert [id(t) for t in tied_embedding.tensors()] == [id(t) for t in tied_head.tensors()]

@@ -17,6 +17,7 @@ import paddle
 import pytest
 
 import gpu_worker.kernels as kernels_module
+from gpu_worker.attention import PagedAttentionBackend
 from gpu_worker.custom_ops import CustomOpsUnavailable, cpu_features, load_ops
 from gpu_worker.kernels import PaddleKernels, select_kernels
 from gpu_worker.model_config import ModelConfig, RopeConfig
@@ -24,6 +25,7 @@ from gpu_worker.models.rope import RotaryEmbedding
 from gpu_worker.step_inputs import RequestState, build_step_inputs
 from service import wire
 from tests.support.api_peer import ApiPeer
+from tests.support.numerics import bf16_rounded
 from tests.support.processes import ROOT, loopback_env, metric_samples, start, stop_all
 
 MAX_POSITIONS = 1024
@@ -34,8 +36,8 @@ def custom(request):
     """The custom kernels on one instruction set: AVX2 forced, or AVX-512 where the CPU has it."""
     if request.param == "avx512" and "avx512f" not in cpu_features():
         pytest.skip("this CPU has no AVX-512F")
-    kernels = select_kernels("custom", force_avx2=request.param == "avx2").kernels
-    assert kernels.name == "custom" and kernels.avx512 == (request.param == "avx512")
+    kernels = select_kernels("custom", isa_cap=request.param).kernels
+    assert kernels.name == "custom" and kernels.isa.avx512 == (request.param == "avx512")
     return kernels
 
 
@@ -132,27 +134,86 @@ def test_rope_cache_write_and_paged_attention_match_the_paddle_backend(
         np.testing.assert_array_equal(turned, ~at_start, err_msg=name)
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (8, 2, 32, 5)])
+def test_a_bfloat16_cache_holds_the_rounded_keys_and_attention_reads_them_as_float32(
+    custom, num_heads, num_kv_heads, head_dim, block_size
+):
+    rng = np.random.default_rng(head_dim + 1)
+    num_blocks = 2 * (-(-320 // block_size)) * 8 + 1
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=1,
+        hidden_size=num_heads * head_dim,
+        intermediate_size=1,
+        num_layers=1,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
+        rope=RopeConfig(theta=10000.0),
+    )
+    rotary = RotaryEmbedding(config.rope, head_dim, MAX_POSITIONS)
+    inputs = mixed_step(rng, block_size, num_blocks)
+    cache = bf16_rounded(rng.standard_normal((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=np.float32))
+    qkv = rng.standard_normal((len(inputs.positions), (num_heads + 2 * num_kv_heads) * head_dim), dtype=np.float32)
+    attention = custom.attention(config, block_size, rotary)
+    metadata = attention.prepare(inputs)
+    float_caches = [tensor(cache[0]), tensor(cache[1])]
+    bf16_caches = [tensor(cache[0]).astype("bfloat16"), tensor(cache[1]).astype("bfloat16")]
+
+    attention.attend_qkv(tensor(qkv), *float_caches, metadata)
+    output = attention.attend_qkv(tensor(qkv), *bf16_caches, metadata).numpy()
+
+    for bf16_cache, float_cache in zip(bf16_caches, float_caches):  # the same values, rounded
+        np.testing.assert_array_equal(bf16_cache.astype("float32").numpy(), bf16_rounded(float_cache.numpy()))
+    query, _, _ = custom.ops.bs_rope_write_kv(
+        tensor(qkv),
+        metadata.positions,
+        rotary.cos,
+        rotary.sin,
+        metadata.slot_mapping,
+        *float_caches,
+        num_heads,
+        num_kv_heads,
+        custom.isa.bits,
+    )
+    widened = [bf16_cache.astype("float32") for bf16_cache in bf16_caches]
+    backend = PagedAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
+    expected = backend.attend(query, *widened, backend.prepare(inputs)).numpy()
+    np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_vector_instructions_appear_only_in_functions_built_for_their_instruction_set():
     """No build-machine arch flag or global -mavx*: the dispatch and Paddle glue are baseline x86-64, AVX
-    instructions live only in the avx2/avx512 kernels, zmm registers only in the avx512 ones."""
+    instructions live only in the avx2/avx512* kernels, zmm registers only in the avx512* ones, and the
+    BF16 and VNNI dot products only in the kernels built for them."""
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("objdump (binutils) is not installed")
     (library,) = Path(load_ops().__file__).parent.glob("*.so")
     listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", "-C", str(library)], capture_output=True, text=True)
-    function, vector_functions, zmm_functions = "", set(), set()
+    function, found = "", {"vector": set(), "zmm": set(), "vdpbf16ps": set(), "vpdpbusd": set()}
     for line in listing.stdout.splitlines():
         if header := re.match(r"^[0-9a-f]+ <(.*)>:$", line):
             function = header.group(1)
         elif "\t" in line and (instruction := line.split("\t", 1)[1].split()):
             if instruction[0].startswith("v") or "%ymm" in line or "%zmm" in line:  # VEX/EVEX-encoded
-                vector_functions.add(function)
+                found["vector"].add(function)
             if "%zmm" in line:
-                zmm_functions.add(function)
+                found["zmm"].add(function)
+            if instruction[0] in ("vdpbf16ps", "vpdpbusd"):
+                found[instruction[0]].add(function)
 
-    assert any("avx2::" in f for f in vector_functions) and any("avx512::" in f for f in zmm_functions)
-    assert [f for f in vector_functions if "avx2::" not in f and "avx512::" not in f] == []
-    assert [f for f in zmm_functions if "avx512::" not in f] == []
+    def outside(functions: set[str], *namespaces: str) -> list[str]:
+        return [f for f in functions if not any(f"{namespace}::" in f for namespace in namespaces)]
+
+    assert all(found.values()), {name: len(functions) for name, functions in found.items()}
+    assert outside(found["vector"], "avx2", "avx512", "avx512_bf16", "avx512_vnni") == []
+    assert outside(found["zmm"], "avx512", "avx512_bf16", "avx512_vnni") == []
+    assert outside(found["vdpbf16ps"], "avx512_bf16") == []
+    assert outside(found["vpdpbusd"], "avx512_vnni") == []
 
 
 def test_a_failing_build_serves_with_paddle_and_says_so_in_one_line(tmp_path, monkeypatch, caplog):
@@ -169,7 +230,7 @@ def test_a_failing_build_serves_with_paddle_and_says_so_in_one_line(tmp_path, mo
 
 
 def test_a_cpu_without_avx2_never_loads_the_custom_ops_and_forced_custom_refuses(monkeypatch, caplog):
-    monkeypatch.setattr(kernels_module, "cpu_features", lambda: {"sse2", "sse4_2", "fma"})
+    monkeypatch.setattr(kernels_module, "cpu_features", lambda: {"sse2", "sse4_2", "fma", "f16c"})
     monkeypatch.setattr(kernels_module, "load_ops", lambda: pytest.fail("custom ops loaded on a CPU without AVX2"))
 
     with caplog.at_level(logging.WARNING, logger="gpu_worker.kernels"):

@@ -1,5 +1,6 @@
 """The whole service (`blockserve serve`: real processes, the real model, the openai client) on the
-custom kernels and on pure Paddle: the same greedy text, and the metrics say which kernels ran."""
+custom kernels in float32 and on pure Paddle: the same greedy text, and the metrics say which kernels,
+dtype and quantization ran."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ def settings_info(metrics_port: str) -> dict[str, str]:
     return family.samples[0].labels
 
 
-def greedy_texts(kernels: str, logs) -> tuple[list[str], dict[str, str]]:
-    env = loopback_env(BLOCKSERVE_KERNELS=kernels, BLOCKSERVE_MAX_MODEL_LEN="256", OMP_NUM_THREADS="2")
+def greedy_texts(kernels: str, logs, **settings: str) -> tuple[list[str], dict[str, str]]:
+    env = loopback_env(BLOCKSERVE_KERNELS=kernels, BLOCKSERVE_MAX_MODEL_LEN="256", OMP_NUM_THREADS="2", **settings)
     serve = start(["-m", "service.cli", "serve"], env, logs / f"serve-{kernels}.log")
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
     try:
@@ -41,10 +42,14 @@ def greedy_texts(kernels: str, logs) -> tuple[list[str], dict[str, str]]:
 
 
 def test_service_on_custom_kernels_generates_the_greedy_text_of_pure_paddle(tmp_path):
-    custom_texts, custom_info = greedy_texts("custom", tmp_path)
+    custom_texts, custom_info = greedy_texts("custom", tmp_path, BLOCKSERVE_DTYPE="float32")
     paddle_texts, paddle_info = greedy_texts("paddle", tmp_path)
 
     assert custom_texts == paddle_texts and all(custom_texts)
-    assert custom_info["worker_kernels"] == "custom" and custom_info["worker_kernels_isa"] in ("avx2", "avx512")
-    assert paddle_info["worker_kernels"] == "paddle"
+    assert custom_info["worker_kernels"] == "custom" and custom_info["worker_kernels_isa"].split("+")[0] in (
+        "avx2",
+        "avx512",
+    )
+    assert (custom_info["worker_dtype"], custom_info["worker_quantization"]) == ("float32", "none")
+    assert paddle_info["worker_kernels"] == "paddle" and paddle_info["worker_dtype"] == "float32"
     assert "avx2" in custom_info["worker_cpu_features"]

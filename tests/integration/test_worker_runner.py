@@ -11,6 +11,7 @@ from gpu_worker.kv_cache import block_bytes, num_blocks_for
 from gpu_worker.model_runner import ModelRunner
 from service import wire
 from service.config import load_settings
+from tests.support.accuracy import ENGLISH_TEXT, encode, load_runner, paged_logits
 from tests.support.model_engine import LocalEngine
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314, 253, 1345, 1185, 28, 284, 260, 1345, 282]
@@ -172,9 +173,24 @@ def test_a_failed_sample_in_one_step_ends_only_its_requests_in_the_step_prepared
         raise FloatingPointError("sampling failed")
 
     with monkeypatch.context() as patch:
-        patch.setattr(runner.sampler, "sample", failing_sample)
+        patch.setattr(runner.sampler, "draw", failing_sample)
         assert "sampling failed" in runner.finish(launched).error
     result = runner.finish(runner.launch(prepared))
 
     assert result.error is None and [t.request_id for t in result.sampled] == ["late"]
     runner.execute(wire.SchedulerOutput(step_id=42, finished_request_ids=["early", "late"]))
+
+
+@pytest.mark.parametrize("precision", ["float32:none", "bfloat16:none", "auto:int8", "auto:gguf"])
+def test_a_fused_decoder_layer_computes_exactly_what_its_single_ops_compute(smollm_path, precision):
+    """bs_decoder_layer runs the kernels of the single ops in their order: prompt chunks and one-token steps
+    give the same logits to the bit, in every weight format."""
+    runner = load_runner(smollm_path, precision)
+    token_ids = encode(runner, ENGLISH_TEXT)[:57]  # 8 chunks of 7, then one token
+    assert runner.model.kernels.fused_layer(runner.attention, runner.model.config) is not None
+
+    fused = paged_logits(runner, token_ids, chunk_size=7)
+    runner.model.kernels.fuse_layers = False
+    single_ops = paged_logits(runner, token_ids, chunk_size=7)
+
+    np.testing.assert_array_equal(fused, single_ops)

@@ -1,4 +1,5 @@
-"""The worker's model against transformers on torch fp32, loading the same files.
+"""The worker's model in float32 against transformers on torch fp32, loading the same files (the other
+precisions are held to float32 in test_worker_accuracy.py).
 
 Three models: SmolLM2 from its Q4_1 GGUF (llama, tied embeddings), a tiny random Qwen2 folder
 (q/k/v biases, untied lm_head, fp32 safetensors) and a tiny random Llama folder with llama3 rope
@@ -15,26 +16,17 @@ import pytest
 import torch
 
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.step_inputs import RequestState, build_step_inputs
 from service import wire
 from service.config import load_settings
+from tests.support.accuracy import REFERENCE_PROMPTS, encode, paged_logits
 from tests.support.model_engine import LocalEngine
 
 NUM_KV_BLOCKS = 128
 TOKEN_BUDGET = 24
 TIGHT_NUM_BLOCKS = 12  # of 16 tokens: the 8 greedy requests outgrow it, and some are preempted
 NUM_GREEDY_TOKENS = 32
-PROMPTS = [
-    "The capital of France is",
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-    "Once upon a time, in a small village at the edge of a great forest, there lived an old woodcutter who",
-    "Les trois couleurs primaires sont",
-    "Water boils at a temperature of",
-    "日本の首都は東京です。大阪は",
-    "List three uses of a paperclip, then explain which one is the most surprising and why:",
-    "import numpy as np\n",
-]
-LONG_TEXT = PROMPTS[2] + " " + PROMPTS[6]  # over two blocks of 16 tokens
+
+LONG_TEXT = REFERENCE_PROMPTS[2] + " " + REFERENCE_PROMPTS[6]  # over two blocks of 16 tokens
 TINY_DIMS = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -90,23 +82,11 @@ def models(request, kernels, smollm_path, hf_smollm_tokenizer, tmp_path_factory)
         build = tiny_qwen2 if request.param == "qwen2-folder" else tiny_llama3_bf16
         build(hf_dir, hf_smollm_tokenizer)
         hf_kwargs = {}
-    runner = ModelRunner(load_settings(model=os.fspath(model_path), num_kv_blocks=NUM_KV_BLOCKS, kernels=kernels))
-    assert runner.kernels["kernels"] == kernels
+    settings = load_settings(model=os.fspath(model_path), num_kv_blocks=NUM_KV_BLOCKS, kernels=kernels, dtype="float32")
+    runner = ModelRunner(settings)
+    assert runner.kernels["kernels"] == kernels and runner.kernels["dtype"] == "float32"
     reference = AutoModelForCausalLM.from_pretrained(os.fspath(hf_dir), dtype=torch.float32, **hf_kwargs).eval()
     return runner, reference
-
-
-def paged_logits(runner: ModelRunner, token_ids: list[int], chunk_size: int) -> np.ndarray:
-    """Logits of every position, computed chunk by chunk through the paged KV cache."""
-    num_blocks = -(-len(token_ids) // runner.block_size)
-    state = RequestState("logits", list(token_ids), len(token_ids), wire.SamplingParams(), list(range(num_blocks)), 0)
-    chunks = []
-    while state.num_computed_tokens < len(token_ids):
-        num_tokens = min(chunk_size, len(token_ids) - state.num_computed_tokens)
-        hidden = runner.forward(build_step_inputs([(state, num_tokens)], runner.block_size, runner.num_kv_blocks))
-        chunks.append(runner.model.compute_logits(hidden).numpy())
-        state.num_computed_tokens += num_tokens
-    return np.concatenate(chunks)
 
 
 def reference_logits(reference, token_ids: list[int]) -> np.ndarray:
@@ -126,19 +106,13 @@ def reference_greedy(reference, prompt_ids: list[int], num_tokens: int) -> list[
             out = reference(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
 
 
-def encode(runner: ModelRunner, text: str) -> list[int]:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_str(runner.model_info.tokenizer_json).encode(text).ids
-
-
 def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
     return float(np.linalg.norm(ours - reference) / np.linalg.norm(reference))
 
 
 def test_logits_match_transformers_for_every_position(models):
     runner, reference = models
-    token_ids = encode(runner, PROMPTS[2])
+    token_ids = encode(runner, REFERENCE_PROMPTS[2])
 
     ours = paged_logits(runner, token_ids, chunk_size=len(token_ids))
 
@@ -158,7 +132,7 @@ def test_greedy_generation_matches_transformers_through_chunking_mixing_and_pree
     runner, reference = models
     engine = LocalEngine(runner, TOKEN_BUDGET, num_blocks=TIGHT_NUM_BLOCKS)
     greedy = wire.SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY_TOKENS, ignore_eos=True)
-    prompts = {f"p{i}": encode(runner, text) for i, text in enumerate(PROMPTS)}
+    prompts = {f"p{i}": encode(runner, text) for i, text in enumerate(REFERENCE_PROMPTS)}
     for request_id, prompt_ids in prompts.items():
         engine.add(request_id, prompt_ids, greedy)
 

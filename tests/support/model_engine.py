@@ -44,6 +44,29 @@ class LocalEngine:
                 self._record(self.loop.complete(result, 0.0))
         return {request_id: self.outputs[request_id] for request_id in self.finished}
 
+    def run_pipelined(self) -> dict[str, list[int]]:
+        """As run(), in the worker loop's order (gpu_worker/worker_process.py's serve_pipelined): the
+        next step is prepared while the one before computes, with the tokens that one samples pending.
+        Use with overlapped=True, so the scheduler sends that next step before the result comes."""
+        ahead = None  # (step, its prepared inputs)
+        while self.scheduler.has_work or self.loop.in_flight or ahead is not None:
+            if ahead is None:
+                self.loop.run(0.0, self._send)
+                output = self.to_worker.popleft()
+                ahead = output, self.runner.prepare(output)
+            (output, prepared), ahead = ahead, None
+            if output.is_empty:
+                continue
+            launched = self.runner.launch(prepared)
+            self.loop.run(0.0, self._send)
+            if self.to_worker:
+                following = self.to_worker.popleft()
+                ahead = following, self.runner.prepare(following)
+            result = self.runner.finish(launched)
+            assert result.error is None, result.error
+            self._record(self.loop.complete(result, 0.0))
+        return {request_id: self.outputs[request_id] for request_id in self.finished}
+
     def num_chunked_prefills(self) -> int:
         """Prompt chunks that did not reach the end of their prompt."""
         return sum(

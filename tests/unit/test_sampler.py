@@ -172,3 +172,26 @@ def test_a_vanishing_top_p_keeps_the_top_token_even_when_it_holds_almost_all_the
     counts = draw_counts(logits_row, 200, top_p=1e-300)
 
     assert counts[5] == 200
+
+
+def test_sampling_copies_to_the_host_once_and_leaves_the_tokens_on_the_device(monkeypatch):
+    """On a GPU every copy to the host waits for the device: one per step, for tokens and logprobs together."""
+    logits = random_logits(4)
+    requests = [
+        request("greedy", temperature=0.0, logprobs=2),
+        request("plain", temperature=0.9),
+        request("top_k", top_k=5, logprobs=0),
+        request("top_p", top_p=0.5, seed=3),
+    ]
+    copies = []
+    to_host = paddle.Tensor.numpy
+    monkeypatch.setattr(paddle.Tensor, "numpy", lambda tensor: copies.append(tensor.shape) or to_host(tensor))
+
+    draw = Sampler(seed=4).draw(paddle.to_tensor(logits), requests)
+    assert copies == []
+    sampled = draw.fetch()
+
+    assert len(copies) == 1
+    assert [t.token_id for t in sampled] == to_host(draw.tokens).tolist()
+    assert sampled[0].token_id == logits[0].argmax() and len(sampled[0].top_logprobs) == 2
+    assert sampled[2].logprob is not None and sampled[2].top_logprobs == [] and sampled[1].logprob is None

@@ -1,0 +1,55 @@
+"""Accuracy of each worker precision against float32 on SmolLM2 (the figures of the README's table).
+
+Run: OMP_NUM_THREADS=2 python benchmarks/bench_accuracy.py [--precision DTYPE:QUANTIZATION ...] [--isa-cap CAP]
+
+Mean KL divergence of the next-token distributions over the English text shipped in tests/data, and the
+greedy tokens on the 8 reference prompts: teacher-forced agreement with float32's continuation (32 tokens
+each) and how many free-running continuations are identical (tests/support/accuracy.py). The reference
+is the custom kernels in float32 (equal to transformers within 1e-3: test_worker_vs_transformers.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import unittest.mock
+from pathlib import Path
+
+from gpu_worker.cpu_threads import set_thread_defaults
+
+set_thread_defaults()
+
+import gpu_worker.model_runner as model_runner_module  # noqa: E402
+from gpu_worker.kernels import select_kernels  # noqa: E402
+from service.config import default_model_path  # noqa: E402
+from tests.support.accuracy import Float32Reference, load_runner  # noqa: E402
+
+PRECISIONS = ("bfloat16:none", "float32:int8", "bfloat16:int8", "float32:gguf", "bfloat16:gguf")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--precision", action="append", help=f"DTYPE:QUANTIZATION (default: {PRECISIONS})")
+    parser.add_argument("--isa-cap", default="all", help="avx2, avx512 or all: the custom kernels' instruction sets")
+    args = parser.parse_args()
+    model_path = Path(default_model_path())
+    # Every runner, the reference too, on the instruction sets asked for.
+    with unittest.mock.patch.object(
+        model_runner_module, "select_kernels", lambda mode: select_kernels(mode, isa_cap=args.isa_cap)
+    ):
+        reference = Float32Reference(load_runner(model_path, "float32:none"))
+        rows = []
+        for precision in args.precision or PRECISIONS:
+            runner = load_runner(model_path, precision)
+            rows.append((precision, runner.kernels["kernels_isa"], reference.accuracy_of(runner)))
+    print(f"\nSmolLM2-135M ({model_path.name}) against float32, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
+    print(f"{'precision':<16}{'isa':<20}{'mean KL (nats)':>16}{'greedy agreement':>18}{'identical (of 8)':>18}")
+    for precision, isa, accuracy in rows:
+        print(
+            f"{precision:<16}{isa:<20}{accuracy.mean_kl_nats:>16.5f}{accuracy.greedy_agreement:>18.3f}"
+            f"{accuracy.identical_continuations:>18}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+// The packed-weight GEMM for BF16 weights on AVX512-BF16: vdpbf16ps sums the products of bf16 pairs in
+// fp32; x is rounded to bf16 (nearest even) once per call. Included inside the avx512_bf16 region of
+// linear_gemm.cc after unroll.h; no include guard, nothing from the standard library.
+//
+// x is prepared as 32-bit words, one per block of W (a bf16 pair), so that one broadcast word times one
+// 64-byte block of a panel feeds all 16 columns.
+
+constexpr int kMaxRows = 12;  // 12 accumulators of the 32 zmm
+
+// words[i] = bf16(x[2i]) | bf16(x[2i + 1]) << 16, the last one zero-padded.
+static inline void prepare_row(const float* x, int64_t k, uint32_t* words) {
+  for (int64_t i = 0; i < k; i += 32) {
+    const int64_t rest = k - i;
+    const __mmask16 low = rest >= 16 ? 0xffff : static_cast<__mmask16>((1u << rest) - 1);
+    const __mmask16 high = rest >= 32 ? 0xffff : rest <= 16 ? 0 : static_cast<__mmask16>((1u << (rest - 16)) - 1);
+    const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, x + i + 16), _mm512_maskz_loadu_ps(low, x + i));
+    const int64_t num_words = rest >= 32 ? 16 : (rest + 1) / 2;
+    _mm512_mask_storeu_epi32(words + i / 2, static_cast<__mmask16>((1u << num_words) - 1), reinterpret_cast<__m512i>(pairs));
+  }
+}
+
+// y[rows, 0:cols] = start + the rows' words . the panel's blocks.
+template <int kRows>
+static inline __attribute__((flatten)) void tile(const uint32_t* words, int64_t num_words, const uint8_t* panel,
+                                                 const float* start, float* y, int64_t ldy, int cols) {
+  constexpr int kSplit = kRows >= 8 ? 1 : 8 / kRows;  // independent sums to cover the instruction latency
+  __m512 acc[kSplit][kRows];
+  for (int s = 0; s < kSplit; ++s) {
+    for (int r = 0; r < kRows; ++r) acc[s][r] = _mm512_setzero_ps();
+  }
+  int64_t w = 0;
+  for (; w + kSplit <= num_words; w += kSplit) {
+    static_for<kSplit>([&](auto s) {
+      const __m512bh weights = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + (w + s) * 64));
+#pragma GCC unroll 16
+      for (int r = 0; r < kRows; ++r) {
+        const __m512i pair = _mm512_set1_epi32(static_cast<int>(words[r * num_words + w + s]));
+        acc[s][r] = _mm512_dpbf16_ps(acc[s][r], reinterpret_cast<__m512bh>(pair), weights);
+      }
+    });
+  }
+  for (; w < num_words; ++w) {
+    const __m512bh weights = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + w * 64));
+    for (int r = 0; r < kRows; ++r) {
+      const __m512i pair = _mm512_set1_epi32(static_cast<int>(words[r * num_words + w]));
+      acc[0][r] = _mm512_dpbf16_ps(acc[0][r], reinterpret_cast<__m512bh>(pair), weights);
+    }
+  }
+  const __mmask16 columns = static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 bias = _mm512_maskz_loadu_ps(columns, start);
+  for (int r = 0; r < kRows; ++r) {
+    for (int s = 1; s < kSplit; ++s) acc[0][r] = _mm512_add_ps(acc[0][r], acc[s][r]);
+    _mm512_mask_storeu_ps(y + r * ldy, columns, _mm512_add_ps(acc[0][r], bias));
+  }
+}
+
+// y[m, n] = x[m, k] @ W (+ bias); `words` (m * num_blocks(k) of them) is scratch.
+static void gemm(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, const float* bias, float* y,
+                 uint32_t* words) {
+  const int64_t panels = num_panels(n), bytes = panel_bytes(Format::kBF16, k);
+  const int64_t num_words = num_blocks(Format::kBF16, k);
+  const int64_t fitting_rows = kBlockBytes / (num_words * 4) / kMaxRows * kMaxRows;
+  const int64_t block_rows = fitting_rows > kMaxRows ? fitting_rows : kMaxRows;
+  const bool rows_in_parallel = m > kMaxRows;  // a tile's worth of rows is prepared faster than a barrier
+  if (!rows_in_parallel) {
+    for (int64_t r = 0; r < m; ++r) prepare_row(x + r * k, k, words + r * num_words);
+  }
+#pragma omp parallel
+  {
+    if (rows_in_parallel) {
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < m; ++r) prepare_row(x + r * k, k, words + r * num_words);
+    }
+    for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
+      const int64_t m_end = m < m0 + block_rows ? m : m0 + block_rows;
+#pragma omp for schedule(static) nowait
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t remaining = n - p * kPanelWidth;
+        const int cols = static_cast<int>(remaining < kPanelWidth ? remaining : kPanelWidth);
+        float start[kPanelWidth] = {};
+        if (bias != nullptr) __builtin_memcpy(start, bias + p * kPanelWidth, cols * sizeof(float));
+        for (int64_t r0 = m0; r0 < m_end; r0 += kMaxRows) {
+          with_rows<kMaxRows>(static_cast<int>(m_end - r0 < kMaxRows ? m_end - r0 : kMaxRows), [&](auto rows) {
+            tile<decltype(rows)::value>(words + r0 * num_words, num_words, packed + p * bytes, start,
+                                        y + r0 * n + p * kPanelWidth, n, cols);
+          });
+        }
+      }
+    }
+  }
+}

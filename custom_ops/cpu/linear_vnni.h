@@ -1,0 +1,188 @@
+// The packed-weight GEMM for the 8- and 4-bit formats (INT8, Q8_0, Q4_0, Q4_1) on AVX512-VNNI. x is
+// quantized per row and group of 32 inputs to int8 as llama.cpp quantizes activations (q = rint(x * 127 /
+// max|x|), scale sx = max|x| / 127); vpdpbusd sums a group's (weight byte, q) products in int32, and each
+// group's sum goes into an fp32 accumulator scaled: acc += (d * sx) * sum + offset * (sx * sum of q), for
+// weights worth d * byte + offset (INT8: d = 1, offset = -128, its column scale applied at the end; Q8_0:
+// offset = -128 d; Q4_0: -8 d; Q4_1: m). Included inside the avx512_vnni region of linear_gemm.cc after
+// unroll.h; no include guard, nothing from the standard library.
+
+constexpr int64_t kGroup = 32;  // inputs per activation scale (and per GGUF block)
+constexpr int kGroupWords = 8;  // 4 inputs per word
+constexpr int kMaxRows = 12;    // 12 int32 sums + 12 fp32 accumulators of the 32 zmm
+
+// One row of x: q as 4-byte words, and per group its scale and scale * sum of q.
+static inline void prepare_row(const float* x, int64_t k, int64_t num_words, uint32_t* words, float* scales,
+                               float* scaled_sums) {
+  uint8_t* bytes = reinterpret_cast<uint8_t*>(words);
+  const int64_t padded = num_words * 4;
+  for (int64_t first = 0, g = 0; first < padded; first += kGroup, ++g) {
+    const int64_t rest = k - first;
+    const __mmask16 low = rest >= 16 ? 0xffff : static_cast<__mmask16>((1u << rest) - 1);
+    const __mmask16 high = rest >= 32 ? 0xffff : rest <= 16 ? 0 : static_cast<__mmask16>((1u << (rest - 16)) - 1);
+    const __m512 x_low = _mm512_maskz_loadu_ps(low, x + first), x_high = _mm512_maskz_loadu_ps(high, x + first + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x_low), _mm512_abs_ps(x_high)));
+    const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512i q_low = _mm512_cvtps_epi32(_mm512_mul_ps(x_low, inverse));
+    const __m512i q_high = _mm512_cvtps_epi32(_mm512_mul_ps(x_high, inverse));
+    scales[g] = amax / 127.0f;
+    scaled_sums[g] = scales[g] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high)));
+    uint8_t group_bytes[kGroup];
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(group_bytes), _mm512_cvtepi32_epi8(q_low));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(group_bytes + 16), _mm512_cvtepi32_epi8(q_high));
+    __builtin_memcpy(bytes + first, group_bytes, padded - first < kGroup ? padded - first : kGroup);
+  }
+}
+
+// A panel's group g: use(word in group, 64 weight bytes) for its words, and its d and offset per column.
+template <Format kFormat>
+struct Group;
+
+template <>
+struct Group<Format::kInt8> {  // the scale per column is applied after the last group
+  template <class Use>
+  static inline void words(const uint8_t* blocks, int64_t g, int64_t num_words, __m512& d, __m512& offset, Use&& use) {
+    d = _mm512_set1_ps(1.0f);
+    offset = _mm512_set1_ps(-128.0f);
+    static_for<kGroupWords>([&](auto w) {
+      const int64_t word = g * kGroupWords + w;
+      if (word < num_words) use(w, _mm512_loadu_si512(blocks + word * 64));  // the last group may be short
+    });
+  }
+};
+
+template <>
+struct Group<Format::kQ8_0> {
+  template <class Use>
+  static inline void words(const uint8_t* blocks, int64_t g, int64_t, __m512& d, __m512& offset, Use&& use) {
+    const uint8_t* block = blocks + g * geometry(Format::kQ8_0).block_bytes;
+    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+    offset = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
+    static_for<kGroupWords>([&](auto w) { use(w, _mm512_loadu_si512(block + 32 + w * 64)); });
+  }
+};
+
+template <Format kFormat>
+struct Q4Group {
+  template <class Use>
+  static inline void words(const uint8_t* blocks, int64_t g, int64_t, __m512& d, __m512& offset, Use&& use) {
+    const uint8_t* block = blocks + g * geometry(kFormat).block_bytes;
+    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+    offset = kFormat == Format::kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)))
+                                      : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    constexpr int kQuants = kFormat == Format::kQ4_1 ? 64 : 32;
+    const __m512i nibbles = _mm512_set1_epi8(0x0f);
+    static_for<kGroupWords / 2>([&](auto s) {  // 8 inputs: byte j holds input j low, j + 4 high
+      const __m512i pairs = _mm512_loadu_si512(block + kQuants + s * 64);
+      use(Index<2 * decltype(s)::value>{}, _mm512_and_si512(pairs, nibbles));
+      use(Index<2 * decltype(s)::value + 1>{}, _mm512_and_si512(_mm512_srli_epi32(pairs, 4), nibbles));
+    });
+  }
+};
+
+template <>
+struct Group<Format::kQ4_0> : Q4Group<Format::kQ4_0> {};
+template <>
+struct Group<Format::kQ4_1> : Q4Group<Format::kQ4_1> {};
+
+// Rows of x prepared for one tile: words [rows, num_words], per group scales and scaled sums [rows, groups].
+struct PreparedRows {
+  const uint32_t* words;
+  const float* scales;
+  const float* scaled_sums;
+  int64_t num_words, num_groups;
+};
+
+template <Format kFormat, int kRows>
+static inline __attribute__((flatten)) void tile(const PreparedRows& x, const uint8_t* panel, const float* start,
+                                                 float* y, int64_t ldy, int cols) {
+  constexpr int kSplit = kRows >= 4 ? 1 : 2;  // a short tile sums even and odd words apart (latency)
+  const uint8_t* blocks = panel + geometry(kFormat).header_bytes;
+  __m512 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < x.num_groups; ++g) {
+    __m512i sums[kSplit][kRows];
+    for (int s = 0; s < kSplit; ++s) {
+      for (int r = 0; r < kRows; ++r) sums[s][r] = _mm512_setzero_si512();
+    }
+    __m512 d, offset;
+    Group<kFormat>::words(blocks, g, x.num_words, d, offset, [&](auto w, __m512i weights) {
+      constexpr int kSum = decltype(w)::value % kSplit;
+      const uint32_t* word = x.words + g * kGroupWords + w;
+#pragma GCC unroll 16
+      for (int r = 0; r < kRows; ++r) {
+        sums[kSum][r] = _mm512_dpbusd_epi32(sums[kSum][r], weights, _mm512_set1_epi32(static_cast<int>(word[r * x.num_words])));
+      }
+    });
+    for (int r = 0; r < kRows; ++r) {
+      const __m512i sum = kSplit == 1 ? sums[0][r] : _mm512_add_epi32(sums[0][r], sums[kSplit - 1][r]);
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x.scales[r * x.num_groups + g]));
+      acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum), acc[r]);
+      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x.scaled_sums[r * x.num_groups + g]), acc[r]);
+    }
+  }
+  const __mmask16 columns = static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 bias = _mm512_maskz_loadu_ps(columns, start);
+  for (int r = 0; r < kRows; ++r) {
+    if (kFormat == Format::kInt8) acc[r] = _mm512_mul_ps(acc[r], _mm512_loadu_ps(panel));
+    _mm512_mask_storeu_ps(y + r * ldy, columns, _mm512_add_ps(acc[r], bias));
+  }
+}
+
+// y[m, n] = x[m, k] @ W (+ bias); words (m * num_blocks), scales and scaled_sums (m * groups) are scratch.
+template <Format kFormat>
+static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, const float* bias, float* y,
+                    uint32_t* words, float* scales, float* scaled_sums) {
+  const int64_t panels = num_panels(n), bytes = panel_bytes(kFormat, k);
+  const int64_t num_words = num_blocks(kFormat, k) * (geometry(kFormat).block_k / 4);
+  const int64_t num_groups = (num_words + kGroupWords - 1) / kGroupWords;
+  const int64_t fitting_rows = kBlockBytes / (num_words * 4) / kMaxRows * kMaxRows;
+  const int64_t block_rows = fitting_rows > kMaxRows ? fitting_rows : kMaxRows;
+  const bool rows_in_parallel = m > kMaxRows;  // a tile's worth of rows is prepared faster than a barrier
+  auto prepare = [&](int64_t r) {
+    prepare_row(x + r * k, k, num_words, words + r * num_words, scales + r * num_groups, scaled_sums + r * num_groups);
+  };
+  if (!rows_in_parallel) {
+    for (int64_t r = 0; r < m; ++r) prepare(r);
+  }
+#pragma omp parallel
+  {
+    if (rows_in_parallel) {
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < m; ++r) prepare(r);
+    }
+    for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
+      const int64_t m_end = m < m0 + block_rows ? m : m0 + block_rows;
+#pragma omp for schedule(static) nowait
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t remaining = n - p * kPanelWidth;
+        const int cols = static_cast<int>(remaining < kPanelWidth ? remaining : kPanelWidth);
+        float start[kPanelWidth] = {};
+        if (bias != nullptr) __builtin_memcpy(start, bias + p * kPanelWidth, cols * sizeof(float));
+        for (int64_t r0 = m0; r0 < m_end; r0 += kMaxRows) {
+          const PreparedRows rows{words + r0 * num_words, scales + r0 * num_groups, scaled_sums + r0 * num_groups,
+                                  num_words, num_groups};
+          with_rows<kMaxRows>(static_cast<int>(m_end - r0 < kMaxRows ? m_end - r0 : kMaxRows), [&](auto tile_rows) {
+            tile<kFormat, decltype(tile_rows)::value>(rows, packed + p * bytes, start, y + r0 * n + p * kPanelWidth, n,
+                                                      cols);
+          });
+        }
+      }
+    }
+  }
+}
+
+static void gemm(Format format, const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n,
+                 const float* bias, float* y, uint32_t* words, float* scales, float* scaled_sums) {
+  switch (format) {
+    case Format::kInt8:
+      return gemm_of<Format::kInt8>(x, m, k, packed, n, bias, y, words, scales, scaled_sums);
+    case Format::kQ8_0:
+      return gemm_of<Format::kQ8_0>(x, m, k, packed, n, bias, y, words, scales, scaled_sums);
+    case Format::kQ4_0:
+      return gemm_of<Format::kQ4_0>(x, m, k, packed, n, bias, y, words, scales, scaled_sums);
+    case Format::kQ4_1:
+      return gemm_of<Format::kQ4_1>(x, m, k, packed, n, bias, y, words, scales, scaled_sums);
+    default:
+      return;
+  }
+}

@@ -1,0 +1,52 @@
+"""blockserve's CUDA kernels (custom_ops/gpu) as the worker's kernels on a GPU.
+
+The CUDA ops take the CPU ops' names and arguments (the `isa` bits attribute is ignored), on
+tensors of the model's dtype, so the calls are the CPU custom kernels' own; linear layers stay
+Paddle's matmul (cuBLAS) on weights in the model's dtype, as the name "cuda" tells gpu_worker/linear.py,
+and a layer runs op by op (bs_decoder_layer is a CPU op only).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+from gpu_worker.custom_attention import CustomPagedAttention
+from gpu_worker.custom_ops import IsaSet
+from gpu_worker.kernels import CustomKernels, PaddleKernels
+from gpu_worker.model_config import ModelConfig
+from gpu_worker.models.rope import RotaryEmbedding
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD_DIM = 256  # custom_ops/gpu/attention_kernels.cuh: kMaxHeadDim, kMaxRows, 16-byte rows
+MAX_GROUP = 32
+
+
+def attention_shape_problem(config: ModelConfig) -> str | None:
+    """Why the CUDA attention kernel cannot take this model's heads, or None."""
+    group = config.num_heads // config.num_kv_heads
+    if config.head_dim % 8 or config.head_dim > MAX_HEAD_DIM:
+        return f"head_dim {config.head_dim} is not a multiple of 8 up to {MAX_HEAD_DIM}"
+    if group > MAX_GROUP:
+        return f"{group} query heads share a kv head (at most {MAX_GROUP})"
+    return None
+
+
+class CudaKernels(CustomKernels):
+    """The CUDA ops behind the custom kernels' calls."""
+
+    name = "cuda"
+
+    def __init__(self, ops: ModuleType):
+        super().__init__(ops, IsaSet(), fuse_layers=False)
+
+    def attention(self, config: ModelConfig, block_size: int, rotary: RotaryEmbedding):
+        if problem := attention_shape_problem(config):
+            log.warning("%s: pure-Paddle attention", problem)
+            return PaddleKernels().attention(config, block_size, rotary)
+        return CustomPagedAttention(self.ops, config.num_heads, config.num_kv_heads, rotary, self.isa.bits)
+
+    def fused_layer(self, attention, config: ModelConfig):
+        """None: there is no CUDA bs_decoder_layer, so the model runs its layers op by op."""
+        return None

@@ -1,0 +1,79 @@
+"""What the worker keeps weights and the KV cache in: BLOCKSERVE_DTYPE and BLOCKSERVE_QUANTIZATION resolved
+for the chosen kernels (and their CPU), and the weight format each tensor gets on the custom CPU path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpu_worker.weight_format import GgufBlocks, WeightFormat
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8", "gguf")
+
+
+class PrecisionUnavailable(ValueError):
+    """The settings ask for a dtype or quantization the chosen kernels cannot serve."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    dtype: str  # float32 | bfloat16 | float16 (GPU): the KV cache and every weight not quantized (sums are fp32)
+    quantization: str  # none | int8 | gguf
+    reason: str  # why this dtype, for the start-up log
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.dtype
+
+    def weight_format(self, weight: np.ndarray | GgufBlocks) -> WeightFormat:
+        """The packed format of one weight matrix on the custom path."""
+        if self.quantization == "gguf" and isinstance(weight, GgufBlocks):
+            return weight.format
+        if self.quantization == "int8":
+            return WeightFormat.INT8
+        return WeightFormat.BF16 if self.dtype == "bfloat16" else WeightFormat.F32
+
+
+def resolve_precision(dtype: str, quantization: str, kernels: str, bf16_dot: bool = False) -> Precision:
+    """The precision for the settings on `kernels` (the chosen kernels' name); `bf16_dot`: the custom CPU ops
+    may multiply bf16 with AVX512-BF16.
+
+    - custom (the C++ CPU ops): float32 or bfloat16, any quantization; `auto` is bfloat16 where the CPU has
+      AVX512-BF16 and float32 elsewhere.
+    - cuda (the CUDA ops on a GPU): float32, bfloat16 or float16, weights unquantized in that dtype (the
+      linear layers are Paddle's matmul); `auto` is bfloat16.
+    - paddle: float32 only.
+
+    An explicit setting the kernels cannot serve raises PrecisionUnavailable rather than silently serving
+    something else.
+    """
+    if dtype not in DTYPES or quantization not in QUANTIZATIONS:
+        raise ValueError(f"dtype {dtype!r} / quantization {quantization!r} not in {DTYPES} / {QUANTIZATIONS}")
+    if kernels == "cuda":
+        if quantization != "none":
+            raise PrecisionUnavailable(
+                f"BLOCKSERVE_QUANTIZATION={quantization} is served by the custom CPU kernels only; on a GPU the "
+                "weights are kept in BLOCKSERVE_DTYPE (set BLOCKSERVE_QUANTIZATION=none, or BLOCKSERVE_DEVICE=cpu)"
+            )
+        if dtype == "auto":
+            return Precision("bfloat16", "none", "auto: bfloat16 on a GPU with the CUDA kernels")
+        return Precision(dtype, "none", f"BLOCKSERVE_DTYPE={dtype}")
+    if dtype == "float16":
+        raise PrecisionUnavailable(
+            f"BLOCKSERVE_DTYPE=float16 is served on a GPU with the CUDA kernels only; the {kernels} kernels "
+            "take float32" + (" or bfloat16" if kernels == "custom" else "")
+        )
+    if kernels != "custom":
+        if dtype == "bfloat16" or quantization != "none":
+            raise PrecisionUnavailable(
+                f"BLOCKSERVE_DTYPE={dtype} BLOCKSERVE_QUANTIZATION={quantization} needs the custom kernels; "
+                "the pure-Paddle kernels compute in float32"
+            )
+        return Precision("float32", "none", "pure-Paddle kernels compute in float32")
+    if dtype != "auto":
+        return Precision(dtype, quantization, f"BLOCKSERVE_DTYPE={dtype}")
+    if bf16_dot:
+        return Precision("bfloat16", quantization, "auto: the CPU multiplies bf16 natively (AVX512-BF16)")
+    return Precision("float32", quantization, "auto: no AVX512-BF16 on this CPU")

@@ -1,0 +1,234 @@
+"""Each CUDA kernel against the NumPy references (tests/support/kernel_reference.py), written once
+and run twice: on a GPU (tests/gpu/test_cuda_kernels.py) and emulated on the CPU
+(tests/integration/test_cuda_kernels_emulated.py). A check takes a KernelLibrary and an element type."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpu_worker.step_delta import ScheduledRequest, pack_step_delta
+from tests.support import kernel_reference as ref
+
+# (num_cached, num_new) per request: decodes, a fresh prefill longer than a query tile, prefill chunks,
+# a context over many key tiles, a block-sized chunk (as tests/integration/test_custom_ops.py's mixed_step).
+MIXED_SHAPES = [(9, 1), (0, 40), (5, 1), (37, 7), (0, 1), (300, 1), (32, 20), (13, 3)]
+# (num_heads, num_kv_heads, head_dim, block_size): GQA groups of 3, 1, 4 and 8, odd block sizes.
+ATTENTION_GEOMETRIES = [(9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 32, 5), (32, 4, 128, 16)]
+
+
+def assert_close(got: np.ndarray, expected: np.ndarray, dtype: str, what: str) -> None:
+    rtol, atol = ref.TOLERANCES[dtype]
+    np.testing.assert_allclose(ref.decode(got, dtype), expected, rtol=rtol, atol=atol, err_msg=f"{what} ({dtype})")
+
+
+def stored(rng, shape, dtype: str, scale: float = 1.0) -> np.ndarray:
+    """Random values in the kernel's storage type."""
+    return ref.encode(rng.standard_normal(shape, dtype=np.float32) * scale, dtype)
+
+
+def check_add_rms_norm(library, dtype: str) -> None:
+    rng = np.random.default_rng(11)
+    for rows, width in [(1, 576), (7, 64), (33, 72), (5, 37), (3, 4096)]:
+        x, residual = stored(rng, (rows, width), dtype, 3.0), stored(rng, (rows, width), dtype, 3.0)
+        weight = stored(rng, width, dtype)
+        out, summed = library.add_rms_norm(x, None, weight, 1e-5, dtype)
+        expected, _ = ref.add_rms_norm(ref.decode(x, dtype), None, ref.decode(weight, dtype), 1e-5, dtype)
+        assert summed is None
+        assert_close(out, expected, dtype, f"rms_norm {rows}x{width}")
+        out, summed = library.add_rms_norm(x, residual, weight, 1e-5, dtype)
+        expected, expected_summed = ref.add_rms_norm(
+            ref.decode(x, dtype), ref.decode(residual, dtype), ref.decode(weight, dtype), 1e-5, dtype
+        )
+        assert_close(out, expected, dtype, f"add_rms_norm {rows}x{width}")
+        # The stored residual is x + residual rounded once to the element type: exact.
+        np.testing.assert_array_equal(ref.decode(summed, dtype), expected_summed)
+
+
+def check_silu_and_mul(library, dtype: str) -> None:
+    rng = np.random.default_rng(12)
+    for rows, width in [(1, 1536), (9, 40), (4, 13), (300, 256)]:
+        gate_up = stored(rng, (rows, 2 * width), dtype, 6.0)
+        expected = ref.silu_and_mul(ref.decode(gate_up, dtype))
+        assert_close(library.silu_and_mul(gate_up, dtype), expected, dtype, f"silu_and_mul {rows}x{width}")
+
+
+def mixed_batch(rng, block_size: int, shapes=MIXED_SHAPES) -> dict[str, np.ndarray]:
+    """A step's attention inputs: block ids scattered over the cache (odd ids only: holes in every table),
+    request 6 reusing request 3's first two blocks, the table padded with block 0."""
+    lengths = [cached + new for cached, new in shapes]
+    num_blocks = 2 * sum(-(-length // block_size) for length in lengths) + 2
+    free = list(rng.permutation(np.arange(1, num_blocks, 2)))
+    tables = [[int(free.pop()) for _ in range(-(-length // block_size))] for length in lengths]
+    tables[6][:2] = tables[3][:2]
+    block_table = np.zeros((len(shapes), max(len(t) for t in tables)), dtype=np.int64)
+    for row, blocks in enumerate(tables):
+        block_table[row, : len(blocks)] = blocks
+    query_lens = np.array([new for _, new in shapes], dtype=np.int64)
+    context_lens = np.array(lengths, dtype=np.int64)
+    query_start = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
+    request = np.repeat(np.arange(len(shapes)), query_lens)
+    positions = context_lens[request] - query_lens[request] + np.arange(query_start[-1]) - query_start[request]
+    slots = block_table[request, positions // block_size] * block_size + positions % block_size
+    return dict(
+        num_blocks=num_blocks,
+        query_start=query_start,
+        context_lens=context_lens,
+        block_table=block_table,
+        positions=positions.astype(np.int64),
+        slot_mapping=slots.astype(np.int64),
+    )
+
+
+def check_rope_write_kv(library, dtype: str) -> None:
+    rng = np.random.default_rng(13)
+    for num_heads, num_kv_heads, head_dim, block_size in ATTENTION_GEOMETRIES:
+        batch = mixed_batch(rng, block_size)
+        cos, sin = ref.rope_tables(1024, head_dim)
+        tokens = len(batch["positions"])
+        qkv = stored(rng, (tokens, (num_heads + 2 * num_kv_heads) * head_dim), dtype)
+        cache_shape = (batch["num_blocks"], block_size, num_kv_heads, head_dim)
+        key_cache, value_cache = stored(rng, cache_shape, dtype), stored(rng, cache_shape, dtype)
+        query, keys, values = library.rope_write_kv(
+            qkv,
+            batch["positions"],
+            cos,
+            sin,
+            batch["slot_mapping"],
+            key_cache,
+            value_cache,
+            num_heads,
+            num_kv_heads,
+            dtype,
+        )
+        expected_query, expected_keys, expected_values = ref.rope_write_kv(
+            ref.decode(qkv, dtype), batch["positions"], cos, sin, batch["slot_mapping"],
+            ref.decode(key_cache, dtype), ref.decode(value_cache, dtype), num_heads, num_kv_heads,
+        )  # fmt: skip
+        what = f"rope_write_kv {num_heads}/{num_kv_heads}x{head_dim}"
+        assert_close(query, expected_query, dtype, what + " query")
+        assert_close(keys, expected_keys, dtype, what + " keys")
+        # Values are copied as they are; every slot the step does not write keeps its bits.
+        np.testing.assert_array_equal(ref.decode(values, dtype), expected_values, err_msg=what)
+        unwritten = np.setdiff1d(np.arange(batch["num_blocks"] * block_size), batch["slot_mapping"])
+        flat = keys.reshape(-1, num_kv_heads, head_dim)
+        np.testing.assert_array_equal(flat[unwritten], key_cache.reshape(-1, num_kv_heads, head_dim)[unwritten])
+
+
+def attend_and_compare(library, dtype, rng, batch, num_heads, num_kv_heads, head_dim, block_size, query_tile, num_sms):
+    tokens = len(batch["positions"])
+    query = stored(rng, (tokens, num_heads, head_dim), dtype)
+    cache_shape = (batch["num_blocks"], block_size, num_kv_heads, head_dim)
+    key_cache, value_cache = stored(rng, cache_shape, dtype), stored(rng, cache_shape, dtype)
+    inputs = (batch["query_start"], batch["context_lens"], batch["block_table"])
+    out, plan = library.paged_attention(query, key_cache, value_cache, *inputs, query_tile, dtype, num_sms)
+    decoded = (ref.decode(a, dtype) for a in (query, key_cache, value_cache))
+    expected = ref.paged_attention(*decoded, *inputs)
+    assert_close(out, expected, dtype, f"paged_attention {num_heads}/{num_kv_heads}x{head_dim} bs{block_size} {plan}")
+    return plan
+
+
+def check_paged_attention_mixed_step(library, dtype: str) -> None:
+    """Decodes and prefill chunks in one call, every GQA geometry, one split per tile."""
+    rng = np.random.default_rng(14)
+    for num_heads, num_kv_heads, head_dim, block_size in ATTENTION_GEOMETRIES:
+        plan = attend_and_compare(
+            library, dtype, rng, mixed_batch(rng, block_size), num_heads, num_kv_heads, head_dim, block_size, 16, 1
+        )
+        assert plan["query_tile"] == min(16, 32 // (num_heads // num_kv_heads))
+
+
+def check_paged_attention_split_keys(library, dtype: str) -> None:
+    """Few long contexts on many multiprocessors: decodes and a prefill chunk split over the keys
+    (rows of the chunk see nothing of the later splits), merged by the combine step."""
+    rng = np.random.default_rng(15)
+    shapes = [(700, 1), (1000, 1), (600, 20)]
+    for num_heads, num_kv_heads, head_dim, block_size in [(8, 2, 64, 16), (4, 4, 32, 5)]:
+        batch = mixed_batch(rng, block_size, shapes + [(0, 1)] * 5)  # mixed_batch's sharing wants 8 requests
+        plan = attend_and_compare(library, dtype, rng, batch, num_heads, num_kv_heads, head_dim, block_size, 16, 132)
+        assert plan["max_splits"] > 1 and plan["workspace_floats"] > 0, plan
+
+
+def check_prepare_step_inputs(library, dtype: str) -> None:
+    """Random steps over scattered batch slots: new requests, decodes whose token the step before
+    sampled on the device, prefill chunks; the device tables persist from step to step."""
+    del dtype  # int64 throughout
+    rng = np.random.default_rng(16)
+    num_slots, stride, block_size = 40, 24, 8
+    tables = np.zeros((num_slots, stride), dtype=np.int64)
+    reference_tables = tables.copy()
+    held = {}  # slot -> (blocks on the device, tokens computed)
+    for _ in range(6):
+        last_sampled = rng.integers(1000, 2000, num_slots).astype(np.int64)
+        requests = []
+        for slot in rng.choice(num_slots, size=12, replace=False):
+            blocks_before, computed = held.get(int(slot), (0, 0))
+            scheduled = int(rng.choice([1, 1, 5, 17]))
+            needed = -(-(computed + scheduled) // block_size)
+            if needed > stride:
+                blocks_before, computed, needed = 0, 0, -(-scheduled // block_size)
+            new_blocks = rng.integers(0, 500, needed - blocks_before).tolist()
+            num_known = scheduled - int(scheduled == 1 and computed > 0)  # a decode's token is on the device
+            requests.append(
+                ScheduledRequest(
+                    int(slot), computed, scheduled, blocks_before, new_blocks, rng.integers(0, 999, num_known).tolist()
+                )
+            )
+            held[int(slot)] = (needed, computed + scheduled)
+        delta = pack_step_delta(requests)
+        outputs, tables = library.prepare_step_inputs(delta, tables, last_sampled, block_size)
+        expected = ref.step_inputs_from_delta(
+            delta.packed,
+            delta.num_requests,
+            delta.num_tokens,
+            reference_tables,
+            last_sampled,
+            block_size,
+            delta.table_width,
+        )
+        for name, values in expected.items():
+            np.testing.assert_array_equal(outputs[name], values, err_msg=name)
+        np.testing.assert_array_equal(tables, reference_tables)
+
+
+def decode_batch(rng, num_sequences: int, context: int, block_size: int) -> dict[str, np.ndarray]:
+    """One decode per sequence, every sequence `context` tokens long, blocks scattered over the cache."""
+    blocks_per_sequence = -(-context // block_size)
+    num_blocks = num_sequences * blocks_per_sequence
+    block_table = rng.permutation(num_blocks).reshape(num_sequences, blocks_per_sequence).astype(np.int64)
+    context_lens = np.full(num_sequences, context, dtype=np.int64)
+    positions = context_lens - 1
+    return dict(
+        num_blocks=num_blocks,
+        query_start=np.arange(num_sequences + 1, dtype=np.int64),
+        context_lens=context_lens,
+        block_table=block_table,
+        positions=positions,
+        slot_mapping=block_table[:, -1] * block_size + positions % block_size,
+    )
+
+
+def check_paged_attention_decode_batch(library, dtype: str) -> None:
+    """64 decodes of 1k tokens, a Llama-3-8B layer's heads: as the GPU is planned for (one split each)."""
+    rng = np.random.default_rng(17)
+    batch = decode_batch(rng, 64, 1024, 16)
+    attend_and_compare(library, dtype, rng, batch, 32, 8, 128, 16, 16, library.arrays.num_sms)
+
+
+def check_paged_attention_long_contexts(library, dtype: str) -> None:
+    """4 decodes of 16k tokens: split over the keys to fill an H100's 132 multiprocessors."""
+    rng = np.random.default_rng(18)
+    batch = decode_batch(rng, 4, 16384, 16)
+    plan = attend_and_compare(library, dtype, rng, batch, 32, 8, 128, 16, 16, 132)
+    assert plan["max_splits"] > 1, plan
+
+
+CHECKS = [
+    check_add_rms_norm,
+    check_silu_and_mul,
+    check_rope_write_kv,
+    check_paged_attention_mixed_step,
+    check_paged_attention_split_keys,
+    check_prepare_step_inputs,
+]
+# Shapes too large for the emulation: on a GPU only.
+GPU_ONLY_CHECKS = [check_paged_attention_decode_batch, check_paged_attention_long_contexts]

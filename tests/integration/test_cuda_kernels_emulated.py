@@ -1,0 +1,27 @@
+"""The CUDA kernels' own source, compiled for the CPU with the SIMT emulation
+(custom_ops/gpu/simt_emulation.h: a block's threads are OpenMP threads, __syncthreads a barrier),
+against the NumPy references: the same checks tests/gpu/ runs on a GPU. What the emulation cannot
+show (memory coalescing, speed, races the barrier hides) needs the GPU harness."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.gpu.kernel_checks import CHECKS
+from tests.gpu.kernel_library import HostArrays, KernelLibrary, build_emulated_library
+from tests.support.kernel_reference import DTYPES
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory) -> KernelLibrary:
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ to build the emulated kernels")
+    return KernelLibrary(build_emulated_library(tmp_path_factory.mktemp("emulated_kernels")), HostArrays())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__.removeprefix("check_"))
+def test_cuda_kernel_source_matches_the_reference_when_emulated(emulated, check, dtype):
+    check(emulated, dtype)

@@ -1,0 +1,50 @@
+"""Each weight precision against float32 on SmolLM2, with the thresholds of the README's configuration table:
+the mean KL divergence of the next-token distributions over tests/data/english_text.txt, and the share of
+float32's greedy tokens on the 8 reference prompts that the precision picks too (tests/support/accuracy.py).
+Run on everything this CPU has (the default path) and with AVX2 forced, where the arithmetic differs
+(weights are widened to fp32 there, x is neither rounded nor quantized)."""
+
+from __future__ import annotations
+
+import pytest
+
+import gpu_worker.model_runner as model_runner_module
+from gpu_worker.custom_ops import cpu_features
+from gpu_worker.kernels import select_kernels
+from tests.support.accuracy import Float32Reference, load_runner
+
+# precision (DTYPE:QUANTIZATION) -> (largest mean KL in nats, smallest greedy agreement). Where VNNI multiplies
+# int8 and GGUF weights, x is quantized per 32 inputs too (as llama.cpp does); elsewhere only the weights differ.
+THRESHOLDS = {
+    "bfloat16:none": (0.01, 0.95),
+    "float32:int8": (0.05, 0.9),
+    "bfloat16:int8": (0.05, 0.9),
+    "float32:gguf": (0.01, 0.9),
+    "bfloat16:gguf": (0.01, 0.9),
+}
+CASES = [(precision, "all") for precision in THRESHOLDS] + [
+    (precision, "avx2") for precision in ("bfloat16:none", "float32:int8", "float32:gguf")
+]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm_path) -> Float32Reference:
+    return Float32Reference(load_runner(smollm_path, "float32:none"))
+
+
+@pytest.mark.parametrize("precision, isa_cap", CASES, ids=[f"{p}-{cap}" for p, cap in CASES])
+def test_precision_stays_within_its_documented_distance_from_float32(reference, smollm_path, precision, isa_cap):
+    if isa_cap == "all" and "avx512f" not in cpu_features():
+        pytest.skip("this CPU has no AVX-512: the avx2 cases cover its path")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_runner_module, "select_kernels", lambda mode: select_kernels(mode, isa_cap=isa_cap))
+        runner = load_runner(smollm_path, precision)
+    dtype, quantization = precision.split(":")
+    assert (runner.kernels["dtype"], runner.kernels["quantization"]) == (dtype, quantization)
+    max_kl, min_agreement = THRESHOLDS[precision]
+
+    accuracy = reference.accuracy_of(runner)
+
+    print(f"{precision} on {runner.kernels['kernels_isa']}: {accuracy}")
+    assert accuracy.mean_kl_nats <= max_kl
+    assert accuracy.greedy_agreement >= min_agreement

@@ -61,14 +61,16 @@ def test_two_engines_share_a_uniform_load(tmp_path):
 
 def prefix_cache_hits(routing: str, tmp_path) -> float:
     """Prompt tokens the engines served from their prefix caches for one shared-prefix trace: 8 system
-    prompts of 48 tokens (12 blocks) x 6 users, in random order; each engine's cache holds about five."""
+    prompts of 48 tokens (12 blocks) x 6 users, in random order, one after another (so the figure does
+    not depend on timing); each engine's cache holds about five."""
     env = dict(BLOCKSERVE_NUM_KV_BLOCKS="72", BLOCKSERVE_ROUTING=routing, FAKE_STEP_DELAY_S="0.01")
     with FakeStack(tmp_path / routing, num_engines=2, **env) as stack:
         rng = random.Random(7)
         systems = [[rng.randrange(3, 300) for _ in range(48)] for _ in range(8)]
         trace = [system + [rng.randrange(3, 300) for _ in range(6)] for system in systems for _ in range(6)]
         rng.shuffle(trace)
-        replies = run_concurrently([lambda p=p: complete(stack.url, p) for p in trace], num_threads=2)
+        # One at a time: each routing decision sees the caches as the previous requests left them.
+        replies = run_concurrently([lambda p=p: complete(stack.url, p) for p in trace], num_threads=1)
         assert all(reply.status_code == 200 for reply in replies)
         return sum(
             scrape(engine["BLOCKSERVE_METRICS_PORT"])["blockserve_prefix_cache_hits_total"] for engine in stack.engines

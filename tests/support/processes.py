@@ -11,10 +11,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now and never handed out before by this process (the kernel may offer a
+    just-released port again: two settings of one stack would then collide)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT and port + 1 not in _HANDED_OUT:  # some stacks take port + 1 as well
+            _HANDED_OUT.update((port, port + 1))
+            return port
 
 
 def loopback_env(**overrides: str) -> dict[str, str]:

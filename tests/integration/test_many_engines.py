@@ -5,10 +5,12 @@ from __future__ import annotations
 import random
 import signal
 import threading
+import time
 
 import httpx
 
-from tests.support.processes import FakeStack, metric_samples, scrape
+from service import socket_auth
+from tests.support.processes import FakeStack, free_port, metric_samples, scrape, start, stop_all
 from tests.support.tiny_model import MODEL_NAME
 
 
@@ -81,6 +83,27 @@ def test_prefix_routing_serves_a_shared_prefix_trace_from_the_caches_far_more_th
     by_prefix, by_turn = prefix_cache_hits("prefix", tmp_path), prefix_cache_hits("round_robin", tmp_path)
     assert by_prefix >= 1.5 * by_turn, (by_prefix, by_turn)
     assert by_prefix >= 0.6 * 40 * 48  # most of the 40 repeat visits find their 48-token system prompt
+
+
+def test_one_set_of_curve_keys_serves_every_engine(tmp_path):
+    """As the chart deploys them: every engine has the one server key pair and admits the one api key."""
+    pairs = {owner: socket_auth.new_key_pair() for owner in socket_auth.KEY_OWNERS}
+    role_keys = socket_auth.key_settings(pairs)
+    with FakeStack(tmp_path, num_engines=2, role_env=role_keys, BLOCKSERVE_ROUTING="round_robin") as stack:
+        replies = [complete(stack.url, [5 + i, 6, 7], 2) for i in range(6)]
+        assert [reply.status_code for reply in replies] == [200] * 6
+        assert sorted(requests_per_engine(stack).values()) == [3, 3]
+        for engine in stack.engines:  # the handshakes were CURVE ones: none refused, on either socket
+            assert scrape(engine["BLOCKSERVE_METRICS_PORT"]).get("blockserve_auth_failures_total", 0) == 0
+        plain = stack.env | {"BLOCKSERVE_PORT": str(free_port())}  # an api without the keys gets nowhere
+        api = start(["-m", "service.cli", "api"], plain, tmp_path / "plain-api.log")
+        try:
+            time.sleep(3)
+            assert httpx.get(f"http://127.0.0.1:{plain['BLOCKSERVE_PORT']}/ready", timeout=5).status_code == 503
+        finally:
+            stop_all([api])
+        refused = [scrape(e["BLOCKSERVE_METRICS_PORT"]).get("blockserve_auth_failures_total", 0) for e in stack.engines]
+        assert all(count > 0 for count in refused), refused  # each engine turned the plain api away
 
 
 def test_when_an_engine_dies_its_requests_end_with_a_503_and_later_ones_go_to_the_other(tmp_path):

@@ -107,7 +107,13 @@ class FakeStack:
     loopback ports (a context manager). `engines[i]` is engine i's environment; `processes` maps
     "scheduler-i", "worker-i" and "api" to their processes."""
 
-    def __init__(self, log_dir: Path, num_engines: int = 1, **env_overrides: str):
+    def __init__(
+        self,
+        log_dir: Path,
+        num_engines: int = 1,
+        role_env: dict[str, dict[str, str]] | None = None,
+        **env_overrides: str,
+    ):
         defaults = {"BLOCKSERVE_NUM_KV_BLOCKS": "24", "BLOCKSERVE_BLOCK_SIZE": "4", "FAKE_STEP_DELAY_S": "0.005"}
         self.engines = [loopback_env(**{**defaults, **env_overrides}) for _ in range(num_engines)]  # overrides win
         addresses = ",".join(engine["BLOCKSERVE_SCHEDULER_ADDR"] for engine in self.engines)
@@ -117,6 +123,7 @@ class FakeStack:
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, subprocess.Popen] = {}
+        self.role_env = role_env or {}  # "scheduler", "worker" or "api" -> settings of that role alone (keys)
 
     def __enter__(self) -> "FakeStack":
         for index, engine in enumerate(self.engines):
@@ -125,8 +132,10 @@ class FakeStack:
                 (["-m", "tests.support.fake_worker_process"], "worker"),
             ):
                 name = f"{role}-{index}"
-                self.processes[name] = start(args, engine, self.log_dir / f"{name}.log")
-        self.processes["api"] = start(["-m", "service.cli", "api"], self.env, self.log_dir / "api.log")
+                env = {**engine, **self.role_env.get(role, {})}
+                self.processes[name] = start(args, env, self.log_dir / f"{name}.log")
+        api_env = {**self.env, **self.role_env.get("api", {})}
+        self.processes["api"] = start(["-m", "service.cli", "api"], api_env, self.log_dir / "api.log")
         wait_ready(self.url, timeout_s=60)
         return self
 

@@ -20,12 +20,11 @@ import gpu_worker.kernels as kernels_module
 from gpu_worker.attention import PagedAttentionBackend
 from gpu_worker.custom_ops import CustomOpsUnavailable, cpu_features, load_ops
 from gpu_worker.kernels import PaddleKernels, select_kernels
-from gpu_worker.model_config import ModelConfig, RopeConfig
 from gpu_worker.models.rope import RotaryEmbedding
 from gpu_worker.step_inputs import RequestState, build_step_inputs
 from service import wire
 from tests.support.api_peer import ApiPeer
-from tests.support.numerics import bf16_rounded
+from tests.support.numerics import attention_config, bf16_rounded
 from tests.support.processes import ROOT, loopback_env, metric_samples, start, stop_all
 
 MAX_POSITIONS = 1024
@@ -87,20 +86,7 @@ def test_rope_cache_write_and_paged_attention_match_the_paddle_backend(
 ):
     rng = np.random.default_rng(head_dim)
     num_blocks = 2 * (-(-320 // block_size)) * 8 + 1
-    config = ModelConfig(
-        architecture="llama",
-        vocab_size=1,
-        hidden_size=num_heads * head_dim,
-        intermediate_size=1,
-        num_layers=1,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=True,
-        rope=RopeConfig(theta=10000.0),
-    )
+    config = attention_config(num_heads, num_kv_heads, head_dim, MAX_POSITIONS)
     rotary = RotaryEmbedding(config.rope, head_dim, MAX_POSITIONS)
     inputs = mixed_step(rng, block_size, num_blocks)
     cache = rng.standard_normal((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=np.float32)
@@ -140,20 +126,7 @@ def test_a_bfloat16_cache_holds_the_rounded_keys_and_attention_reads_them_as_flo
 ):
     rng = np.random.default_rng(head_dim + 1)
     num_blocks = 2 * (-(-320 // block_size)) * 8 + 1
-    config = ModelConfig(
-        architecture="llama",
-        vocab_size=1,
-        hidden_size=num_heads * head_dim,
-        intermediate_size=1,
-        num_layers=1,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=True,
-        rope=RopeConfig(theta=10000.0),
-    )
+    config = attention_config(num_heads, num_kv_heads, head_dim, MAX_POSITIONS)
     rotary = RotaryEmbedding(config.rope, head_dim, MAX_POSITIONS)
     inputs = mixed_step(rng, block_size, num_blocks)
     cache = bf16_rounded(rng.standard_normal((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=np.float32))

@@ -8,7 +8,7 @@ import paddle
 import pytest
 
 from gpu_worker.kernels import PaddleKernels
-from gpu_worker.model_config import ModelConfig, RopeConfig
+from gpu_worker.model_config import RopeConfig
 from gpu_worker.models.rope import RotaryEmbedding
 from gpu_worker.step_delta import StepRecord
 from gpu_worker.step_inputs import RequestState, StepInputs, build_step_inputs, fill_pending_tokens
@@ -16,6 +16,7 @@ from gpu_worker.step_upload import DeviceInputs
 from service import wire
 from tests.gpu.kernel_checks import ATTENTION_GEOMETRIES, mixed_batch
 from tests.support import kernel_reference as ref
+from tests.support.numerics import attention_config
 
 MAX_POSITIONS = 1024
 
@@ -51,20 +52,7 @@ def test_rope_cache_write_and_paged_attention_references_match_the_paddle_backen
     rng = np.random.default_rng(head_dim)
     batch = mixed_batch(rng, block_size)
     tokens = len(batch["positions"])
-    config = ModelConfig(
-        architecture="llama",
-        vocab_size=1,
-        hidden_size=num_heads * head_dim,
-        intermediate_size=1,
-        num_layers=1,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=True,
-        rope=RopeConfig(theta=10000.0),
-    )
+    config = attention_config(num_heads, num_kv_heads, head_dim, MAX_POSITIONS)
     rotary = RotaryEmbedding(config.rope, head_dim, MAX_POSITIONS)
     inputs = StepInputs(
         input_ids=np.zeros(tokens, dtype=np.int64),

@@ -1,8 +1,10 @@
-"""NumPy references for the worker's number formats."""
+"""NumPy references for the worker's number formats, and the model geometry the kernel tests share."""
 
 from __future__ import annotations
 
 import numpy as np
+
+from gpu_worker.model_config import ModelConfig, RopeConfig
 
 
 def bf16_rounded(array: np.ndarray) -> np.ndarray:
@@ -10,3 +12,21 @@ def bf16_rounded(array: np.ndarray) -> np.ndarray:
     bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32).astype(np.uint64)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
     return bits.astype(np.uint32).view(np.float32)
+
+
+def attention_config(num_heads: int, num_kv_heads: int, head_dim: int, max_positions: int) -> ModelConfig:
+    """A one-layer model's config with just the attention geometry set (what the attention kernels read)."""
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=1,
+        hidden_size=num_heads * head_dim,
+        intermediate_size=1,
+        num_layers=1,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        rope=RopeConfig(theta=10000.0),
+    )

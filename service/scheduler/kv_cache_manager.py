@@ -146,7 +146,7 @@ class KVCacheManager:
     def on_token(self, request: Request) -> None:
         """A token was appended: what it owes changes only if the token opens a block or its output is capped."""
         num_tokens = len(request.token_ids)
-        if num_tokens % self.block_size == 1 or request.max_num_tokens - num_tokens > MAX_OUTPUT_TOKENS_CONSIDERED:
+        if num_tokens % self.block_size == 1 or request.max_num_tokens - num_tokens >= MAX_OUTPUT_TOKENS_CONSIDERED:
             held = self._held.get(request)
             if held is not None:
                 self._refresh_owed(request, held)

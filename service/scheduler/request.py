@@ -46,6 +46,7 @@ class Request:
     num_preemptions: int = 0
     num_skipped: int = 0  # admission rounds in which it was passed over at the head of the queue
     admitted_seq: int = -1  # order of the latest admission (lifo victim choice)
+    queued_seq: int = -1  # order of its first time in the priority queue: equal keys go first come, first served
     sent_to_worker: bool = False  # the worker holds its state; next time send deltas only
     decode_message: RunningRequest | None = None  # "one more token, no new block": the same every such step
     num_output_placeholders: int = 0  # tokens that steps in flight will sample for it (overlapped loop)

@@ -38,7 +38,9 @@ class PriorityWaitingQueue:
         return (request for _, _, request in self._heap)
 
     def append(self, request: Request) -> None:
-        heapq.heappush(self._heap, (priority_key(request, self.aging_s), next(self._order), request))
+        if request.queued_seq < 0:  # back again (preempted, passed over): its first number keeps its place
+            request.queued_seq = next(self._order)
+        heapq.heappush(self._heap, (priority_key(request, self.aging_s), request.queued_seq, request))
 
     appendleft = append  # a preempted request keeps its place: its key says where
 

@@ -12,21 +12,11 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-from gpu_worker.custom_ops import CustomOpsUnavailable
+from gpu_worker.custom_ops import CustomOpsUnavailable, build_definition
 
 log = logging.getLogger(__name__)
 
 BUILD_SCRIPT = Path(__file__).resolve().parents[1] / "custom_ops" / "cuda_build.py"
-
-
-def _build_definition() -> ModuleType | None:
-    """custom_ops/cuda_build.py of a source checkout; None in an installed package."""
-    if not BUILD_SCRIPT.exists():
-        return None
-    spec = importlib.util.spec_from_file_location("blockserve_cuda_build", BUILD_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @functools.cache
@@ -36,7 +26,7 @@ def load_cuda_ops() -> ModuleType:
 
     if not paddle.is_compiled_with_cuda():
         raise CustomOpsUnavailable("this Paddle is built without CUDA")
-    build = _build_definition()
+    build = build_definition(BUILD_SCRIPT, "blockserve_cuda_build")
     if build is None:
         try:
             return importlib.import_module("blockserve_cuda_ops")

@@ -72,11 +72,12 @@ def cpu_features() -> set[str]:
     return set()
 
 
-def _build_definition() -> ModuleType | None:
-    """custom_ops/build.py of a source checkout (an editable install); None in an installed package."""
-    if not BUILD_SCRIPT.exists():
+def build_definition(script: Path, module_name: str) -> ModuleType | None:
+    """A build script of custom_ops/ in a source checkout (an editable install), as a module; None in an
+    installed package (which has no custom_ops/)."""
+    if not script.exists():
         return None
-    spec = importlib.util.spec_from_file_location("blockserve_custom_ops_build", BUILD_SCRIPT)
+    spec = importlib.util.spec_from_file_location(module_name, script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -88,7 +89,7 @@ def load_ops(source_dir: Path | None = None) -> ModuleType:
 
     `source_dir` replaces custom_ops/cpu (tests build a broken copy there).
     """
-    build = _build_definition()
+    build = build_definition(BUILD_SCRIPT, "blockserve_custom_ops_build")
     if build is None:
         try:
             return importlib.import_module("blockserve_ops")

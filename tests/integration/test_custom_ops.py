@@ -224,9 +224,9 @@ def seeded_extension_dir(tmp_path: Path) -> Path:
     shared cache's (under its lock), or built here."""
     from paddle.utils.cpp_extension import get_build_directory
 
-    from gpu_worker.custom_ops import _build_definition
+    from gpu_worker.custom_ops import BUILD_SCRIPT, build_definition
 
-    build = _build_definition()
+    build = build_definition(BUILD_SCRIPT, "blockserve_custom_ops_build")
     name = f"{build.EXTENSION_NAME}_{build.source_hash()}"
     extension_dir = tmp_path / "extensions"
     shared = Path(get_build_directory()) / name

@@ -58,6 +58,14 @@ class DroppedFrame(Exception):
         self.reason = reason
 
 
+def source_fd(frame: zmq.Frame) -> int | None:
+    """The fd of the connection a frame came on; None over inproc://, which has no connection fd."""
+    try:
+        return frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return None
+
+
 class SchedulerServer:
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -69,7 +77,8 @@ class SchedulerServer:
         self.worker_socket = self._router(settings.worker_addr, int(1000 * settings.worker_timeout_s))
         self.worker_monitor = self.worker_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
         self.api_monitor = self.api_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
-        self.api_fds: dict[int, bytes] = {}  # connection fd -> the api replica that sends on it
+        # connection -> the api replica that sends on it: its fd, or over inproc:// (no fd) its identity
+        self.api_fds: dict[int | bytes, bytes] = {}
         self.engine: EngineLoop | None = None
         self.model: wire.ModelInfo | None = None
         self.worker_model: wire.ModelInfo | None = None  # the first worker's, as it said: every later one's must match
@@ -88,7 +97,11 @@ class SchedulerServer:
         self.last_report_at = 0.0
         self.last_ping_at = 0.0
         self.last_heard_at = 0.0
+        self.poller = zmq.Poller()
+        for socket in (self.api_socket, self.worker_socket, self.worker_monitor, self.api_monitor):
+            self.poller.register(socket, zmq.POLLIN)
         self.draining = False
+        self.drain_deadline: float | None = None
         self.stopping = False
 
     def _router(self, addr: str, heartbeat_timeout_ms: int) -> zmq.Socket:
@@ -120,23 +133,23 @@ class SchedulerServer:
     def serve_forever(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.begin_drain())
         signal.signal(signal.SIGINT, lambda *_: self.begin_drain())
-        poller = zmq.Poller()
-        for socket in (self.api_socket, self.worker_socket, self.worker_monitor, self.api_monitor):
-            poller.register(socket, zmq.POLLIN)
-        drain_deadline = None
         while not self.stopping:
-            poller.poll(IDLE_POLL_MS)
-            # Connection events before each frame: a closed connection's fd, reused, must not be its successor's.
-            self._drain_events()
-            self._take_frames()
-            now = time.monotonic()
-            self._check_worker(now)
-            self._maybe_step(now)
-            if self.draining:
-                drain_deadline = drain_deadline or now + self.settings.drain_timeout_s
-                if self.num_requests == 0 or now >= drain_deadline:
-                    self.stopping = True
+            self.serve_once(IDLE_POLL_MS)
         self.close()
+
+    def serve_once(self, timeout_ms: int) -> None:
+        """One turn of the loop: wait up to `timeout_ms` for a frame, handle what came, step if allowed."""
+        self.poller.poll(timeout_ms)
+        # Connection events before each frame: a closed connection's fd, reused, must not be its successor's.
+        self._drain_events()
+        self._take_frames()
+        now = time.monotonic()
+        self._check_worker(now)
+        self._maybe_step(now)
+        if self.draining:
+            self.drain_deadline = self.drain_deadline or now + self.settings.drain_timeout_s
+            if self.num_requests == 0 or now >= self.drain_deadline:
+                self.stopping = True
 
     def _take_frames(self) -> None:
         """Handle every frame that has come, taking turns: one worker frame, then up to
@@ -174,7 +187,7 @@ class SchedulerServer:
         except zmq.Again:
             return False
         identity, payload = frames[0].bytes, frames[1:]
-        self.frame_fd = frames[0].get(zmq.SRCFD)
+        self.frame_fd = source_fd(frames[0])
         try:
             if len(payload) != 1:
                 raise DroppedFrame("malformed", f"{len(payload)} payload frames")
@@ -213,7 +226,7 @@ class SchedulerServer:
     # ------------------------------------------------------------------ api side
 
     def _on_api_frame(self, identity: bytes, message: wire.AnyMessage) -> None:
-        self.api_fds[self.frame_fd] = identity
+        self.api_fds[identity if self.frame_fd is None else self.frame_fd] = identity
         if isinstance(message, wire.GenerateRequest):
             self._on_generate(identity, message)
         elif isinstance(message, wire.AbortRequest):

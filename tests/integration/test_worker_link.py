@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
@@ -14,6 +13,7 @@ from gpu_worker.worker_process import PipelinedRunner, serve_worker
 from service import wire
 from service.config import load_settings
 from service.scheduler.fake_worker import FakeWorker
+from service.scheduler.server import SchedulerServer
 from tests.support.api_peer import ApiPeer
 from tests.support.processes import loopback_env, metric_samples, start, stop_all
 from tests.support.tiny_model import tiny_model_info
@@ -35,8 +35,9 @@ def link_env(**overrides: str) -> dict[str, str]:
 class ScriptedWorker:
     """A worker played from the test: says hello when told, answers steps (FakeWorker) and pings."""
 
-    def __init__(self, addr: str):
-        self.context = zmq.Context()
+    def __init__(self, addr: str, context: zmq.Context | None = None):
+        self.owns_context = context is None
+        self.context = context or zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, b"worker-scripted")
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -84,7 +85,10 @@ class ScriptedWorker:
         self.num_steps += 1
 
     def close(self) -> None:
-        self.context.destroy(linger=0)
+        if self.owns_context:
+            self.context.destroy(linger=0)
+        else:
+            self.socket.close(linger=0)
 
 
 @pytest.fixture
@@ -236,34 +240,55 @@ def test_the_worker_answers_pings_while_a_step_computes(tmp_path):
         stop_all([worker])
 
 
-def test_a_worker_whose_results_keep_coming_does_not_starve_the_api_socket(scripted):
+def test_a_worker_whose_results_keep_coming_does_not_starve_the_api_socket(monkeypatch):
     """Each result is answered by the next step, so a fast worker can keep the worker socket full
     for a request's whole life. The scheduler takes turns: with two results and a status query
-    waiting, the query is answered before the second result's deltas, not after both."""
-    scheduler, worker, peer = scripted
-    held = peer.submit([1, 2, 3], max_tokens=60)
-    peer.wait_until(lambda: worker.answer() or len(peer.outputs[held]) >= 2, 10)
-    steps = worker.hold(2)  # both steps the overlapped loop keeps in flight
-    time.sleep(0.2)
-    peer.pump(0.05)  # the deltas of the steps answered before
-    os.kill(scheduler.pid, signal.SIGSTOP)
+    waiting, the query is answered before the second result's deltas, not after both.
+
+    In-process over inproc:// sockets, turn by turn: frames sent there are in the scheduler's queues
+    when send returns (no I/O thread to race), so the order the test sees is the order it handled them."""
+    for name, value in link_env(
+        BLOCKSERVE_SCHEDULER_ADDR="inproc://api", BLOCKSERVE_WORKER_ADDR="inproc://worker"
+    ).items():
+        monkeypatch.setenv(name, value)
+    server = SchedulerServer(load_settings())
+    worker = ScriptedWorker("inproc://worker", context=server.context)
+    peer = ApiPeer("inproc://api", context=server.context)
     try:
+
+        def turn() -> bool:
+            server.serve_once(0)
+            worker.answer()
+            peer.pump(0)
+            return False
+
+        worker.hello()
+        peer.send(wire.StatusQuery())
+        peer.wait_until(lambda: turn() or any(status.ready for status in peer.statuses), 5)
+        held = peer.submit([1, 2, 3], max_tokens=60)
+        peer.wait_until(lambda: turn() or len(peer.outputs[held]) >= 2, 5)
+        server.serve_once(0)  # takes the results just answered and sends the next steps
+        steps = worker.hold(2)  # both steps the overlapped loop keeps in flight
+        peer.pump(0)  # the deltas of the steps answered before
         for step in steps:
             worker.send_result(step)
         peer.send(wire.StatusQuery(request_ids=[held]))
-        time.sleep(0.3)  # all three frames wait in the stopped scheduler's sockets
+        arrivals: list[str] = []
+
+        def note(message: wire.Message) -> None:
+            if not isinstance(message, wire.DeltaBatch) or message.token_ids or message.deltas:  # not a bare report
+                arrivals.append(type(message).__name__)
+
+        peer.on_message = note
+        server.serve_once(0)  # all three frames wait in the scheduler's queues
+        peer.pump(0)
+        assert arrivals.count("DeltaBatch") == 2 and "SchedulerStatus" in arrivals, arrivals
+        assert arrivals.index("SchedulerStatus") < 2, arrivals  # before the second result's deltas
+        assert peer.statuses[-1].num_running == 1
     finally:
-        os.kill(scheduler.pid, signal.SIGCONT)
-    arrivals: list[str] = []
-
-    def note(message: wire.Message) -> None:
-        if not isinstance(message, wire.DeltaBatch) or message.token_ids or message.deltas:  # not a bare report
-            arrivals.append(type(message).__name__)
-
-    peer.on_message = note
-    peer.wait_until(lambda: "SchedulerStatus" in arrivals, 5)
-    assert arrivals.index("SchedulerStatus") < 2, arrivals  # before the second result's deltas
-    assert peer.statuses[-1].num_running == 1
+        peer.close()
+        worker.close()
+        server.close()
 
 
 # ---------------------------------------------------------------------------- the worker slot

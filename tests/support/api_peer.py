@@ -12,8 +12,10 @@ from service import wire
 
 
 class ApiPeer:
-    def __init__(self, addr: str):
-        self.context = zmq.Context()
+    def __init__(self, addr: str, context: zmq.Context | None = None):
+        """`context`: a scheduler's own, to reach its inproc:// sockets (it stays open on close)."""
+        self.owns_context = context is None
+        self.context = context or zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 0)  # a benchmark submits thousands at once
@@ -92,4 +94,7 @@ class ApiPeer:
         return self.statuses[-1]
 
     def close(self) -> None:
-        self.context.destroy(linger=0)
+        if self.owns_context:
+            self.context.destroy(linger=0)
+        else:
+            self.socket.close(linger=0)

@@ -6,14 +6,21 @@ values it allows too, so a request stays as valid or invalid as it was generated
 tokens in every request (one generated to break the schema elsewhere, say in a header, may still be
 served), and the text and token ids of a valid request, so that it also fits the model's context (how
 many tokens a text makes, no schema can say). An invalid request keeps its text: cutting it could cut
-what makes it invalid.
+what makes it invalid. For the same reason a valid prompt text the model cannot spell at all (SmolLM2's
+vocabulary has no token for some control bytes, such as \x06: the text makes no tokens, and the server
+answers 400 "The prompt is empty", as transformers' tokenizer and vLLM would) gets one letter more.
 """
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import schemathesis
 
+from gpu_worker.gguf_checkpoint import GGUFCheckpoint
 from service.api.protocol import MAX_CHOICES as ALLOWED_CHOICES
+from service.config import default_model_path
 
 MAX_CHOICES = 2
 MAX_NEW_TOKENS = 4
@@ -39,7 +46,7 @@ def before_call(context, case, kwargs) -> None:
     if case.meta is not None and case.meta.generation.mode.is_negative:
         return
     if "prompt" in body:
-        body["prompt"] = _shortened(body["prompt"])
+        body["prompt"] = _spelled(_shortened(body["prompt"]))
     if isinstance(body.get("messages"), list):
         body["messages"] = body["messages"][:MAX_ITEMS]
         for message in body["messages"]:
@@ -58,6 +65,21 @@ def _shortened(value: object) -> object:
             return value[:MAX_PROMPT_TOKEN_IDS]
         return [_shortened(item) for item in value[:MAX_ITEMS]]
     return value
+
+
+@functools.cache
+def _tokenizer():
+    """The conformance run's model (the default one): its tokenizer, as the server builds it."""
+    return GGUFCheckpoint(Path(default_model_path())).tokenizer.tokenizer
+
+
+def _spelled(prompt: object) -> object:
+    """A prompt text, or each text of a batch, that makes no token gets a letter that makes one."""
+    if isinstance(prompt, list):
+        return [_spelled(item) if isinstance(item, str) else item for item in prompt]
+    if isinstance(prompt, str) and not _tokenizer().encode_batch([prompt], add_special_tokens=False)[0].ids:
+        return prompt + "a"
+    return prompt
 
 
 def _is_count(value: object) -> bool:

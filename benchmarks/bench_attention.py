@@ -1,7 +1,8 @@
 """The attention part of a SmolLM2 step (rotary embedding, KV-cache write, paged attention; 30 layers),
-custom kernels against pure Paddle, on the shapes of bench_worker.py's decode B=64 and prefill 1x512.
+custom kernels against pure Paddle, on the shapes of bench_worker.py's decode B=64 and prefill 1x512,
+with a float32 and a bfloat16 KV cache (Paddle's attention runs the float32 one only).
 
-Run: python benchmarks/bench_attention.py [--repeats N]
+Run: python benchmarks/bench_attention.py [--repeats N] [--cache-dtype float32|bfloat16 ...]
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import argparse
 import os
 import time
 
-os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+from gpu_worker.cpu_threads import set_thread_defaults  # noqa: E402
+
+set_thread_defaults()  # the worker's OpenMP settings, as in the service
 
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
@@ -57,13 +60,15 @@ def step_inputs(num_requests: int, num_cached: int, num_new: int):
     ) * blocks_each
 
 
-def time_attention(kernels, case, repeats: int) -> float:
+def time_attention(kernels, case, repeats: int, cache_dtype: str = "float32") -> float:
     """Median seconds of prepare + attend_qkv over every layer."""
     cfg = SMOLLM2
     inputs, num_blocks = step_inputs(*case)
     attention = kernels.attention(cfg, BLOCK_SIZE, RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings))
     shape = [num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim]
-    caches = [(paddle.randn(shape), paddle.randn(shape)) for _ in range(NUM_LAYERS)]
+    caches = [
+        (paddle.randn(shape).astype(cache_dtype), paddle.randn(shape).astype(cache_dtype)) for _ in range(NUM_LAYERS)
+    ]
     width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     qkv = paddle.to_tensor(np.random.default_rng(0).standard_normal((len(inputs.positions), width), dtype=np.float32))
 
@@ -84,14 +89,20 @@ def time_attention(kernels, case, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cache-dtype", action="append", choices=("float32", "bfloat16"))
     args = parser.parse_args()
     custom = select_kernels("custom").kernels
     print(f"attention of {NUM_LAYERS} layers, SmolLM2 shapes, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
-    print(f"{'case':<15}{'paddle ms':>11}{'custom ms':>11}{'ratio':>8}")
-    for name, case in CASES.items():
-        paddle_s = time_attention(PaddleKernels(), case, args.repeats)
-        custom_s = time_attention(custom, case, args.repeats)
-        print(f"{name:<15}{paddle_s * 1e3:>11.1f}{custom_s * 1e3:>11.1f}{paddle_s / custom_s:>8.1f}")
+    print(f"{'case':<15}{'cache':>10}{'paddle ms':>11}{'custom ms':>11}{'ratio':>8}")
+    for cache_dtype in args.cache_dtype or ("float32", "bfloat16"):
+        for name, case in CASES.items():
+            custom_s = time_attention(custom, case, args.repeats, cache_dtype)
+            if cache_dtype == "float32":
+                paddle_s = time_attention(PaddleKernels(), case, args.repeats)
+                paddle_ms, ratio = f"{paddle_s * 1e3:>11.1f}", f"{paddle_s / custom_s:>8.1f}"
+            else:
+                paddle_ms, ratio = f"{'-':>11}", f"{'-':>8}"
+            print(f"{name:<15}{cache_dtype:>10}{paddle_ms}{custom_s * 1e3:>11.1f}{ratio}")
 
 
 if __name__ == "__main__":

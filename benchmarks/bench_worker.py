@@ -1,7 +1,7 @@
 """Worker step time on SmolLM2 for each weight precision, against the time to read the weights.
 
-Run: OMP_NUM_THREADS=2 python benchmarks/bench_worker.py [--steps N] [--precision KERNELS:DTYPE:QUANTIZATION ...]
-     [--op-by-op]
+Run: OMP_NUM_THREADS=2 python benchmarks/bench_worker.py [--steps N]
+     [--precision KERNELS:DTYPE:QUANTIZATION[:ISA_CAP] ...] [--op-by-op]
 
 Decode: B requests with a 128-token context each, one token per request per step.
 Prefill: fresh prompts computed in one step (the step samples each request's first token).
@@ -10,13 +10,16 @@ float32) runs every case in the same run; "vs f32" divides by the custom float32
 For decode B=1, "read ms" is the time to read the weights' actual bytes (what the model holds in that
 precision) once at the read bandwidth measured in this run (torch's sum over a 1 GiB array). The
 breakdown times the parts of the median step with wall-clock timers (Paddle on CPU runs ops
-synchronously). The worker's OpenMP settings (gpu_worker/cpu_threads.py) apply, as in the service.
+synchronously). ISA_CAP (avx2, avx512; default all) keeps the custom ops below what the CPU has, as the
+kernel tests do: `custom:float32:none:avx2` and `custom:bfloat16:none:avx2` measure the AVX2 path
+(bf16 storage widened to fp32 in registers) on an AVX-512 machine. The worker's OpenMP settings (gpu_worker/cpu_threads.py) apply, as in the service.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import platform
 import time
@@ -32,6 +35,7 @@ import paddle  # noqa: E402
 import torch  # noqa: E402
 
 import gpu_worker.model_runner as model_runner_module  # noqa: E402
+from gpu_worker.kernels import select_kernels  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
 from gpu_worker.step_inputs import build_step_inputs  # noqa: E402
 from service import wire  # noqa: E402
@@ -172,7 +176,8 @@ class PrecisionRun:
 
 
 def run_precision(name: str, steps: int, op_by_op: bool) -> PrecisionRun:
-    kernels, dtype, quantization = name.split(":")
+    kernels, dtype, quantization, *cap = name.split(":")
+    model_runner_module.select_kernels = functools.partial(select_kernels, isa_cap=cap[0] if cap else "all")
     runner = ModelRunner(load_settings(num_kv_blocks=1024, kernels=kernels, dtype=dtype, quantization=quantization))
     assert runner.kernels["kernels"] == kernels, runner.kernels
     if op_by_op and kernels == "custom":
@@ -213,7 +218,9 @@ def cpu_name() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=9, help="timed steps per decode case (the median is shown)")
-    parser.add_argument("--precision", action="append", help=f"KERNELS:DTYPE:QUANTIZATION (default: {PRECISIONS})")
+    parser.add_argument(
+        "--precision", action="append", help=f"KERNELS:DTYPE:QUANTIZATION[:ISA_CAP] (default: {PRECISIONS})"
+    )
     parser.add_argument("--op-by-op", action="store_true", help="custom kernels: layers op by op, timed by part")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -239,7 +246,7 @@ def main() -> None:
     for run in runs:
         read_s, step_s = run.weight_bytes / bandwidth, run.cases[0][2]
         print(
-            f"{run.name:<22} dtype={run.described['dtype']:<9} weights {run.weight_bytes / 2**20:6.1f} MiB, "
+            f"{run.name:<27} dtype={run.described['dtype']:<9} isa={run.described.get('kernels_isa', '-'):<22} weights {run.weight_bytes / 2**20:6.1f} MiB, "
             f"read {read_s * 1e3:5.1f} ms, step {step_s * 1e3:6.1f} ms = {step_s / read_s:.2f}x"
         )
     for run in runs:

@@ -40,8 +40,10 @@ def resolve_precision(dtype: str, quantization: str, kernels: str, bf16_dot: boo
     """The precision for the settings on `kernels` (the chosen kernels' name); `bf16_dot`: the custom CPU ops
     may multiply bf16 with AVX512-BF16.
 
-    - custom (the C++ CPU ops): float32 or bfloat16, any quantization; `auto` is bfloat16 where the CPU has
-      AVX512-BF16 and float32 elsewhere.
+    - custom (the C++ CPU ops): float32 or bfloat16, any quantization; `auto` is bfloat16. With AVX512-BF16
+      the ops multiply it natively; on AVX2 they widen it to float32 in registers, which measured faster
+      than float32 for decodes and as fast for prefill (benchmarks/bench_worker.py, the AVX2 path forced
+      on an AVX-512 CPU), with half the weight and KV-cache memory.
     - cuda (the CUDA ops on a GPU): float32, bfloat16 or float16, weights unquantized in that dtype (the
       linear layers are Paddle's matmul); `auto` is bfloat16.
     - paddle: float32 only.
@@ -76,4 +78,4 @@ def resolve_precision(dtype: str, quantization: str, kernels: str, bf16_dot: boo
         return Precision(dtype, quantization, f"BLOCKSERVE_DTYPE={dtype}")
     if bf16_dot:
         return Precision("bfloat16", quantization, "auto: the CPU multiplies bf16 natively (AVX512-BF16)")
-    return Precision("float32", quantization, "auto: no AVX512-BF16 on this CPU")
+    return Precision("bfloat16", quantization, "auto: bf16 storage, widened to float32 in registers (no AVX512-BF16)")

@@ -65,7 +65,8 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",
         description="Worker weights and KV cache (sums in float32); auto = bfloat16 on a GPU with the CUDA kernels "
-        "and on a CPU with AVX512-BF16, float32 elsewhere; float16 on a GPU only",
+        "and on a CPU with the custom kernels (widened to float32 in registers where the CPU lacks AVX512-BF16); "
+        "float16 on a GPU only",
     )
     quantization: Literal["none", "int8", "gguf"] = Field(
         default="none",

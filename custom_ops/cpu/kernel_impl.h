@@ -112,11 +112,13 @@ static void store_bf16(const float* x, bf16* out, int64_t width) {
   for (int64_t i = full; i < width; ++i) out[i] = to_cache<bf16>(x[i]);
 }
 
-// scores[r * kKeySpan + j] = q_r . k_j for ROWS query rows and num_keys (a multiple of 4) keys.
-template <int ROWS, class Cache>
+// scores[r * kKeySpan + j] = q_r . k_j for ROWS query rows and num_keys (a multiple of 4) keys;
+// ahead() is called once per group of 4 keys (it asks for the cache lines of work to come).
+template <int ROWS, class Cache, class Ahead>
 static inline void score_rows(const float* q, int64_t head_dim, const Cache* const* keys, int64_t num_keys,
-                              float* scores) {
+                              float* scores, Ahead& ahead) {
   for (int64_t j = 0; j < num_keys; j += 4) {
+    ahead();
     reg acc[ROWS][4];
     for (int r = 0; r < ROWS; ++r)
       for (int c = 0; c < 4; ++c) acc[r][c] = Vec::zero();
@@ -208,12 +210,12 @@ struct HeadRows {
 };
 
 // Scores, softmax and values of one span for ROWS consecutive rows (from row r) of one kv head.
-template <int ROWS, class Cache>
+template <int ROWS, class Cache, class Ahead>
 static inline void attend_rows(const AttentionTile<Cache>& t, const HeadRows& head, int64_t r, int64_t span,
                                int64_t span_keys, int64_t padded_keys, const Cache* const* keys,
-                               const Cache* const* values, float* scores) {
+                               const Cache* const* values, float* scores, Ahead& ahead) {
   const int64_t group = t.num_heads / t.num_kv_heads, dim = t.head_dim;
-  score_rows<ROWS>(head.q + r * dim, dim, keys, padded_keys, scores + r * kKeySpan);
+  score_rows<ROWS>(head.q + r * dim, dim, keys, padded_keys, scores + r * kKeySpan, ahead);
   int64_t visible[ROWS], most_visible = 0;
   for (int i = 0; i < ROWS; ++i) {
     const int64_t position = t.first_position + (r + i) / group;
@@ -227,10 +229,56 @@ static inline void attend_rows(const AttentionTile<Cache>& t, const HeadRows& he
   accumulate_values<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim);
 }
 
+// Asks for the cache lines of one span of a tile (keys and values of the tile's kv heads, adjacent in
+// each slot), a few slots at a time: `step` slots per ask, from where the last ask stopped.
+template <class Cache>
+struct SpanPrefetch {
+  const AttentionTile<Cache>* tile = nullptr;
+  int64_t end_key = 0, cursor = 0, step = 0;
+  bool soon = false;
+
+  SpanPrefetch() = default;
+  // The span of `of` from key `span`, asked for in about `asks` asks (0: one).
+  SpanPrefetch(const AttentionTile<Cache>* of, int64_t span, int64_t asks) : tile(of), cursor(span) {
+    const int64_t num_keys = of->first_position + of->num_queries;
+    end_key = num_keys - span < kKeySpan ? num_keys : span + kKeySpan;
+    step = asks > 0 ? (end_key - span + asks - 1) / asks : end_key - span;
+  }
+
+  inline void operator()() {
+    const int64_t stop = cursor + step < end_key ? cursor + step : end_key;
+    for (; cursor < stop; ++cursor) {
+      const AttentionTile<Cache>& t = *tile;
+      const int64_t slot = t.block_ids[cursor / t.block_size] * t.block_size + cursor % t.block_size;
+      const int64_t offset = (slot * t.num_kv_heads + t.kv_head) * t.head_dim;
+      const char* key_rows = reinterpret_cast<const char*>(t.key_cache + offset);
+      const char* value_rows = reinterpret_cast<const char*>(t.value_cache + offset);
+      const int64_t bytes = t.num_tile_kv_heads * t.head_dim * static_cast<int64_t>(sizeof(Cache));
+      for (int64_t line = 0; line < bytes; line += 64) {
+        if (soon) {
+          __builtin_prefetch(key_rows + line, 0, 3);  // scored first: into L1
+        } else {
+          __builtin_prefetch(key_rows + line, 0, 2);
+        }
+        __builtin_prefetch(value_rows + line, 0, 2);
+      }
+    }
+  }
+
+  // Every slot not yet asked for; `soon`: the keys are scored right after (into L1, not L2 only).
+  inline void all(bool now = false) {
+    step = end_key - cursor;
+    soon = now;
+    (*this)();
+  }
+};
+
 // Attention of a tile's queries for its kv heads [kv_head, kv_head + num_tile_kv_heads). The keys of
-// one span are scattered over the cache (one row per slot and head): the span's slots are asked for
-// up front, every head of the tile at once, so that many misses are in flight, and each slot's
-// heads are read while they are in cache.
+// one span are scattered over the cache (one row per slot and head): each span's slots are asked for
+// before it is scored, every head of the tile at once, so that many misses are in flight, and each
+// slot's heads are read while they are in cache. A tile's first span is asked for while the thread's
+// tile before it computes (t.next of that one), spread over its groups of keys: a decode tile's keys
+// (one span) then arrive while the previous decode computes, instead of between two tiles.
 template <class Cache>
 static void attend_tile_of(const AttentionTile<Cache>& t) {
   const int64_t group = t.num_heads / t.num_kv_heads, dim = t.head_dim;
@@ -259,21 +307,21 @@ static void attend_tile_of(const AttentionTile<Cache>& t) {
   int64_t slot_offsets[kKeySpan];  // elements from the cache's start to the slot's first kv head of the tile
   const Cache* keys[kKeySpan];
   const Cache* values[kKeySpan];
-  const int64_t tile_bytes = t.num_tile_kv_heads * dim * static_cast<int64_t>(sizeof(Cache));
   const int64_t num_keys = t.first_position + t.num_queries;
+  // About how many groups of 4 keys this tile scores: the next tile's first span is spread over them.
+  const int64_t row_groups = (rows + 2) / 3;
+  const int64_t num_asks = t.num_tile_kv_heads * row_groups * ((num_keys + 3) / 4);
+  SpanPrefetch<Cache> ahead = t.next ? SpanPrefetch<Cache>(t.next, 0, num_asks) : SpanPrefetch<Cache>();
   for (int64_t span = 0; span < num_keys; span += kKeySpan) {
     const int64_t span_keys = num_keys - span < kKeySpan ? num_keys - span : kKeySpan;
     for (int64_t j = 0; j < span_keys; ++j) {
       const int64_t position = span + j;
       const int64_t slot = t.block_ids[position / t.block_size] * t.block_size + position % t.block_size;
       slot_offsets[j] = (slot * t.num_kv_heads + t.kv_head) * dim;
-      const char* key_rows = reinterpret_cast<const char*>(t.key_cache + slot_offsets[j]);
-      const char* value_rows = reinterpret_cast<const char*>(t.value_cache + slot_offsets[j]);
-      for (int64_t line = 0; line < tile_bytes; line += 64) {
-        __builtin_prefetch(key_rows + line, 0, 3);
-        __builtin_prefetch(value_rows + line, 0, 2);
-      }
     }
+    // This span's lines: asked for by the tile before (the first span), else all now, so that many misses
+    // are in flight; meanwhile the next tile's first span is asked for a few slots per group of keys.
+    if (span > 0 || !t.first_span_prefetched) SpanPrefetch<Cache>(&t, span, 0).all(true);
     const int64_t padded_keys = (span_keys + 3) / 4 * 4;  // extra keys repeat one; their scores are never read
     // Queries before the span see none of it.
     const int64_t first_row = (span > t.first_position ? span - t.first_position : 0) * group;
@@ -284,11 +332,14 @@ static void attend_tile_of(const AttentionTile<Cache>& t) {
       }
       for (int64_t j = span_keys; j < padded_keys; ++j) keys[j] = keys[0];
       int64_t r = first_row;
-      for (; r + 3 <= rows; r += 3) attend_rows<3>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores);
-      if (rows - r == 2) attend_rows<2>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores);
-      if (rows - r == 1) attend_rows<1>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores);
+      for (; r + 3 <= rows; r += 3) {
+        attend_rows<3>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores, ahead);
+      }
+      if (rows - r == 2) attend_rows<2>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores, ahead);
+      if (rows - r == 1) attend_rows<1>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores, ahead);
     }
   }
+  if (t.next) ahead.all();  // what the groups did not ask for (a tile of fewer keys than counted)
   for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
     for (int64_t qi = 0; qi < t.num_queries; ++qi) {
       for (int64_t i = 0; i < group; ++i) {

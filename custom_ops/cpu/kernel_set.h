@@ -33,6 +33,10 @@ struct AttentionTile {
   int64_t num_tile_kv_heads;  // kv heads of the tile, at most kMaxTileKvHeads
   int64_t num_heads, num_kv_heads, head_dim, block_size;
   float scale;
+  // The tile this thread computes next (null: none): its first span's slots are asked for while this
+  // tile computes, a few at each group of keys, so that its misses overlap this tile's arithmetic.
+  const AttentionTile* next;
+  bool first_span_prefetched;  // the tile before asked for this one's first span already
 };
 
 // Scratch of a tile of `queries` queries over `tile_kv_heads` kv heads.

@@ -1,6 +1,7 @@
 #include "paged_attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -43,38 +44,55 @@ struct TileWork {
 };
 
 template <class Cache>
+AttentionTile<Cache> tile_of(const TileWork& item, const float* q, const KvCaches& caches,
+                             const StepRequests& requests, int64_t num_heads, float* scratch, float* out) {
+  const int64_t start = requests.query_start[item.request];
+  const int64_t num_queries = requests.query_start[item.request + 1] - start;
+  return {q,
+          static_cast<const Cache*>(caches.key),
+          static_cast<const Cache*>(caches.value),
+          requests.block_table + item.request * requests.table_width,
+          out,
+          scratch,
+          start + item.first_query,
+          item.num_queries,
+          requests.context_lens[item.request] - num_queries + item.first_query,
+          item.kv_head,
+          item.num_kv_heads,
+          num_heads,
+          caches.num_kv_heads,
+          caches.head_dim,
+          caches.block_size,
+          1.0f / std::sqrt(static_cast<float>(caches.head_dim)),
+          nullptr,
+          false};
+}
+
+// Each thread takes the next tile of `work` one ahead of computing it (a shared counter: longest first,
+// the threads end about together), so that its first span is asked for while the tile before computes.
+template <class Cache>
 void attend(void (*attend_tile)(const AttentionTile<Cache>&), const std::vector<TileWork>& work, const float* q,
             const KvCaches& caches, const StepRequests& requests, int64_t num_heads, int64_t scratch_floats,
             float* out) {
-  const float scale = 1.0f / std::sqrt(static_cast<float>(caches.head_dim));
   const int64_t num_items = static_cast<int64_t>(work.size());
-  const auto* key = static_cast<const Cache*>(caches.key);
-  const auto* value = static_cast<const Cache*>(caches.value);
+  std::atomic<int64_t> next_item{0};
 #pragma omp parallel if (num_items > 1)
   {
     std::vector<float> scratch(scratch_floats);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_items; ++i) {
-      const TileWork& item = work[i];
-      const int64_t start = requests.query_start[item.request];
-      const int64_t num_queries = requests.query_start[item.request + 1] - start;
-      AttentionTile<Cache> tile{q,
-                                key,
-                                value,
-                                requests.block_table + item.request * requests.table_width,
-                                out,
-                                scratch.data(),
-                                start + item.first_query,
-                                item.num_queries,
-                                requests.context_lens[item.request] - num_queries + item.first_query,
-                                item.kv_head,
-                                item.num_kv_heads,
-                                num_heads,
-                                caches.num_kv_heads,
-                                caches.head_dim,
-                                caches.block_size,
-                                scale};
+    int64_t current = next_item.fetch_add(1);
+    bool prefetched = false;
+    while (current < num_items) {
+      const int64_t following = next_item.fetch_add(1);
+      AttentionTile<Cache> tile = tile_of<Cache>(work[current], q, caches, requests, num_heads, scratch.data(), out);
+      AttentionTile<Cache> next_tile{};
+      if (following < num_items) {
+        next_tile = tile_of<Cache>(work[following], q, caches, requests, num_heads, scratch.data(), out);
+        tile.next = &next_tile;
+      }
+      tile.first_span_prefetched = prefetched;
       attend_tile(tile);
+      prefetched = true;
+      current = following;
     }
   }
 }

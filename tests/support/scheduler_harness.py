@@ -19,6 +19,15 @@ VOCAB_SIZE = 64
 EOS_TOKEN_ID = 0
 
 
+def greedy(max_tokens: int, **fields) -> wire.SamplingParams:
+    """Sampling that takes the fake model's token and never stops at EOS, so a trace's lengths are exact."""
+    return wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **fields)
+
+
+def admitted_ids(output: wire.SchedulerOutput | None) -> list[str]:
+    return [r.request_id for r in output.new_requests] if output else []
+
+
 def reference_output(prompt: list[int], sampling: wire.SamplingParams, config: SchedulerConfig) -> list[int]:
     """What an undisturbed run yields: the fake model's tokens up to a stop condition."""
     tokens = list(prompt)
@@ -56,6 +65,8 @@ class Harness:
         self.finish_reasons: dict[str, str] = {}
         self.errors: dict[str, str] = {}
         self.cached_hashes: set[int] = set()  # the prefix cache as the outcomes' events tell it (the api's view)
+        self.admitted: list[str] = []  # request ids in the order the steps admitted them (again if re-admitted)
+        self.preempted: list[str] = []  # request ids in the order the steps preempted them
         self.now = 0.0
         self.steps = 0
 
@@ -92,6 +103,8 @@ class Harness:
         self.record(step.outcome)
         self.check_step(step.output)
         self.check_victims(step.output)
+        self.admitted += admitted_ids(step.output)
+        self.preempted += step.output.preempted_request_ids
         self.to_worker.append(step.output)
         return step.output
 

@@ -7,13 +7,9 @@ import pytest
 from service import wire
 from service.scheduler.scheduler import SchedulerConfig
 from service.scheduler.step_cost import MIN_OBSERVATIONS, StepCostModel
-from tests.support.scheduler_harness import Harness, reference_output
+from tests.support.scheduler_harness import Harness, admitted_ids, greedy, reference_output
 
 MODES = pytest.mark.parametrize("overlapped", [False, True], ids=["serial", "overlapped"])
-
-
-def greedy(max_tokens: int) -> wire.SamplingParams:
-    return wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
 
 def config(**overrides) -> SchedulerConfig:
@@ -25,15 +21,11 @@ def config(**overrides) -> SchedulerConfig:
     return SchedulerConfig(**values)
 
 
-def admitted_ids(output: wire.SchedulerOutput | None) -> list[str]:
-    return [r.request_id for r in output.new_requests] if output else []
-
-
 def admission_order(harness: Harness) -> list[str]:
-    order = []
-    while harness.scheduler.requests or harness.loop.in_flight:
-        order += [r for r in admitted_ids(harness.step()) if r not in order]
-    return order
+    """The requests admitted from here until idle, each once, where it was first admitted."""
+    before = len(harness.admitted)
+    harness.run_until_idle()
+    return list(dict.fromkeys(harness.admitted[before:]))
 
 
 # ---------------------------------------------------------------------- the queue
@@ -132,10 +124,8 @@ def test_when_blocks_run_out_the_lowest_priority_gives_them_back_first(overlappe
     harness.add("best", [1] * 4, greedy(10), priority=0)
     harness.add("lowest", [2] * 4, greedy(10), priority=3)
     harness.add("newest", [3] * 4, greedy(10), priority=1)
-    victims = []
-    while harness.scheduler.requests or harness.loop.in_flight:
-        output = harness.step()
-        victims += output.preempted_request_ids if output else []
+    harness.run_until_idle()
+    victims = harness.preempted
     assert victims and victims[0] == "lowest" and "best" not in victims
 
 

@@ -9,21 +9,13 @@ import pytest
 from service import wire
 from service.scheduler.scheduler import SchedulerConfig
 from service.scheduler.split_table import INCOMPLETE, SplitTableConfig
-from tests.support.scheduler_harness import Harness, reference_output
-
-
-def greedy(max_tokens: int) -> wire.SamplingParams:
-    return wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+from tests.support.scheduler_harness import Harness, admitted_ids, greedy, reference_output
 
 
 def config(**overrides) -> SchedulerConfig:
     values = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
     values.update(overrides)
     return SchedulerConfig(**values)
-
-
-def admitted_ids(output: wire.SchedulerOutput | None) -> list[str]:
-    return [r.request_id for r in output.new_requests] if output else []
 
 
 def scheduled_tokens(output: wire.SchedulerOutput) -> dict[str, int]:

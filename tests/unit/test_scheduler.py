@@ -9,11 +9,7 @@ from service.scheduler.preemption import lifo, min_recompute
 from service.scheduler.request import RequestStatus
 from service.scheduler.scheduler import RequestRejected, SchedulerConfig, build_scheduler
 from service.scheduler.split_table import SplitTableConfig
-from tests.support.scheduler_harness import Harness, reference_output
-
-
-def greedy(max_tokens, **kwargs):
-    return wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kwargs)
+from tests.support.scheduler_harness import Harness, greedy, reference_output
 
 
 def config(**overrides):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from service import wire
 from service.scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig, build_scheduler
-from tests.support.scheduler_harness import Harness
+from tests.support.scheduler_harness import Harness, greedy
 
 PREFIX = list(range(1, 9))  # two full blocks of 4
 
@@ -15,10 +15,6 @@ def config(**overrides) -> SchedulerConfig:
     values = dict(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     values.update(overrides)
     return SchedulerConfig(**values)
-
-
-def greedy(max_tokens: int, **fields) -> wire.SamplingParams:
-    return wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **fields)
 
 
 def result(step: ScheduledStep, token_id: int = 5, skip: tuple[str, ...] = (), **fields) -> wire.StepResult:

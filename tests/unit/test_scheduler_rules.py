@@ -17,13 +17,9 @@ from service.scheduler.block_pool import BlockPool
 from service.scheduler.kv_cache_manager import MAX_OUTPUT_TOKENS_CONSIDERED, KVCacheManager
 from service.scheduler.request import Request, RequestStatus
 from service.scheduler.scheduler import SchedulerConfig
-from tests.support.scheduler_harness import Harness, reference_output
+from tests.support.scheduler_harness import Harness, greedy, reference_output
 
 MODES = pytest.mark.parametrize("overlapped", [False, True], ids=["serial", "overlapped"])
-
-
-def greedy(max_tokens: int) -> wire.SamplingParams:
-    return wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
 
 def config(**overrides) -> SchedulerConfig:
@@ -269,13 +265,11 @@ def test_the_longest_running_request_is_never_preempted(overlapped):
     harness.add("oldest", prefix + [1], greedy(20))
     harness.step()
     harness.add("second", prefix + [2] * 8, greedy(20))
-    preempted = []
     while harness.scheduler.requests or harness.loop.in_flight:
-        output = harness.step()
-        preempted += output.preempted_request_ids if output else []
+        harness.step()
         if "oldest" in harness.scheduler.requests:
             assert harness.scheduler.requests["oldest"].num_preemptions == 0
-    assert preempted and "oldest" not in preempted
+    assert harness.preempted and "oldest" not in harness.preempted
     assert harness.outputs["oldest"] == reference_output(prefix + [1], greedy(20), harness.config)
 
 

@@ -8,7 +8,6 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service import wire
 from service.config import Settings
 from service.scheduler.counters import SchedulerCounters
 from service.scheduler.fake_worker import FakeWorker
@@ -21,13 +20,9 @@ from service.scheduler.scheduler import (
     build_scheduler,
 )
 from service.scheduler.split_table import SplitTableConfig
-from tests.support.scheduler_harness import VOCAB_SIZE, Harness
+from tests.support.scheduler_harness import VOCAB_SIZE, Harness, greedy
 
 BLOCK_SIZE = 4
-
-
-def greedy(max_tokens: int, **fields) -> wire.SamplingParams:
-    return wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **fields)
 
 
 def small_config(**overrides) -> SchedulerConfig:
@@ -155,13 +150,8 @@ def test_fcfs_protects_the_longest_running_request_whatever_its_priority_field()
     harness = Harness(config)
     harness.add("first", [1] * 4, greedy(16), priority=0)
     harness.add("second", [2] * 4, greedy(16), priority=-1)
-    preempted = []
-    while harness.scheduler.requests or harness.loop.in_flight:
-        output = harness.step()
-        if output is not None:
-            preempted += output.preempted_request_ids
-        assert harness.steps < 200
-    assert preempted and set(preempted) == {"second"}
+    harness.run_until_idle(max_steps=200)
+    assert harness.preempted and set(harness.preempted) == {"second"}
 
 
 # ------------------------------------------------------------------ the queue order under fcfs
@@ -179,13 +169,8 @@ def test_a_head_that_does_not_fit_keeps_its_place_ahead_of_later_arrivals(policy
     harness.step()
     for request_id, prompt, max_tokens in [("big", [2] * 24, 2), ("small-1", [3] * 4, 8), ("small-2", [4] * 4, 2)]:
         harness.add(request_id, prompt, greedy(max_tokens))
-    admitted = []
-    while harness.scheduler.requests or harness.loop.in_flight:
-        output = harness.step()
-        if output is not None:
-            admitted += [new.request_id for new in output.new_requests]
-        assert harness.steps < 200
-    assert admitted == ["small-1", "big", "small-2"]
+    harness.run_until_idle(max_steps=200)
+    assert harness.admitted == ["holder", "small-1", "big", "small-2"]
 
 
 # ------------------------------------------------------------------ the split-table baseline
@@ -210,13 +195,8 @@ def test_split_table_ignores_priorities_even_when_the_config_asks_for_them():
     harness = Harness(small_config(max_num_seqs=1, scheduling_policy="priority"), SplitTableConfig())
     harness.add("lazy", [1] * 4, greedy(2), priority=5)
     harness.add("urgent", [2] * 4, greedy(2), priority=-5)
-    admitted = []
-    while harness.scheduler.requests or harness.loop.in_flight:
-        output = harness.step()
-        if output is not None:
-            admitted += [new.request_id for new in output.new_requests]
-        assert harness.steps < 100
-    assert admitted == ["lazy", "urgent"]
+    harness.run_until_idle(max_steps=100)
+    assert harness.admitted == ["lazy", "urgent"]
 
 
 def test_split_table_scheduler_counts_into_the_counters_it_is_given():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from service import wire
 from service.scheduler.request import Request, RequestStatus
 from service.scheduler.scheduler import RequestRejected, SchedulerConfig
 from service.scheduler.split_table import (
@@ -15,13 +14,9 @@ from service.scheduler.split_table import (
     SplitTableKVCacheManager,
     SuspendPreemption,
 )
-from tests.support.scheduler_harness import Harness, reference_output
+from tests.support.scheduler_harness import Harness, greedy, reference_output
 
 BLOCK_SIZE = 4
-
-
-def greedy(max_tokens: int) -> wire.SamplingParams:
-    return wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
 
 def split_kv(num_blocks: int = 8, dec_blocks: int = 0) -> SplitTableKVCacheManager:

@@ -13,15 +13,11 @@ from service.scheduler.kv_cache_manager import KVCacheManager
 from service.scheduler.preemption import RecomputePreemption
 from service.scheduler.request import FinishReason, RequestStatus
 from service.scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig, build_scheduler
-from tests.support.scheduler_harness import Harness
+from tests.support.scheduler_harness import Harness, greedy
 
 PROMPT_A = [1, 2, 3, 4]  # one full block each (block_size 4), no shared prefix
 PROMPT_B = [5, 6, 7, 8]
 PROMPT_C = [9, 10, 11, 12]
-
-
-def greedy(max_tokens: int = 8) -> wire.SamplingParams:
-    return wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
 
 def scheduler(**overrides):
@@ -62,8 +58,8 @@ def two_running_then_one_gives_way(sched):
 
 def test_refused_request_ends_with_a_400_naming_the_workers_reason():
     sched = scheduler()
-    sched.add_request("a", PROMPT_A, greedy(), 0.0)
-    sched.add_request("b", PROMPT_B, greedy(), 0.0)
+    sched.add_request("a", PROMPT_A, greedy(8), 0.0)
+    sched.add_request("b", PROMPT_B, greedy(8), 0.0)
     step = sched.schedule(0.0)
     result = wire.StepResult(
         step_id=step.step_id, sampled=[wire.SampledToken("b", 7)], refused={"a": "logit_bias out of range"}
@@ -81,7 +77,7 @@ def test_refused_request_ends_with_a_400_naming_the_workers_reason():
 
 def test_missing_token_without_a_refusal_is_a_500():
     sched = scheduler()
-    sched.add_request("a", PROMPT_A, greedy(), 0.0)
+    sched.add_request("a", PROMPT_A, greedy(8), 0.0)
     step = sched.schedule(0.0)
     outcome = sched.update(step, wire.StepResult(step_id=step.step_id, refused={"other": "x"}), 1.0)
     delta = deltas_by_id(outcome)["a"]
@@ -90,7 +86,7 @@ def test_missing_token_without_a_refusal_is_a_500():
 
 def test_token_gaps_are_the_seconds_between_a_requests_tokens():
     sched = scheduler()
-    sched.add_request("a", PROMPT_A, greedy(), 0.0)
+    sched.add_request("a", PROMPT_A, greedy(8), 0.0)
     first = sched.update(step := sched.schedule(0.0), answer(step), 1.0)
     assert [r.request_id for r in first.first_tokens] == ["a"] and first.token_gaps_s == []
     second = sched.update(step := sched.schedule(1.0), answer(step), 3.5)
@@ -111,8 +107,8 @@ def test_request_that_reaches_its_length_finishes_at_the_steps_time():
 
 def test_generation_tokens_counter_adds_up_over_steps():
     sched = scheduler()
-    sched.add_request("a", PROMPT_A, greedy(), 0.0)
-    sched.add_request("b", PROMPT_B, greedy(), 0.0)
+    sched.add_request("a", PROMPT_A, greedy(8), 0.0)
+    sched.add_request("b", PROMPT_B, greedy(8), 0.0)
     for now in (1.0, 2.0, 3.0):
         sched.update(step := sched.schedule(now), answer(step), now)
     assert sched.counters.num_generation_tokens == 6
@@ -120,8 +116,8 @@ def test_generation_tokens_counter_adds_up_over_steps():
 
 def test_every_token_computed_for_an_aborted_request_counts_as_wasted():
     sched = scheduler()
-    sched.add_request("a", PROMPT_A, greedy(), 0.0)
-    sched.add_request("b", PROMPT_B, greedy(), 0.0)
+    sched.add_request("a", PROMPT_A, greedy(8), 0.0)
+    sched.add_request("b", PROMPT_B, greedy(8), 0.0)
     step = sched.schedule(0.0)
     sched.abort_request("a", 0.5)
     sched.abort_request("b", 0.5)
@@ -132,7 +128,7 @@ def test_every_token_computed_for_an_aborted_request_counts_as_wasted():
 
 def test_abort_finishes_the_request_at_the_time_given():
     sched = scheduler()
-    sched.add_request("a", PROMPT_A, greedy(), 0.0)
+    sched.add_request("a", PROMPT_A, greedy(8), 0.0)
     outcome = sched.abort_request("a", 4.0)
     (ended,) = outcome.finished
     assert ended.finish_reason is FinishReason.ABORT and ended.finish_time == 4.0
@@ -140,8 +136,8 @@ def test_abort_finishes_the_request_at_the_time_given():
 
 def test_worker_error_spares_a_request_aborted_while_the_step_computed():
     sched = scheduler()
-    sched.add_request("a", PROMPT_A, greedy(), 0.0)
-    sched.add_request("b", PROMPT_B, greedy(), 0.0)
+    sched.add_request("a", PROMPT_A, greedy(8), 0.0)
+    sched.add_request("b", PROMPT_B, greedy(8), 0.0)
     step = sched.schedule(0.0)
     sched.abort_request("a", 0.5)
     outcome = sched.update(step, wire.StepResult(step_id=step.step_id, error="boom"), 1.0)
@@ -183,11 +179,11 @@ def test_worker_loss_leaves_no_preempted_request_counted():
 
 def test_step_cost_learns_only_timed_steps_and_only_with_a_latency_target():
     untargeted = scheduler()
-    untargeted.add_request("a", PROMPT_A, greedy(), 0.0)
+    untargeted.add_request("a", PROMPT_A, greedy(8), 0.0)
     untargeted.update(step := untargeted.schedule(0.0), answer(step, compute_s=0.01), 1.0)
     assert untargeted.step_cost.num_observations == 0
     targeted = scheduler(target_itl_s=0.05)
-    targeted.add_request("a", PROMPT_A, greedy(), 0.0)
+    targeted.add_request("a", PROMPT_A, greedy(8), 0.0)
     targeted.update(step := targeted.schedule(0.0), answer(step), 1.0)  # an untimed step (compute_s 0)
     assert targeted.step_cost.num_observations == 0
     targeted.update(step := targeted.schedule(1.0), answer(step, compute_s=0.01), 2.0)
@@ -196,8 +192,8 @@ def test_step_cost_learns_only_timed_steps_and_only_with_a_latency_target():
 
 def test_cost_terms_count_requests_tokens_and_the_context_they_read():
     sched = scheduler(target_itl_s=0.05)
-    sched.add_request("a", PROMPT_A, greedy(), 0.0)
-    sched.add_request("b", PROMPT_B, greedy(), 0.0)
+    sched.add_request("a", PROMPT_A, greedy(8), 0.0)
+    sched.add_request("b", PROMPT_B, greedy(8), 0.0)
     prefill = sched.schedule(0.0)  # two 4-token chunks from nothing: each token reads 4 on average
     assert prefill.cost_terms == (2, 8, 2 * 4 * 4)
     sched.update(prefill, answer(prefill), 1.0)
@@ -208,7 +204,7 @@ def test_cost_terms_count_requests_tokens_and_the_context_they_read():
     decoding = sched.schedule(2.0)  # two plain decodes into the blocks they hold, reading 5 + 1 each
     assert decoding.cost_terms == (2, 2, 2 * 6)
     sched.update(decoding, answer(decoding), 3.0)
-    sched.add_request("c", PROMPT_C, greedy(), 3.0)
+    sched.add_request("c", PROMPT_C, greedy(8), 3.0)
     mixed = sched.schedule(3.0)  # a 4-token chunk beside two decodes reading 6 + 1 each
     assert mixed.cost_terms == (3, 4 + 2, 4 * 4 + 2 * 7)
 

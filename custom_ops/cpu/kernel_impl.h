@@ -234,15 +234,17 @@ static inline void attend_rows(const AttentionTile<Cache>& t, const HeadRows& he
 template <class Cache>
 struct SpanPrefetch {
   const AttentionTile<Cache>* tile = nullptr;
-  int64_t end_key = 0, cursor = 0, step = 0;
-  bool soon = false;
+  int64_t end_key = 0, cursor = 0, step = 0, bytes = 0;
+  int key_locality = 2;  // keys into L2, or into L1 (3) when they are scored right after
 
   SpanPrefetch() = default;
-  // The span of `of` from key `span`, asked for in about `asks` asks (0: one).
-  SpanPrefetch(const AttentionTile<Cache>* of, int64_t span, int64_t asks) : tile(of), cursor(span) {
+  // The span of `of` from key `span`, asked for in about `asks` asks (0: at once); `into_l1` for the keys.
+  SpanPrefetch(const AttentionTile<Cache>* of, int64_t span, int64_t asks, bool into_l1 = false)
+      : tile(of), cursor(span), key_locality(into_l1 ? 3 : 2) {
     const int64_t num_keys = of->first_position + of->num_queries;
     end_key = num_keys - span < kKeySpan ? num_keys : span + kKeySpan;
     step = asks > 0 ? (end_key - span + asks - 1) / asks : end_key - span;
+    bytes = of->num_tile_kv_heads * of->head_dim * static_cast<int64_t>(sizeof(Cache));
   }
 
   inline void operator()() {
@@ -253,10 +255,9 @@ struct SpanPrefetch {
       const int64_t offset = (slot * t.num_kv_heads + t.kv_head) * t.head_dim;
       const char* key_rows = reinterpret_cast<const char*>(t.key_cache + offset);
       const char* value_rows = reinterpret_cast<const char*>(t.value_cache + offset);
-      const int64_t bytes = t.num_tile_kv_heads * t.head_dim * static_cast<int64_t>(sizeof(Cache));
       for (int64_t line = 0; line < bytes; line += 64) {
-        if (soon) {
-          __builtin_prefetch(key_rows + line, 0, 3);  // scored first: into L1
+        if (key_locality == 3) {
+          __builtin_prefetch(key_rows + line, 0, 3);
         } else {
           __builtin_prefetch(key_rows + line, 0, 2);
         }
@@ -265,10 +266,9 @@ struct SpanPrefetch {
     }
   }
 
-  // Every slot not yet asked for; `soon`: the keys are scored right after (into L1, not L2 only).
-  inline void all(bool now = false) {
+  // Every slot not yet asked for.
+  inline void all() {
     step = end_key - cursor;
-    soon = now;
     (*this)();
   }
 };
@@ -321,7 +321,7 @@ static void attend_tile_of(const AttentionTile<Cache>& t) {
     }
     // This span's lines: asked for by the tile before (the first span), else all now, so that many misses
     // are in flight; meanwhile the next tile's first span is asked for a few slots per group of keys.
-    if (span > 0 || !t.first_span_prefetched) SpanPrefetch<Cache>(&t, span, 0).all(true);
+    if (span > 0 || !t.first_span_prefetched) SpanPrefetch<Cache>(&t, span, 0, true).all();
     const int64_t padded_keys = (span_keys + 3) / 4 * 4;  // extra keys repeat one; their scores are never read
     // Queries before the span see none of it.
     const int64_t first_row = (span > t.first_position ? span - t.first_position : 0) * group;

@@ -13,7 +13,7 @@ std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle:
                                         const paddle::Tensor& cos, const paddle::Tensor& sin,
                                         const paddle::Tensor& slot_mapping, paddle::Tensor& key_cache,
                                         paddle::Tensor& value_cache, int num_heads, int num_kv_heads, int isa) {
-  const auto& kernels = bs::kernels_for(bs::resolve_isa(isa).avx512);
+  const auto& kernels = bs::kernels_for(bs::resolve_isa(isa));
   bs::KvCaches caches = bs::kv_caches(key_cache, value_cache);
   const int64_t tokens = qkv.shape()[0], head_dim = caches.head_dim;
   PD_CHECK(caches.num_kv_heads == num_kv_heads, "the caches hold num_kv_heads heads");
@@ -30,7 +30,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& query, const pa
                                            const paddle::Tensor& value_cache, const paddle::Tensor& query_start,
                                            const paddle::Tensor& context_lens, const paddle::Tensor& block_table,
                                            int query_tile, int isa) {
-  const auto& kernels = bs::kernels_for(bs::resolve_isa(isa).avx512);
+  const auto& kernels = bs::kernels_for(bs::resolve_isa(isa));
   const bs::KvCaches caches = bs::kv_caches(key_cache, value_cache);
   const int64_t tokens = query.shape()[0], num_heads = query.shape()[1];
   PD_CHECK(query.shape()[2] == caches.head_dim, "query and caches must have one head_dim");

@@ -52,7 +52,7 @@ std::vector<paddle::Tensor> DecoderLayer(
     const std::vector<int>& formats, int num_heads, int num_kv_heads, int64_t intermediate_size, float eps,
     int query_tile, int isa_bits) {
   const bs::Isa isa = bs::resolve_isa(isa_bits);
-  const auto& kernels = bs::kernels_for(isa.avx512);
+  const auto& kernels = bs::kernels_for(isa);
   PD_CHECK(hidden.is_cpu() && hidden.dtype() == paddle::DataType::FLOAT32 && hidden.shape().size() == 2,
            "hidden must be a 2-d float32 CPU tensor");
   const int64_t tokens = hidden.shape()[0], width = hidden.shape()[1];

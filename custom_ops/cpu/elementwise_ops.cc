@@ -15,7 +15,7 @@ void check_rows(const paddle::Tensor& x, const char* name) {
 
 std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, const paddle::Tensor& weight, float eps, int isa) {
   check_rows(x, "x");
-  const auto& kernels = bs::kernels_for(bs::resolve_isa(isa).avx512);
+  const auto& kernels = bs::kernels_for(bs::resolve_isa(isa));
   const int64_t rows = x.shape()[0], width = x.shape()[1];
   PD_CHECK(weight.numel() == width, "weight must have one entry per column");
   auto out = paddle::empty({rows, width}, paddle::DataType::FLOAT32, x.place());
@@ -27,7 +27,7 @@ std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x, const paddle::Te
                                        const paddle::Tensor& weight, float eps, int isa) {
   check_rows(x, "x");
   PD_CHECK(residual.shape() == x.shape(), "residual must have the shape of x");
-  const auto& kernels = bs::kernels_for(bs::resolve_isa(isa).avx512);
+  const auto& kernels = bs::kernels_for(bs::resolve_isa(isa));
   const int64_t rows = x.shape()[0], width = x.shape()[1];
   PD_CHECK(weight.numel() == width, "weight must have one entry per column");
   auto out = paddle::empty({rows, width}, paddle::DataType::FLOAT32, x.place());
@@ -39,7 +39,7 @@ std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x, const paddle::Te
 
 std::vector<paddle::Tensor> SiluAndMul(const paddle::Tensor& gate_up, int isa) {
   check_rows(gate_up, "gate_up");
-  const auto& kernels = bs::kernels_for(bs::resolve_isa(isa).avx512);
+  const auto& kernels = bs::kernels_for(bs::resolve_isa(isa));
   const int64_t rows = gate_up.shape()[0], width = gate_up.shape()[1] / 2;
   PD_CHECK(gate_up.shape()[1] % 2 == 0, "gate_up must hold gate and up halves");
   auto out = paddle::empty({rows, width}, paddle::DataType::FLOAT32, gate_up.place());

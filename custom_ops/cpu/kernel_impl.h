@@ -134,6 +134,46 @@ static inline void score_rows(const float* q, int64_t head_dim, const Cache* con
   }
 }
 
+#ifdef BS_BF16_DOT
+// score_rows for a bf16 cache, the query rows given as bf16 pairs (`words`: head_dim / 2 per row; head_dim
+// a multiple of 32): vdpbf16ps multiplies a key's raw bf16 pairs with them and sums in fp32, so a key is
+// not widened first.
+template <int ROWS, class Ahead>
+static inline void score_rows_dot(const uint32_t* words, int64_t head_dim, const bf16* const* keys, int64_t num_keys,
+                                  float* scores, Ahead& ahead) {
+  const int64_t row_words = head_dim / 2;
+  for (int64_t j = 0; j < num_keys; j += 4) {
+    ahead();
+    reg acc[ROWS][4];
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = Vec::zero();
+    for (int64_t w = 0; w < row_words; w += 16) {
+      __m512bh qv[ROWS];
+      for (int r = 0; r < ROWS; ++r) qv[r] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(words + r * row_words + w));
+      for (int c = 0; c < 4; ++c) {
+        const __m512bh k = reinterpret_cast<__m512bh>(_mm512_loadu_si512(keys[j + c] + 2 * w));
+        for (int r = 0; r < ROWS; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qv[r], k);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) Vec::hsum4_store(acc[r][0], acc[r][1], acc[r][2], acc[r][3], scores + r * kKeySpan + j);
+  }
+}
+
+// words[i] = bf16(x[2i]) | bf16(x[2i + 1]) << 16 (nearest even), for n a multiple of 32.
+static inline void to_bf16_words(const float* x, int64_t n, uint32_t* words) {
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+    _mm512_storeu_si512(words + i / 2, reinterpret_cast<__m512i>(pairs));
+  }
+}
+#else
+// Declared for attend_rows' discarded branch; only the AVX512-BF16 kernels define and use it.
+template <int ROWS, class Ahead>
+void score_rows_dot(const uint32_t* words, int64_t head_dim, const bf16* const* keys, int64_t num_keys, float* scores,
+                    Ahead& ahead);
+void to_bf16_words(const float* x, int64_t n, uint32_t* words);
+#endif
+
 // acc_r[0..head_dim) += sum_j probs_r[j] * values[j] for ROWS rows at once: each value vector is loaded
 // once for all rows. CHUNK vectors of the head per pass keep ROWS * CHUNK accumulators in registers.
 template <int ROWS, class Cache>
@@ -203,19 +243,25 @@ static inline void softmax_update(float* scores, int64_t visible, int64_t padded
 
 // One kv head's rows of a tile: its queries (scaled), accumulators and running softmax state.
 struct HeadRows {
-  float* q;             // [rows, dim]
+  float* q;             // [rows, dim]; with kDot [rows, dim / 2] bf16 words
   float* acc;           // [rows, dim]
   float* running_max;   // [rows]
   float* running_sum;   // [rows]
 };
 
-// Scores, softmax and values of one span for ROWS consecutive rows (from row r) of one kv head.
-template <int ROWS, class Cache, class Ahead>
+// Scores, softmax and values of one span for ROWS consecutive rows (from row r) of one kv head; kDot: the
+// rows' queries are bf16 words (score_rows_dot), else floats.
+template <int ROWS, bool kDot, class Cache, class Ahead>
 static inline void attend_rows(const AttentionTile<Cache>& t, const HeadRows& head, int64_t r, int64_t span,
                                int64_t span_keys, int64_t padded_keys, const Cache* const* keys,
                                const Cache* const* values, float* scores, Ahead& ahead) {
   const int64_t group = t.num_heads / t.num_kv_heads, dim = t.head_dim;
-  score_rows<ROWS>(head.q + r * dim, dim, keys, padded_keys, scores + r * kKeySpan, ahead);
+  if constexpr (kDot) {
+    score_rows_dot<ROWS>(reinterpret_cast<const uint32_t*>(head.q) + r * dim / 2, dim, keys, padded_keys,
+                         scores + r * kKeySpan, ahead);
+  } else {
+    score_rows<ROWS>(head.q + r * dim, dim, keys, padded_keys, scores + r * kKeySpan, ahead);
+  }
   int64_t visible[ROWS], most_visible = 0;
   for (int i = 0; i < ROWS; ++i) {
     const int64_t position = t.first_position + (r + i) / group;
@@ -279,7 +325,8 @@ struct SpanPrefetch {
 // slot's heads are read while they are in cache. A tile's first span is asked for while the thread's
 // tile before it computes (t.next of that one), spread over its groups of keys: a decode tile's keys
 // (one span) then arrive while the previous decode computes, instead of between two tiles.
-template <class Cache>
+// kDot (a bf16 cache with AVX512-BF16, head_dim a multiple of 32): keys scored by score_rows_dot.
+template <class Cache, bool kDot = false>
 static void attend_tile_of(const AttentionTile<Cache>& t) {
   const int64_t group = t.num_heads / t.num_kv_heads, dim = t.head_dim;
   const int64_t rows = t.num_queries * group;  // per kv head: row qi * group + i = query qi, head group member i
@@ -298,6 +345,8 @@ static void attend_tile_of(const AttentionTile<Cache>& t) {
         const float* src = t.query + ((t.first_token + qi) * t.num_heads + kv_head * group + i) * dim;
         float* row = head.q + (qi * group + i) * dim;
         for (int64_t d = 0; d < dim; d += W) Vec::store(row + d, Vec::mul(Vec::load(src + d), Vec::set1(t.scale)));
+        // In place: row i's words end before row i + 1's floats begin.
+        if constexpr (kDot) to_bf16_words(row, dim, reinterpret_cast<uint32_t*>(head.q) + (qi * group + i) * dim / 2);
       }
     }
     for (int64_t i = 0; i < rows * dim; i += W) Vec::store(head.acc + i, Vec::zero());
@@ -333,10 +382,10 @@ static void attend_tile_of(const AttentionTile<Cache>& t) {
       for (int64_t j = span_keys; j < padded_keys; ++j) keys[j] = keys[0];
       int64_t r = first_row;
       for (; r + 3 <= rows; r += 3) {
-        attend_rows<3>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores, ahead);
+        attend_rows<3, kDot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores, ahead);
       }
-      if (rows - r == 2) attend_rows<2>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores, ahead);
-      if (rows - r == 1) attend_rows<1>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores, ahead);
+      if (rows - r == 2) attend_rows<2, kDot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores, ahead);
+      if (rows - r == 1) attend_rows<1, kDot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores, ahead);
     }
   }
   if (t.next) ahead.all();  // what the groups did not ask for (a tile of fewer keys than counted)
@@ -353,7 +402,14 @@ static void attend_tile_of(const AttentionTile<Cache>& t) {
 }
 
 static void attend_tile(const AttentionTile<float>& tile) { attend_tile_of(tile); }
+#ifdef BS_BF16_DOT
+static void attend_tile_bf16(const AttentionTile<bf16>& tile) {
+  if (tile.head_dim % 32 == 0) return attend_tile_of<bf16, true>(tile);
+  attend_tile_of<bf16, false>(tile);
+}
+#else
 static void attend_tile_bf16(const AttentionTile<bf16>& tile) { attend_tile_of(tile); }
+#endif
 
 static const KernelSet kKernels = {rms_norm_row,     silu_and_mul_row, rotate_head, rotate_head_bf16,
                                    store_bf16,       attend_tile,      attend_tile_bf16};

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "isa.h"
+
 namespace bs {
 
 // Keys scored together in one online-softmax update of attend_tile.
@@ -62,7 +64,10 @@ struct KernelSet {
 
 const KernelSet& avx2_kernels();
 const KernelSet& avx512_kernels();
+const KernelSet& avx512_bf16_kernels();  // AVX-512's, with a bf16 cache's keys scored by vdpbf16ps
 
-inline const KernelSet& kernels_for(bool avx512) { return avx512 ? avx512_kernels() : avx2_kernels(); }
+inline const KernelSet& kernels_for(const Isa& isa) {
+  return isa.bf16 ? avx512_bf16_kernels() : isa.avx512 ? avx512_kernels() : avx2_kernels();
+}
 
 }  // namespace bs

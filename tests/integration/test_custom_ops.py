@@ -30,13 +30,17 @@ from tests.support.processes import ROOT, loopback_env, metric_samples, start, s
 MAX_POSITIONS = 1024
 
 
-@pytest.fixture(scope="module", params=["avx2", "avx512"])
+@pytest.fixture(scope="module", params=["avx2", "avx512", "all"])
 def custom(request):
-    """The custom kernels on one instruction set: AVX2 forced, or AVX-512 where the CPU has it."""
-    if request.param == "avx512" and "avx512f" not in cpu_features():
+    """The custom kernels on one instruction set: AVX2 forced, AVX-512F alone, or AVX-512 with AVX512-BF16
+    (its kernel set scores a bf16 cache's keys with vdpbf16ps), each where the CPU has it."""
+    if request.param != "avx2" and "avx512f" not in cpu_features():
         pytest.skip("this CPU has no AVX-512F")
+    if request.param == "all" and "avx512_bf16" not in cpu_features():
+        pytest.skip("this CPU has no AVX512-BF16")
     kernels = select_kernels("custom", isa_cap=request.param).kernels
-    assert kernels.name == "custom" and kernels.isa.avx512 == (request.param == "avx512")
+    assert kernels.name == "custom" and kernels.isa.avx512 == (request.param != "avx2")
+    assert kernels.isa.bf16 == (request.param == "all")
     return kernels
 
 
@@ -120,10 +124,14 @@ def test_rope_cache_write_and_paged_attention_match_the_paddle_backend(
         np.testing.assert_array_equal(turned, ~at_start, err_msg=name)
 
 
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (8, 2, 32, 5)])
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (8, 2, 32, 5), (4, 4, 16, 4)]
+)
 def test_a_bfloat16_cache_holds_the_rounded_keys_and_attention_reads_them_as_float32(
     custom, num_heads, num_kv_heads, head_dim, block_size
 ):
+    """With AVX512-BF16 and head_dim a multiple of 32, the scores multiply the scaled query rounded to bf16
+    (vdpbf16ps); elsewhere the query stays float32. The values are summed in float32 either way."""
     rng = np.random.default_rng(head_dim + 1)
     num_blocks = 2 * (-(-320 // block_size)) * 8 + 1
     config = attention_config(num_heads, num_kv_heads, head_dim, MAX_POSITIONS)
@@ -152,6 +160,9 @@ def test_a_bfloat16_cache_holds_the_rounded_keys_and_attention_reads_them_as_flo
         num_kv_heads,
         custom.isa.bits,
     )
+    if custom.isa.bf16 and head_dim % 32 == 0:
+        scale = np.float32(1 / np.sqrt(head_dim))
+        query = tensor(bf16_rounded(query.numpy() * scale) / scale)
     widened = [bf16_cache.astype("float32") for bf16_cache in bf16_caches]
     backend = PagedAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
     expected = backend.attend(query, *widened, backend.prepare(inputs)).numpy()

@@ -143,6 +143,9 @@ class KernelChoice:
         }
 
 
+CPU_ISA_CAPS = {"auto": "all", "avx2": "avx2", "avx512": "avx512"}  # BLOCKSERVE_CPU_ISA -> an isa cap
+
+
 def select_kernels(mode: str, isa_cap: str = "all") -> KernelChoice:
     """The kernels for `mode` (see KERNEL_MODES); `custom` raises CustomOpsUnavailable where they cannot run.
 
@@ -160,7 +163,8 @@ def select_kernels(mode: str, isa_cap: str = "all") -> KernelChoice:
             raise
         log.warning("custom kernels unavailable, serving with pure Paddle: %s", exc)
         return KernelChoice(PaddleKernels(), f"custom kernels unavailable: {exc}")
-    return KernelChoice(kernels, f"BLOCKSERVE_KERNELS={mode}")
+    capped = f", BLOCKSERVE_CPU_ISA={isa_cap}" if isa_cap != "all" and kernels.name == "custom" else ""
+    return KernelChoice(kernels, f"BLOCKSERVE_KERNELS={mode}{capped}")
 
 
 def _custom_kernels(isa_cap: str) -> CustomKernels:

@@ -12,7 +12,7 @@ from gpu_worker.cpu_memory import keep_freed_memory
 from gpu_worker.custom_attention import CustomPagedAttention
 from gpu_worker.device import activation_bytes, choose_device, kv_cache_budget
 from gpu_worker.device_model import move_model, on_host
-from gpu_worker.kernels import select_kernels
+from gpu_worker.kernels import CPU_ISA_CAPS, select_kernels
 from gpu_worker.kv_cache import KVCache, num_blocks_for
 from gpu_worker.model_loader import load_model
 from gpu_worker.precision import resolve_precision
@@ -56,7 +56,7 @@ class ModelRunner:
         paddle.set_device(self.device)
         if self.device == "cpu":
             keep_freed_memory()
-        choice = select_kernels(settings.kernels)
+        choice = select_kernels(settings.kernels, CPU_ISA_CAPS[settings.cpu_isa])
         custom = choice.kernels.name == "custom"
         precision = resolve_precision(
             settings.dtype, settings.quantization, choice.kernels.name, bf16_dot=custom and choice.kernels.isa.bf16

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-import gpu_worker.model_runner as model_runner_module
 from gpu_worker.custom_ops import cpu_features
-from gpu_worker.kernels import select_kernels
 from tests.support.accuracy import Float32Reference, load_runner
 
 # precision (DTYPE:QUANTIZATION) -> (largest mean KL in nats, smallest greedy agreement). Where VNNI multiplies
@@ -22,7 +20,7 @@ THRESHOLDS = {
     "float32:gguf": (0.01, 0.9),
     "bfloat16:gguf": (0.01, 0.9),
 }
-CASES = [(precision, "all") for precision in THRESHOLDS] + [
+CASES = [(precision, "auto") for precision in THRESHOLDS] + [
     (precision, "avx2") for precision in ("bfloat16:none", "float32:int8", "float32:gguf")
 ]
 
@@ -34,11 +32,9 @@ def reference(smollm_path) -> Float32Reference:
 
 @pytest.mark.parametrize("precision, isa_cap", CASES, ids=[f"{p}-{cap}" for p, cap in CASES])
 def test_precision_stays_within_its_documented_distance_from_float32(reference, smollm_path, precision, isa_cap):
-    if isa_cap == "all" and "avx512f" not in cpu_features():
+    if isa_cap == "auto" and "avx512f" not in cpu_features():
         pytest.skip("this CPU has no AVX-512: the avx2 cases cover its path")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model_runner_module, "select_kernels", lambda mode: select_kernels(mode, isa_cap=isa_cap))
-        runner = load_runner(smollm_path, precision)
+    runner = load_runner(smollm_path, precision, cpu_isa=isa_cap)
     dtype, quantization = precision.split(":")
     assert (runner.kernels["dtype"], runner.kernels["quantization"]) == (dtype, quantization)
     max_kl, min_agreement = THRESHOLDS[precision]

@@ -32,13 +32,15 @@ NUM_GREEDY_TOKENS = 32
 NUM_KV_BLOCKS = 128
 
 
-def load_runner(model_path: Path, precision: str, kernels: str = "custom") -> ModelRunner:
-    """A runner for `precision` = DTYPE:QUANTIZATION (e.g. bfloat16:none, auto:int8)."""
+def load_runner(model_path: Path, precision: str, kernels: str = "custom", cpu_isa: str = "auto") -> ModelRunner:
+    """A runner for `precision` = DTYPE:QUANTIZATION (e.g. bfloat16:none, auto:int8), its custom CPU kernels
+    capped at `cpu_isa` (BLOCKSERVE_CPU_ISA)."""
     dtype, quantization = precision.split(":")
     settings = load_settings(
         model=os.fspath(model_path),
         num_kv_blocks=NUM_KV_BLOCKS,
         kernels=kernels,
+        cpu_isa=cpu_isa,
         dtype=dtype,
         quantization=quantization,
     )

@@ -159,19 +159,68 @@ static inline void score_rows_dot(const uint32_t* words, int64_t head_dim, const
   }
 }
 
-// words[i] = bf16(x[2i]) | bf16(x[2i + 1]) << 16 (nearest even), for n a multiple of 32.
-static inline void to_bf16_words(const float* x, int64_t n, uint32_t* words) {
+// words[i] = bf16(x[2i]) | bf16(x[2i + 1]) << 16 (nearest even) for x[0..n), the pair past n zero-padded.
+static inline void to_bf16_pairs(const float* x, int64_t n, uint32_t* words) {
   for (int64_t i = 0; i < n; i += 32) {
-    const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
-    _mm512_storeu_si512(words + i / 2, reinterpret_cast<__m512i>(pairs));
+    const int64_t rest = n - i;
+    const __mmask16 low = rest >= 16 ? 0xffff : static_cast<__mmask16>((1u << rest) - 1);
+    const __mmask16 high = rest >= 32 ? 0xffff : rest <= 16 ? 0 : static_cast<__mmask16>((1u << (rest - 16)) - 1);
+    const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, x + i + 16), _mm512_maskz_loadu_ps(low, x + i));
+    const int64_t num_words = rest >= 32 ? 16 : (rest + 1) / 2;
+    _mm512_mask_storeu_epi32(words + i / 2, static_cast<__mmask16>((1u << num_words) - 1), reinterpret_cast<__m512i>(pairs));
   }
 }
+
+// accumulate_values for a bf16 cache (head_dim a multiple of 32): the probabilities rounded to bf16 pairs of
+// consecutive keys, and two keys' values interleaved into bf16 pairs (vpunpck{l,h}wd), so that vdpbf16ps
+// adds both keys' products at once. The accumulators hold each 32 dims of the head permuted
+// (store_unpermuted puts them back): lane 4L + i of the first 16 is dim 8L + i, of the second 16 dim 8L + 4 + i.
+template <int ROWS>
+static inline void accumulate_values_dot(float* acc, const float* probs, const bf16* const* values, int64_t num_keys,
+                                         int64_t head_dim) {
+  uint32_t pairs[ROWS][kKeySpan / 2];
+  for (int r = 0; r < ROWS; ++r) to_bf16_pairs(probs + r * kKeySpan, num_keys, pairs[r]);
+  const int64_t num_pairs = (num_keys + 1) / 2;
+  for (int64_t d = 0; d < head_dim; d += 32) {
+    reg a[ROWS][2];
+    for (int r = 0; r < ROWS; ++r) a[r][0] = Vec::load(acc + r * head_dim + d), a[r][1] = Vec::load(acc + r * head_dim + d + 16);
+    for (int64_t p = 0; p < num_pairs; ++p) {
+      const bf16* first = values[2 * p];
+      const bf16* second = 2 * p + 1 < num_keys ? values[2 * p + 1] : first;  // its probability is 0
+      const __m512i x = _mm512_loadu_si512(first + d), y = _mm512_loadu_si512(second + d);
+      const __m512bh low = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(x, y));
+      const __m512bh high = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(x, y));
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512bh w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pairs[r][p])));
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], w, low);
+        a[r][1] = _mm512_dpbf16_ps(a[r][1], w, high);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) Vec::store(acc + r * head_dim + d, a[r][0]), Vec::store(acc + r * head_dim + d + 16, a[r][1]);
+  }
+}
+
+// dst[0..head_dim) = acc (accumulate_values_dot's order) * scale, in the head's order.
+static inline void store_unpermuted(const float* acc, float scale, int64_t head_dim, float* dst) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const reg s = Vec::set1(scale);
+  for (int64_t d = 0; d < head_dim; d += 32) {
+    const reg low = Vec::load(acc + d), high = Vec::load(acc + d + 16);
+    Vec::store(dst + d, Vec::mul(_mm512_permutex2var_ps(low, first, high), s));
+    Vec::store(dst + d + 16, Vec::mul(_mm512_permutex2var_ps(low, second, high), s));
+  }
+}
+
 #else
 // Declared for attend_rows' discarded branch; only the AVX512-BF16 kernels define and use it.
 template <int ROWS, class Ahead>
 void score_rows_dot(const uint32_t* words, int64_t head_dim, const bf16* const* keys, int64_t num_keys, float* scores,
                     Ahead& ahead);
-void to_bf16_words(const float* x, int64_t n, uint32_t* words);
+void to_bf16_pairs(const float* x, int64_t n, uint32_t* words);
+template <int ROWS>
+void accumulate_values_dot(float* acc, const float* probs, const bf16* const* values, int64_t num_keys, int64_t head_dim);
+void store_unpermuted(const float* acc, float scale, int64_t head_dim, float* dst);
 #endif
 
 // acc_r[0..head_dim) += sum_j probs_r[j] * values[j] for ROWS rows at once: each value vector is loaded
@@ -272,7 +321,11 @@ static inline void attend_rows(const AttentionTile<Cache>& t, const HeadRows& he
     softmax_update(scores + (r + i) * kKeySpan, visible[i], most_visible, head.running_max + r + i,
                    head.running_sum + r + i, head.acc + (r + i) * dim, dim);
   }
-  accumulate_values<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim);
+  if constexpr (kDot) {
+    accumulate_values_dot<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim);
+  } else {
+    accumulate_values<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim);
+  }
 }
 
 // Asks for the cache lines of one span of a tile (keys and values of the tile's kv heads, adjacent in
@@ -325,7 +378,8 @@ struct SpanPrefetch {
 // slot's heads are read while they are in cache. A tile's first span is asked for while the thread's
 // tile before it computes (t.next of that one), spread over its groups of keys: a decode tile's keys
 // (one span) then arrive while the previous decode computes, instead of between two tiles.
-// kDot (a bf16 cache with AVX512-BF16, head_dim a multiple of 32): keys scored by score_rows_dot.
+// kDot (a bf16 cache with AVX512-BF16, head_dim a multiple of 32): keys scored by score_rows_dot, values summed
+// by accumulate_values_dot.
 template <class Cache, bool kDot = false>
 static void attend_tile_of(const AttentionTile<Cache>& t) {
   const int64_t group = t.num_heads / t.num_kv_heads, dim = t.head_dim;
@@ -346,7 +400,7 @@ static void attend_tile_of(const AttentionTile<Cache>& t) {
         float* row = head.q + (qi * group + i) * dim;
         for (int64_t d = 0; d < dim; d += W) Vec::store(row + d, Vec::mul(Vec::load(src + d), Vec::set1(t.scale)));
         // In place: row i's words end before row i + 1's floats begin.
-        if constexpr (kDot) to_bf16_words(row, dim, reinterpret_cast<uint32_t*>(head.q) + (qi * group + i) * dim / 2);
+        if constexpr (kDot) to_bf16_pairs(row, dim, reinterpret_cast<uint32_t*>(head.q) + (qi * group + i) * dim / 2);
       }
     }
     for (int64_t i = 0; i < rows * dim; i += W) Vec::store(head.acc + i, Vec::zero());
@@ -393,9 +447,13 @@ static void attend_tile_of(const AttentionTile<Cache>& t) {
     for (int64_t qi = 0; qi < t.num_queries; ++qi) {
       for (int64_t i = 0; i < group; ++i) {
         const int64_t r = qi * group + i;
-        const reg inv = Vec::set1(1.0f / heads[h].running_sum[r]);
         float* dst = t.out + (t.first_token + qi) * t.num_heads * dim + ((t.kv_head + h) * group + i) * dim;
-        for (int64_t d = 0; d < dim; d += W) Vec::store(dst + d, Vec::mul(Vec::load(heads[h].acc + r * dim + d), inv));
+        if constexpr (kDot) {
+          store_unpermuted(heads[h].acc + r * dim, 1.0f / heads[h].running_sum[r], dim, dst);
+        } else {
+          const reg inv = Vec::set1(1.0f / heads[h].running_sum[r]);
+          for (int64_t d = 0; d < dim; d += W) Vec::store(dst + d, Vec::mul(Vec::load(heads[h].acc + r * dim + d), inv));
+        }
       }
     }
   }

@@ -13,7 +13,7 @@ from gguf.quants import dequantize
 
 from gpu_worker.model_config import ModelConfig, config_from_gguf
 from gpu_worker.tokenizer import TokenizerInfo, tokenizer_from_gguf
-from gpu_worker.weight_format import SERVED_GGUF_TYPES, GgufBlocks
+from gpu_worker.weight_format import GgufBlocks, served_blocks
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -77,9 +77,11 @@ class GGUFCheckpoint:
         `keep_blocks` the matrices of a type the custom GEMM serves as their blocks (copied out of the file)."""
         for tensor in self._reader.tensors:
             shape = [int(dim) for dim in reversed(tensor.shape)]
-            served = SERVED_GGUF_TYPES.get(tensor.tensor_type)
-            if keep_blocks and served is not None and len(shape) == 2:
-                array = GgufBlocks(served, np.array(tensor.data).reshape(shape[0], -1), shape[1])
+            blocks = None
+            if keep_blocks and len(shape) == 2:
+                blocks = served_blocks(tensor.tensor_type, np.array(tensor.data).reshape(shape[0], -1), shape[1])
+            if blocks is not None:
+                array = blocks
             else:
                 array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
             yield hf_name(tensor.name), self._in_hf_row_order(tensor.name, array)

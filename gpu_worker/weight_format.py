@@ -8,7 +8,7 @@ from enum import IntEnum
 
 import numpy as np
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 
 
 class WeightFormat(IntEnum):
@@ -32,6 +32,7 @@ SERVED_GGUF_TYPES = {
     GGMLQuantizationType.Q4_1: WeightFormat.Q4_1,
     GGMLQuantizationType.Q8_0: WeightFormat.Q8_0,
 }
+Q4_K_BLOCK_BYTES, Q4_1_BLOCK_BYTES = 144, 20  # 256 weights in 8 groups of 32; 32 weights
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,37 @@ class GgufBlocks:
         """fp32 [out_features, in_features], the values the blocks stand for."""
         values = dequantize(self.rows, GGMLQuantizationType(int(self.format)))
         return np.asarray(values, dtype=np.float32).reshape(self.out_features, self.in_features)
+
+
+def served_blocks(tensor_type: GGMLQuantizationType, rows: np.ndarray, in_features: int) -> GgufBlocks | None:
+    """A GGUF matrix's blocks (uint8 rows, one per output feature) in a format the custom GEMM serves, or None.
+
+    Q4_0, Q4_1 and Q8_0 are kept as stored. Q4_K (super-blocks of 256: eight groups of 32, each with a 6-bit
+    scale and min under the block's fp16 d and dmin, w = d * sc * q - dmin * m) is regrouped into Q4_1
+    blocks of 32 with d * sc and -dmin * m as their fp16 scale and offset: the 4-bit values are the file's,
+    each scale is rounded once to fp16 (relative error <= 2^-11), and the bytes grow from 144 to 160 per 256
+    weights."""
+    served = SERVED_GGUF_TYPES.get(tensor_type)
+    if served is not None:
+        return GgufBlocks(served, rows, in_features)
+    if tensor_type != GGMLQuantizationType.Q4_K:
+        return None
+    blocks = np.ascontiguousarray(rows).reshape(-1, Q4_K_BLOCK_BYTES)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    scales, mins = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    with np.errstate(over="ignore"):  # checked below
+        group_scale = (d * scales.astype(np.float32)).astype(np.float16)  # [blocks, 8]
+        group_offset = (-dmin * mins.astype(np.float32)).astype(np.float16)
+    if not (np.isfinite(group_scale).all() and np.isfinite(group_offset).all()):
+        return None  # a scale past fp16's range: serve the values instead
+    quants = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    quants = (quants & 0x0F).reshape(-1, 8, 32)  # group j = 2c + h: nibble h of bytes 32c..32c+31
+    packed_quants = quants[..., :16] | (quants[..., 16:] << 4)  # Q4_1: byte i holds values i and i + 16
+    q4_1 = np.concatenate(
+        [group_scale[..., None].view(np.uint8), group_offset[..., None].view(np.uint8), packed_quants], axis=-1
+    )
+    return GgufBlocks(WeightFormat.Q4_1, q4_1.reshape(rows.shape[0], -1), in_features)
 
 
 def dense(weight: np.ndarray | GgufBlocks) -> np.ndarray:

@@ -75,7 +75,8 @@ class Settings(BaseSettings):
     )
     quantization: Literal["none", "int8", "gguf"] = Field(
         default="none",
-        description="Worker weights: int8 per output channel (quantized at load), gguf = a GGUF file's own blocks",
+        description="Worker weights: int8 per output channel (quantized at load), gguf = a GGUF file's own blocks "
+        "(Q8_0, Q4_0, Q4_1; Q4_K regrouped into Q4_1)",
     )
     gpu_memory_utilization: float = Field(
         default=0.9,

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 
 from gpu_worker.custom_ops import cpu_features
+from gpu_worker.weight_format import WeightFormat
 from tests.support.accuracy import Float32Reference, load_runner
+from tests.support.gguf_q4_k import write_with_q4_k
 
 # precision (DTYPE:QUANTIZATION) -> (largest mean KL in nats, smallest greedy agreement). Where VNNI multiplies
 # int8 and GGUF weights, x is quantized per 32 inputs too (as llama.cpp does); elsewhere only the weights differ.
@@ -42,5 +44,25 @@ def test_precision_stays_within_its_documented_distance_from_float32(reference, 
     accuracy = reference.accuracy_of(runner)
 
     print(f"{precision} on {runner.kernels['kernels_isa']}: {accuracy}")
+    assert accuracy.mean_kl_nats <= max_kl
+    assert accuracy.greedy_agreement >= min_agreement
+
+
+def test_a_q4_k_file_is_served_from_its_blocks_within_the_gguf_distance_of_float32(smollm_path, tmp_path):
+    """SmolLM2 with every down projection (the matrices whose rows are whole 256-weight super-blocks) stored as
+    Q4_K, as a llama.cpp Q4_K_M file stores most matrices: BLOCKSERVE_QUANTIZATION=gguf serves them as Q4_1
+    blocks regrouped from the file's (no dense copy), and the model stays within gguf's documented distance
+    of the same file in float32."""
+    q4_k_path = tmp_path / "smollm2-q4_k.gguf"
+    restored = write_with_q4_k(smollm_path, q4_k_path, lambda name: ".ffn_down." in name)
+    assert len(restored) == 30
+    reference = Float32Reference(load_runner(q4_k_path, "float32:none"))
+    runner = load_runner(q4_k_path, "bfloat16:gguf")
+    assert all(layer.down.format == WeightFormat.Q4_1 for layer in runner.model.layers)
+
+    accuracy = reference.accuracy_of(runner)
+
+    print(f"Q4_K file, bfloat16:gguf on {runner.kernels['kernels_isa']}: {accuracy}")
+    max_kl, min_agreement = THRESHOLDS["bfloat16:gguf"]
     assert accuracy.mean_kl_nats <= max_kl
     assert accuracy.greedy_agreement >= min_agreement

@@ -1,6 +1,6 @@
 """Accuracy of each worker precision against float32 on SmolLM2 (the figures of the README's table).
 
-Run: OMP_NUM_THREADS=2 python benchmarks/bench_accuracy.py [--precision DTYPE:QUANTIZATION ...] [--isa-cap CAP]
+Run: OMP_NUM_THREADS=2 python benchmarks/bench_accuracy.py [--precision DTYPE:QUANTIZATION ...] [--cpu-isa auto|avx2|avx512]
 
 Mean KL divergence of the next-token distributions over the English text shipped in tests/data, and the
 greedy tokens on the 8 reference prompts: teacher-forced agreement with float32's continuation (32 tokens
@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import unittest.mock
 from pathlib import Path
 
 from gpu_worker.cpu_threads import set_thread_defaults
 
 set_thread_defaults()
 
-import gpu_worker.model_runner as model_runner_module  # noqa: E402
-from gpu_worker.kernels import select_kernels  # noqa: E402
 from service.config import default_model_path  # noqa: E402
 from tests.support.accuracy import Float32Reference, load_runner  # noqa: E402
 
@@ -30,18 +27,17 @@ PRECISIONS = ("bfloat16:none", "float32:int8", "bfloat16:int8", "float32:gguf", 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", action="append", help=f"DTYPE:QUANTIZATION (default: {PRECISIONS})")
-    parser.add_argument("--isa-cap", default="all", help="avx2, avx512 or all: the custom kernels' instruction sets")
+    parser.add_argument(
+        "--cpu-isa", default="auto", choices=("auto", "avx2", "avx512"), help="BLOCKSERVE_CPU_ISA of every runner"
+    )
     args = parser.parse_args()
     model_path = Path(default_model_path())
     # Every runner, the reference too, on the instruction sets asked for.
-    with unittest.mock.patch.object(
-        model_runner_module, "select_kernels", lambda mode: select_kernels(mode, isa_cap=args.isa_cap)
-    ):
-        reference = Float32Reference(load_runner(model_path, "float32:none"))
-        rows = []
-        for precision in args.precision or PRECISIONS:
-            runner = load_runner(model_path, precision)
-            rows.append((precision, runner.kernels["kernels_isa"], reference.accuracy_of(runner)))
+    reference = Float32Reference(load_runner(model_path, "float32:none", cpu_isa=args.cpu_isa))
+    rows = []
+    for precision in args.precision or PRECISIONS:
+        runner = load_runner(model_path, precision, cpu_isa=args.cpu_isa)
+        rows.append((precision, runner.kernels["kernels_isa"], reference.accuracy_of(runner)))
     print(f"\nSmolLM2-135M ({model_path.name}) against float32, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
     print(f"{'precision':<16}{'isa':<20}{'mean KL (nats)':>16}{'greedy agreement':>18}{'identical (of 8)':>18}")
     for precision, isa, accuracy in rows:

@@ -10,8 +10,8 @@ float32) runs every case in the same run; "vs f32" divides by the custom float32
 For decode B=1, "read ms" is the time to read the weights' actual bytes (what the model holds in that
 precision) once at the read bandwidth measured in this run (torch's sum over a 1 GiB array). The
 breakdown times the parts of the median step with wall-clock timers (Paddle on CPU runs ops
-synchronously). ISA_CAP (avx2, avx512; default all) keeps the custom ops below what the CPU has, as the
-kernel tests do: `custom:float32:none:avx2` and `custom:bfloat16:none:avx2` measure the AVX2 path
+synchronously). ISA_CAP (avx2, avx512; default all: BLOCKSERVE_CPU_ISA) keeps the custom ops below what the
+CPU has: `custom:float32:none:avx2` and `custom:bfloat16:none:avx2` measure the AVX2 path
 (bf16 storage widened to fp32 in registers) on an AVX-512 machine. The worker's OpenMP settings (gpu_worker/cpu_threads.py) apply, as in the service.
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
 import platform
 import time
@@ -35,7 +34,6 @@ import paddle  # noqa: E402
 import torch  # noqa: E402
 
 import gpu_worker.model_runner as model_runner_module  # noqa: E402
-from gpu_worker.kernels import select_kernels  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
 from gpu_worker.step_inputs import build_step_inputs  # noqa: E402
 from service import wire  # noqa: E402
@@ -177,8 +175,10 @@ class PrecisionRun:
 
 def run_precision(name: str, steps: int, op_by_op: bool) -> PrecisionRun:
     kernels, dtype, quantization, *cap = name.split(":")
-    model_runner_module.select_kernels = functools.partial(select_kernels, isa_cap=cap[0] if cap else "all")
-    runner = ModelRunner(load_settings(num_kv_blocks=1024, kernels=kernels, dtype=dtype, quantization=quantization))
+    cpu_isa = {"all": "auto"}.get(cap[0], cap[0]) if cap else "auto"  # BLOCKSERVE_CPU_ISA
+    runner = ModelRunner(
+        load_settings(num_kv_blocks=1024, kernels=kernels, cpu_isa=cpu_isa, dtype=dtype, quantization=quantization)
+    )
     assert runner.kernels["kernels"] == kernels, runner.kernels
     if op_by_op and kernels == "custom":
         runner.model.kernels.fuse_layers = False

@@ -1,0 +1,33 @@
+"""benchmarks/bench_worker.py runs (one short case): the figures the README and closing notes quote come
+from it, so it must not rot; its ISA cap reaches the worker."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.support.processes import ROOT
+
+
+@pytest.fixture
+def bench_worker(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_worker
+
+    monkeypatch.setattr(bench_worker, "DECODE_BATCHES", (2,))
+    monkeypatch.setattr(bench_worker, "PREFILLS", ((1, 20),))
+    yield bench_worker
+    sys.modules.pop("bench_worker", None)
+
+
+@pytest.mark.parametrize("op_by_op", [False, True])
+def test_bench_worker_times_each_case_on_the_capped_instruction_set(bench_worker, op_by_op):
+    run = bench_worker.run_precision("custom:bfloat16:none:avx2", steps=2, op_by_op=op_by_op)
+
+    assert run.described["kernels_isa"] == "avx2" and run.described["dtype"] == "bfloat16"
+    assert [case[:2] for case in run.cases] == [("decode B=2", 2), ("prefill 1x20", 20)]
+    for _, _, seconds, parts in run.cases:
+        assert seconds > 0 and parts["sampling"] > 0
+        assert (parts.get("attention", 0) > 0) == op_by_op  # fused layers are timed whole
+    assert run.weight_bytes > 0

@@ -27,6 +27,8 @@ from contextlib import contextmanager
 
 from gpu_worker.cpu_threads import set_thread_defaults
 
+THREAD_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # the OpenMP waits the run used
+
 set_thread_defaults()
 
 import numpy as np  # noqa: E402
@@ -229,7 +231,8 @@ def main() -> None:
     reference = next((run for run in runs if run.name == "custom:float32:none"), runs[0])
     print(
         f"\nSmolLM2-135M on {cpu_name()}, Paddle {paddle.__version__}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
-        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}; kernels of the first run: "
+        + "".join(f"{name}={os.environ[name]}, " for name in THREAD_VARIABLES if name in os.environ)
+        + "kernels of the first run: "
         + " ".join(
             f"{key}={value}" for key, value in runs[0].described.items() if key in ("kernels_isa", "cpu_features")
         )

@@ -38,4 +38,8 @@ def test_set_values_win(clean_env):
     clean_env.setenv("KMP_BLOCKTIME", "200")
     clean_env.setenv("GOMP_SPINCOUNT", "0")
     set_thread_defaults()
-    assert (os.environ["OMP_NUM_THREADS"], os.environ["KMP_BLOCKTIME"], os.environ["GOMP_SPINCOUNT"]) == ("3", "200", "0")
+    assert (os.environ["OMP_NUM_THREADS"], os.environ["KMP_BLOCKTIME"], os.environ["GOMP_SPINCOUNT"]) == (
+        "3",
+        "200",
+        "0",
+    )

@@ -30,7 +30,9 @@ def test_q4_k_is_served_as_q4_1_blocks_of_the_same_values_up_to_fp16_scales(out_
     assert blocks.rows.nbytes == rows.nbytes * 160 // 144
     got = blocks.dequantized()
     # Each weight is d*sc*q - dmin*m with q <= 15: each of the two scales is off by at most 2^-11 of itself.
-    d, dmin = (rows.reshape(-1, Q4_K_BLOCK_BYTES)[:, i : i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
+    d, dmin = (
+        rows.reshape(-1, Q4_K_BLOCK_BYTES)[:, i : i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2)
+    )
     bound = (2.0**-11 * (15 * 63 * d + 63 * dmin)).repeat(256).reshape(out_features, in_features)
     assert np.all(np.abs(got - expected) <= bound)
     # Not a coincidence of scales: the values themselves spread over the 16 levels of each group.

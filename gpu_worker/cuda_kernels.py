@@ -50,3 +50,6 @@ class CudaKernels(CustomKernels):
     def fused_layer(self, attention, config: ModelConfig):
         """None: there is no CUDA bs_decoder_layer, so the model runs its layers op by op."""
         return None
+
+    def argmax_rows(self, logits):
+        return PaddleKernels().argmax_rows(logits)

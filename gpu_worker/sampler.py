@@ -15,7 +15,7 @@ step's inputs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +30,8 @@ GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is argmax
 
 
 def _rows(tensor: paddle.Tensor, selected: np.ndarray) -> paddle.Tensor:
+    if selected.all():  # one kind of request in the batch (the usual case): no copy of the logits
+        return tensor
     return take_rows(tensor, paddle.to_tensor(np.flatnonzero(selected)))
 
 
@@ -61,8 +63,10 @@ class Draw:
 class Sampler:
     """`sample(logits, requests)` -> one SampledToken per row; `draw` leaves the result on the device."""
 
-    def __init__(self, seed: int | None = None):
+    def __init__(self, seed: int | None = None, argmax: Callable[[paddle.Tensor], paddle.Tensor] | None = None):
         self._rng = np.random.default_rng(seed)
+        # int64 [rows] of a [rows, vocab] batch: the kernels' argmax_rows (Paddle's by default)
+        self._argmax = argmax or (lambda logits: paddle.argmax(logits, axis=-1).astype("int64"))
 
     def sample(self, logits: paddle.Tensor, requests: Sequence[SamplingRequest]) -> list[wire.SampledToken]:
         return self.draw(logits, requests).fetch()
@@ -78,7 +82,7 @@ class Sampler:
         groups, group_tokens = [], []
         if greedy.any():
             groups.append(np.flatnonzero(greedy))
-            group_tokens.append(paddle.argmax(_rows(penalised, greedy), axis=-1).astype("int64"))
+            group_tokens.append(self._argmax(_rows(penalised, greedy)))
         if plain.any():
             probs = F.softmax(_scaled(_rows(penalised, plain), _select(params, plain)), axis=-1)
             groups.append(np.flatnonzero(plain))
@@ -89,8 +93,11 @@ class Sampler:
             groups.append(np.flatnonzero(truncated))
             group_tokens.append(_draw_truncated(scaled, chosen, uniforms[truncated]))
         # The groups' tokens back in row order: row i is entry position_of_row[i] of their concatenation.
-        position_of_row = np.argsort(np.concatenate(groups))
-        tokens = paddle.gather(paddle.concat(group_tokens), paddle.to_tensor(position_of_row))
+        if len(groups) == 1:  # the group is every row, in order
+            tokens = group_tokens[0]
+        else:
+            position_of_row = np.argsort(np.concatenate(groups))
+            tokens = paddle.gather(paddle.concat(group_tokens), paddle.to_tensor(position_of_row))
         return _with_logprobs(logits, requests, tokens)
 
     def _uniforms(self, requests: Sequence[SamplingRequest], needed: np.ndarray) -> np.ndarray:

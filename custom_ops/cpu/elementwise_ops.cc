@@ -1,4 +1,5 @@
-// Row-wise ops: fused residual add + RMSNorm, and SiLU-and-multiply on the fused gate|up output.
+// Row-wise ops: fused residual add + RMSNorm, SiLU-and-multiply on the fused gate|up output, and each row's
+// argmax (greedy sampling over the logits).
 #include <vector>
 
 #include "cpu_isa.h"
@@ -47,7 +48,26 @@ std::vector<paddle::Tensor> SiluAndMul(const paddle::Tensor& gate_up, int isa) {
   return {out};
 }
 
+std::vector<paddle::Tensor> ArgmaxRows(const paddle::Tensor& x, int isa) {
+  check_rows(x, "x");
+  const auto& kernels = bs::kernels_for(bs::resolve_isa(isa));
+  const int64_t rows = x.shape()[0], width = x.shape()[1];
+  PD_CHECK(width > 0, "x must have columns");
+  auto out = paddle::empty({rows}, paddle::DataType::INT64, x.place());
+  const float* values = x.data<float>();
+  int64_t* index = out.data<int64_t>();
+#pragma omp parallel for schedule(static) if (rows * width >= bs::kParallelFloats)
+  for (int64_t r = 0; r < rows; ++r) index[r] = kernels.argmax_row(values + r * width, width);
+  return {out};
+}
+
 }  // namespace
+
+PD_BUILD_OP(bs_argmax_rows)
+    .Inputs({"X"})
+    .Outputs({"Out"})
+    .Attrs({"isa: int"})
+    .SetKernelFn(PD_KERNEL(ArgmaxRows));
 
 PD_BUILD_OP(bs_rms_norm)
     .Inputs({"X", "Weight"})

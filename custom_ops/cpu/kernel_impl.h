@@ -82,6 +82,23 @@ static void silu_and_mul_row(const float* gate_up, float* out, int64_t width) {
   }
 }
 
+// The index of the largest of x[0..width): the first if tied; NaNs never win (an all-NaN row gives 0).
+static int64_t argmax_row(const float* x, int64_t width) {
+  const int64_t full = width - width % W;
+  reg maxes = Vec::set1(-__builtin_inff());
+  for (int64_t i = 0; i < full; i += W) maxes = Vec::max(Vec::load(x + i), maxes);  // a NaN lane keeps `maxes`
+  float best = Vec::reduce_max(maxes);
+  for (int64_t i = full; i < width; ++i) best = x[i] > best ? x[i] : best;
+  for (int64_t i = 0; i < full; i += W) {
+    const int lane = Vec::first_equal(Vec::load(x + i), best);
+    if (lane >= 0) return i + lane;
+  }
+  for (int64_t i = full; i < width; ++i) {
+    if (x[i] == best) return i;
+  }
+  return 0;
+}
+
 // Rotary embedding of one head into the query (fp32) or the cache (Out = float or bf16).
 template <class Out>
 static void rotate_head_to(const float* x, const float* cos, const float* sin, Out* out, int64_t head_dim) {
@@ -469,5 +486,5 @@ static void attend_tile_bf16(const AttentionTile<bf16>& tile) {
 static void attend_tile_bf16(const AttentionTile<bf16>& tile) { attend_tile_of(tile); }
 #endif
 
-static const KernelSet kKernels = {rms_norm_row,     silu_and_mul_row, rotate_head, rotate_head_bf16,
-                                   store_bf16,       attend_tile,      attend_tile_bf16};
+static const KernelSet kKernels = {rms_norm_row, silu_and_mul_row, rotate_head,      rotate_head_bf16,
+                                   store_bf16,   attend_tile,      attend_tile_bf16, argmax_row};

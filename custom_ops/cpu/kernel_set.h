@@ -60,6 +60,8 @@ struct KernelSet {
   void (*store_bf16)(const float* x, bf16* out, int64_t width);
   void (*attend_tile)(const AttentionTile<float>& tile);
   void (*attend_tile_bf16)(const AttentionTile<bf16>& tile);
+  // The index of the largest of x[0..width), the first if tied (greedy sampling).
+  int64_t (*argmax_row)(const float* x, int64_t width);
 };
 
 const KernelSet& avx2_kernels();

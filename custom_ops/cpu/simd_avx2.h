@@ -34,6 +34,11 @@ struct Vec {
     __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_castsi256_ps(bits);
   }
+  // The first lane equal to x, or -1.
+  static inline int first_equal(reg v, float x) {
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(x), _CMP_EQ_OQ));
+    return mask ? __builtin_ctz(mask) : -1;
+  }
   static inline float reduce_max(reg v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));

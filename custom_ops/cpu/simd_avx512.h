@@ -32,6 +32,11 @@ struct Vec {
     __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_castsi512_ps(bits);
   }
+  // The first lane equal to x, or -1.
+  static inline int first_equal(reg v, float x) {
+    const unsigned mask = _mm512_cmp_ps_mask(v, _mm512_set1_ps(x), _CMP_EQ_OQ);
+    return mask ? __builtin_ctz(mask) : -1;
+  }
   static inline float reduce_max(reg v) { return _mm512_reduce_max_ps(v); }
   static inline float reduce_add(reg v) { return _mm512_reduce_add_ps(v); }
   static inline __m256 halves_added(reg v) {

@@ -67,6 +67,20 @@ def test_silu_and_mul_matches_paddle_on_the_fused_gate_up_layout(custom, rows, w
     np.testing.assert_allclose(ours, PaddleKernels().silu_and_mul(tensor(gate_up)).numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows, width", [(1, 1), (3, 17), (64, 49152), (5, 1000)])
+def test_argmax_rows_is_numpy_argmax_first_of_ties_and_never_a_nan(custom, rows, width):
+    rng = np.random.default_rng(rows * width)
+    x = rng.standard_normal((rows, width), dtype=np.float32)
+    if width > 8:
+        x[0, [3, width - 2]] = x[0].max() + 1  # a tie: the first wins
+        x[1 % rows, 5] = np.nan  # a NaN never wins
+        x[2 % rows, : width // 2] = -np.inf
+    ours = custom.argmax_rows(tensor(x)).numpy()
+    assert ours.dtype == np.int64
+    np.testing.assert_array_equal(ours, np.nanargmax(np.where(np.isnan(x), -np.inf, x), axis=-1))
+    assert custom.argmax_rows(tensor(np.full((2, width), np.nan, np.float32))).numpy().tolist() == [0, 0]
+
+
 def mixed_step(rng, block_size: int, num_blocks: int):
     """Decodes, a fresh prefill longer than a query tile, prefill chunks, a context over many key spans,
     two requests sharing their first blocks, block ids scattered over the cache (holes between them)."""

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from gpu_worker.cpu_threads import set_thread_defaults
 
 set_thread_defaults()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the measure lives in tests/support
 
 from service.config import default_model_path  # noqa: E402
 from tests.support.accuracy import Float32Reference, load_runner  # noqa: E402

@@ -2,8 +2,12 @@
 
 Order, as in vLLM: penalties and logit_bias, then greedy (temperature 0) or temperature, min_p, top_k, top_p and
 an inverse-CDF draw. The draw of a seeded request is a uniform from a generator seeded with
-(seed, sequence length), so its tokens do not depend on its batch mates and repeat exactly after
-preemption and recompute. Logprobs come from the raw model logits.
+(seed, sequence length), so it does not depend on its batch mates or on a preemption. Its tokens repeat
+exactly as far as the logits do: in float32 a recompute's logits are the decode's to ~1e-4, but in
+bfloat16 the activations are rounded after sums whose order depends on how a step batches the tokens
+(SmolLM2 on a 200-token text, 8 tokens per step against 1: logits apart by 0.05 on average, 0.4 at
+most), so a draw that falls near a boundary between two tokens may differ. Logprobs come from the raw
+model logits.
 
 Rows without top_k/top_p draw over the vocabulary in id order (no sort); only rows that truncate
 pay for a top-k (or, without top_k, a full sort).

@@ -95,8 +95,16 @@ def test_gpu_ops_have_the_cpu_ops_names_and_signatures():
     gpu = registered_ops([Path(source) for source in cuda_build.op_sources()], isa_attr)
     shared = {"bs_rope_write_kv", "bs_paged_attention", "bs_rms_norm", "bs_add_rms_norm", "bs_silu_and_mul"}
     assert {name: cpu[name] for name in shared} == {name: gpu[name] for name in shared}
-    # Linear layers are Paddle's matmul on a GPU, and a decoder layer runs op by op there.
-    cpu_only = {"bs_linear_pack", "bs_linear_pack_int8", "bs_linear_pack_gguf", "bs_linear", "bs_linear_columns"}
+    # Linear layers are Paddle's matmul on a GPU, a decoder layer runs op by op there, and greedy sampling
+    # takes Paddle's CUDA argmax (only its CPU kernel is single-threaded).
+    cpu_only = {
+        "bs_linear_pack",
+        "bs_linear_pack_int8",
+        "bs_linear_pack_gguf",
+        "bs_linear",
+        "bs_linear_columns",
+        "bs_argmax_rows",
+    }
     assert set(cpu) - shared == cpu_only | {"bs_decoder_layer"}
     assert set(gpu) - shared == {"bs_prepare_step_inputs"}
 

@@ -7,6 +7,7 @@ import concurrent.futures
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.support.fake_scheduler import FakeScheduler
@@ -52,9 +53,10 @@ def health_latency_s(http: httpx.Client) -> float:
 
 
 def health_bound_when_idle_s(http: httpx.Client) -> float:
-    """A second, or ten times the slowest of ten /health answers while the api is idle (a loaded
-    machine is slower at both)."""
-    return max(1.0, 10 * max(health_latency_s(http) for _ in range(10)))
+    """A second, or ten times the median of eleven /health answers while the api is idle (a loaded machine
+    is slower at both; the median, because one hiccup of a shared host made the slowest 0.25 s once and
+    the bound longer than the work)."""
+    return max(1.0, 10 * float(np.median([health_latency_s(http) for _ in range(11)])))
 
 
 def health_latencies_while(http: httpx.Client, work) -> tuple[list[float], object, float]:

@@ -12,8 +12,9 @@ namespace bs {
 constexpr int64_t kKeySpan = 128;
 // Kv heads one attention tile may cover (decode tiles cover all of a request's heads).
 constexpr int64_t kMaxTileKvHeads = 16;
-// Below this many floats of work a row-wise op runs on one thread: waking a second one (a futex with
-// passive waits) costs more than it saves, and a decode step of one sequence calls these ops 120 times.
+// Below this many floats of work a row-wise op runs on one thread: a second one costs more than it saves,
+// and a decode step of one sequence calls these ops 120 times (measured when the worker's threads waited
+// passively; since they spin a while (gpu_worker/cpu_threads.py) a lower bound may pay, not measured).
 constexpr int64_t kParallelFloats = 1 << 15;
 
 // The KV cache's element type: fp32, or bf16 (the upper half of an fp32, rounded to nearest even).

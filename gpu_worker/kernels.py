@@ -77,7 +77,8 @@ class CustomKernels:
         return self.ops.bs_silu_and_mul(gate_up, self.isa.bits)
 
     def argmax_rows(self, logits):
-        """Paddle's CPU argmax reads a [64, 49152] batch in ~2 ms on one thread; this op in ~0.1 ms."""
+        """Paddle's CPU argmax takes ~2 ms over a [64, 49152] batch, on one thread: greedy sampling of that batch
+        took 2.66 ms with it and 0.15 ms with this op (Sampler.draw on a 2-core EPYC)."""
         return self.ops.bs_argmax_rows(logits, self.isa.bits)
 
     def attention(self, config: ModelConfig, block_size: int, rotary: RotaryEmbedding) -> AttentionBackend:

@@ -26,6 +26,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from gpu_worker.kernels import PaddleKernels
 from gpu_worker.penalties import SamplingRequest, apply_logit_bias, apply_penalties
 from gpu_worker.tensor_ops import log_softmax, take_rows
 from service import wire
@@ -69,8 +70,7 @@ class Sampler:
 
     def __init__(self, seed: int | None = None, argmax: Callable[[paddle.Tensor], paddle.Tensor] | None = None):
         self._rng = np.random.default_rng(seed)
-        # int64 [rows] of a [rows, vocab] batch: the kernels' argmax_rows (Paddle's by default)
-        self._argmax = argmax or (lambda logits: paddle.argmax(logits, axis=-1).astype("int64"))
+        self._argmax = argmax or PaddleKernels().argmax_rows  # the worker passes its kernels' argmax_rows
 
     def sample(self, logits: paddle.Tensor, requests: Sequence[SamplingRequest]) -> list[wire.SampledToken]:
         return self.draw(logits, requests).fetch()

@@ -176,17 +176,7 @@ static inline void score_rows_dot(const uint32_t* words, int64_t head_dim, const
   }
 }
 
-// words[i] = bf16(x[2i]) | bf16(x[2i + 1]) << 16 (nearest even) for x[0..n), the pair past n zero-padded.
-static inline void to_bf16_pairs(const float* x, int64_t n, uint32_t* words) {
-  for (int64_t i = 0; i < n; i += 32) {
-    const int64_t rest = n - i;
-    const __mmask16 low = rest >= 16 ? 0xffff : static_cast<__mmask16>((1u << rest) - 1);
-    const __mmask16 high = rest >= 32 ? 0xffff : rest <= 16 ? 0 : static_cast<__mmask16>((1u << (rest - 16)) - 1);
-    const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, x + i + 16), _mm512_maskz_loadu_ps(low, x + i));
-    const int64_t num_words = rest >= 32 ? 16 : (rest + 1) / 2;
-    _mm512_mask_storeu_epi32(words + i / 2, static_cast<__mmask16>((1u << num_words) - 1), reinterpret_cast<__m512i>(pairs));
-  }
-}
+#include "bf16_pairs.h"  // to_bf16_pairs: the query rows and the probabilities as vdpbf16ps operands
 
 // accumulate_values for a bf16 cache (head_dim a multiple of 32): the probabilities rounded to bf16 pairs of
 // consecutive keys, and two keys' values interleaved into bf16 pairs (vpunpck{l,h}wd), so that vdpbf16ps

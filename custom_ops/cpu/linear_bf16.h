@@ -7,17 +7,7 @@
 
 constexpr int kMaxRows = 12;  // 12 accumulators of the 32 zmm
 
-// words[i] = bf16(x[2i]) | bf16(x[2i + 1]) << 16, the last one zero-padded.
-static inline void prepare_row(const float* x, int64_t k, uint32_t* words) {
-  for (int64_t i = 0; i < k; i += 32) {
-    const int64_t rest = k - i;
-    const __mmask16 low = rest >= 16 ? 0xffff : static_cast<__mmask16>((1u << rest) - 1);
-    const __mmask16 high = rest >= 32 ? 0xffff : rest <= 16 ? 0 : static_cast<__mmask16>((1u << (rest - 16)) - 1);
-    const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, x + i + 16), _mm512_maskz_loadu_ps(low, x + i));
-    const int64_t num_words = rest >= 32 ? 16 : (rest + 1) / 2;
-    _mm512_mask_storeu_epi32(words + i / 2, static_cast<__mmask16>((1u << num_words) - 1), reinterpret_cast<__m512i>(pairs));
-  }
-}
+#include "bf16_pairs.h"  // to_bf16_pairs: x as 32-bit words, one per block of W
 
 // y[rows, 0:cols] = start + the rows' words . the panel's blocks.
 template <int kRows>
@@ -63,13 +53,13 @@ static void gemm(const float* x, int64_t m, int64_t k, const uint8_t* packed, in
   const int64_t block_rows = fitting_rows > kMaxRows ? fitting_rows : kMaxRows;
   const bool rows_in_parallel = m > kMaxRows;  // a tile's worth of rows is prepared faster than a barrier
   if (!rows_in_parallel) {
-    for (int64_t r = 0; r < m; ++r) prepare_row(x + r * k, k, words + r * num_words);
+    for (int64_t r = 0; r < m; ++r) to_bf16_pairs(x + r * k, k, words + r * num_words);
   }
 #pragma omp parallel
   {
     if (rows_in_parallel) {
 #pragma omp for schedule(static)
-      for (int64_t r = 0; r < m; ++r) prepare_row(x + r * k, k, words + r * num_words);
+      for (int64_t r = 0; r < m; ++r) to_bf16_pairs(x + r * k, k, words + r * num_words);
     }
     for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
       const int64_t m_end = m < m0 + block_rows ? m : m0 + block_rows;

@@ -39,8 +39,8 @@ def test_q4_k_is_served_as_q4_1_blocks_of_the_same_values_up_to_fp16_scales(out_
     assert len(np.unique(got[0, :32])) > 4
 
 
-def test_blocks_the_gemm_reads_as_stored_and_types_it_does_not(rng=np.random.default_rng(1)):
-    weight = rng.standard_normal((4, 64)).astype(np.float32)
+def test_blocks_the_gemm_reads_as_stored_and_types_it_does_not():
+    weight = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
     for gguf_type, weight_format in [
         (GGMLQuantizationType.Q4_0, WeightFormat.Q4_0),
         (GGMLQuantizationType.Q4_1, WeightFormat.Q4_1),

@@ -79,9 +79,9 @@ class Timers:
 
 def instrument(runner: ModelRunner, timers: Timers) -> None:
     model = runner.model
-    fused = model.kernels.fused_layer(runner.attention, model.config)
+    fused = model.kernels.fused_stack(runner.attention, model.config)
     if fused is not None:
-        model.kernels.fused_layer = lambda *_: timers.wrap("layers", fused)
+        model.kernels.fused_stack = lambda *_: timers.wrap("layers", fused)
     else:
         linears = ("qkv", "o", "gate_up", "down")
         model.layers = [

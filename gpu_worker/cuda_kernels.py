@@ -3,7 +3,7 @@
 The CUDA ops take the CPU ops' names and arguments (the `isa` bits attribute is ignored), on
 tensors of the model's dtype, so the calls are the CPU custom kernels' own; linear layers stay
 Paddle's matmul (cuBLAS) on weights in the model's dtype, as the name "cuda" tells gpu_worker/linear.py,
-and a layer runs op by op (bs_decoder_layer is a CPU op only).
+and a layer runs op by op (bs_decoder_stack is a CPU op only).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ class CudaKernels(CustomKernels):
             return PaddleKernels().attention(config, block_size, rotary)
         return CustomPagedAttention(self.ops, config.num_heads, config.num_kv_heads, rotary, self.isa.bits)
 
-    def fused_layer(self, attention, config: ModelConfig):
-        """None: there is no CUDA bs_decoder_layer, so the model runs its layers op by op."""
+    def fused_stack(self, attention, config: ModelConfig):
+        """None: there is no CUDA bs_decoder_stack, so the model runs its layers op by op."""
         return None
 
     def argmax_rows(self, logits):

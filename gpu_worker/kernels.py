@@ -52,7 +52,7 @@ class PaddleKernels:
         backend = PagedAttentionBackend(config.num_heads, config.num_kv_heads, config.head_dim, block_size)
         return RotaryPagedAttention(backend, rotary)
 
-    def fused_layer(self, attention, config: ModelConfig):
+    def fused_stack(self, attention, config: ModelConfig):
         """None: the model runs its layers op by op."""
         return None
 
@@ -66,7 +66,8 @@ class CustomKernels:
     def __init__(self, ops: ModuleType, isa: IsaSet, fuse_layers: bool = True):
         self.ops = ops
         self.isa = isa
-        self.fuse_layers = fuse_layers  # one bs_decoder_layer call per layer instead of nine ops
+        self.fuse_layers = fuse_layers  # one bs_decoder_stack call per step instead of nine ops per layer
+        self._stack: FusedDecoderStack | None = None
 
     def add_rms_norm(self, x, weight, residual, eps: float):
         if residual is None:
@@ -87,34 +88,47 @@ class CustomKernels:
             return PaddleKernels().attention(config, block_size, rotary)
         return CustomPagedAttention(self.ops, config.num_heads, config.num_kv_heads, rotary, self.isa.bits)
 
-    def fused_layer(self, attention, config: ModelConfig):
-        """A callable running one whole decoder layer in one op, or None where the layer runs op by op (the
-        attention fell back to pure Paddle, or fusing is off)."""
+    def fused_stack(self, attention, config: ModelConfig):
+        """A callable running every decoder layer of a step in one op, or None where the layers run op by op
+        (the attention fell back to pure Paddle, or fusing is off)."""
         if not self.fuse_layers or not isinstance(attention, CustomPagedAttention):
             return None
-        return FusedDecoderLayer(self.ops, attention, config)
+        stack = self._stack
+        if stack is None or stack.attention is not attention or stack.config is not config:
+            stack = self._stack = FusedDecoderStack(self.ops, attention, config)  # one per model: it keeps the inputs
+        return stack
 
 
-class FusedDecoderLayer:
-    """`(layer, hidden, residual, key_cache, value_cache, metadata) -> (hidden, residual)` through
-    bs_decoder_layer: the same kernels as the single ops, one Paddle op call per layer."""
+class FusedDecoderStack:
+    """`(layers, hidden, key_caches, value_caches, metadata) -> hidden + residual after the last layer` through
+    bs_decoder_stack: the same kernels as the single ops, one Paddle op call per step."""
 
     def __init__(self, ops: ModuleType, attention: CustomPagedAttention, config: ModelConfig):
         self.ops = ops
         self.attention = attention
         self.config = config
+        self._weights: tuple[list, list] | None = None  # (the layers they were taken from, the op's weight inputs)
 
-    def __call__(self, layer, hidden, residual, key_cache, value_cache, metadata: CustomAttentionMetadata):
-        linears = layer.linears
-        hidden, residual, _, _ = self.ops.bs_decoder_layer(
+    def _weight_inputs(self, layers: list) -> list:
+        """The norms, packed weights and biases (None: no layer has them) of `layers`, in the op's order;
+        kept while the model holds the same layers."""
+        if self._weights is None or self._weights[0] is not layers:
+            per_kind = [[layer.input_norm for layer in layers], [layer.post_attention_norm for layer in layers]]
+            per_kind += [[layer.linears[i].packed for layer in layers] for i in range(4)]
+            for i in range(4):
+                biases = [layer.linears[i].bias for layer in layers]
+                if any(bias is None for bias in biases) and any(bias is not None for bias in biases):
+                    raise ValueError("a projection has a bias in some layers only")
+                per_kind.append(None if biases[0] is None else biases)
+            self._weights = (layers, per_kind)
+        return self._weights[1]
+
+    def __call__(self, layers: list, hidden, key_caches: list, value_caches: list, metadata: CustomAttentionMetadata):
+        hidden, _, _ = self.ops.bs_decoder_stack(
             hidden,
-            residual,
-            layer.input_norm,
-            layer.post_attention_norm,
-            *(linear.packed for linear in linears),
-            *(linear.bias for linear in linears),
-            key_cache,
-            value_cache,
+            *self._weight_inputs(layers),
+            key_caches,
+            value_caches,
             metadata.positions,
             metadata.slot_mapping,
             metadata.query_start,
@@ -122,7 +136,7 @@ class FusedDecoderLayer:
             metadata.block_table,
             self.attention.rotary.cos,
             self.attention.rotary.sin,
-            [int(linear.format) for linear in linears],
+            [int(linear.format) for linear in layers[0].linears],
             self.config.num_heads,
             self.config.num_kv_heads,
             self.config.intermediate_size,
@@ -130,7 +144,7 @@ class FusedDecoderLayer:
             self.attention.query_tile,
             self.attention.isa,
         )
-        return hidden, residual
+        return hidden
 
 
 Kernels = PaddleKernels | CustomKernels

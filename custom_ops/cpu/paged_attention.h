@@ -1,6 +1,6 @@
 // The attention of one layer over the paged KV cache, as plain functions over checked tensors: the
 // rotary embedding + KV-cache write, and the causal attention reading the cache blocks in place. Used by
-// the single ops (attention_ops.cc) and the fused decoder layer (decoder_layer_op.cc).
+// the single ops (attention_ops.cc) and the fused decoder stack (decoder_stack_op.cc).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 // The row-wise kernels over a batch of rows, on one thread below kParallelFloats of work. Used by the
-// single ops (elementwise_ops.cc) and the fused decoder layer (decoder_layer_op.cc).
+// single ops (elementwise_ops.cc) and the fused decoder stack (decoder_stack_op.cc).
 #pragma once
 
 #include <cstdint>

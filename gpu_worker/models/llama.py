@@ -96,14 +96,13 @@ class LlamaForCausalLM:
     ) -> paddle.Tensor:
         """Hidden states [tokens, hidden] after the last layer (before the final norm)."""
         hidden, residual = self.embed_tokens(input_ids), None
-        fused = self.kernels.fused_layer(attention, self.config)
+        fused = self.kernels.fused_stack(attention, self.config)
+        if fused is not None:
+            return fused(self.layers, hidden, kv_cache.key_caches, kv_cache.value_caches, attn_metadata)
         for layer, key_cache, value_cache in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches):
-            if fused is not None:
-                hidden, residual = fused(layer, hidden, residual, key_cache, value_cache, attn_metadata)
-            else:
-                hidden, residual = self._layer_op_by_op(
-                    layer, hidden, residual, key_cache, value_cache, attention, attn_metadata
-                )
+            hidden, residual = self._layer_op_by_op(
+                layer, hidden, residual, key_cache, value_cache, attention, attn_metadata
+            )
         return hidden + residual
 
     def _layer_op_by_op(self, layer: DecoderLayer, hidden, residual, key_cache, value_cache, attention, attn_metadata):

@@ -98,7 +98,7 @@ def test_a_gpu_device_chooses_the_cuda_kernels_with_paddle_linears(monkeypatch):
     assert isinstance(choice.kernels, CudaKernels) and choice.kernels.ops is fake_ops
     assert choice.describe()["kernels"] == "cuda" and choice.describe()["kernels_isa"] == "cuda"
     assert choice.kernels.add_rms_norm("x", "w", "residual", 1e-5) == ("out", "summed")
-    assert choice.kernels.fused_layer(object(), tiny_config()) is None  # no CUDA bs_decoder_layer: op by op
+    assert choice.kernels.fused_stack(object(), tiny_config()) is None  # no CUDA bs_decoder_stack: op by op
     weight = np.ones((4, 8), dtype=np.float32)
     bfloat16 = Precision("bfloat16", "none", "test")
     assert isinstance(linear(choice.kernels, weight, None, bfloat16), PaddleLinear)  # cuBLAS through paddle.matmul

@@ -192,12 +192,12 @@ def test_a_failed_sample_in_one_step_ends_only_its_requests_in_the_step_prepared
 
 
 @pytest.mark.parametrize("precision", ["float32:none", "bfloat16:none", "auto:int8", "auto:gguf"])
-def test_a_fused_decoder_layer_computes_exactly_what_its_single_ops_compute(smollm_path, precision):
-    """bs_decoder_layer runs the kernels of the single ops in their order: prompt chunks and one-token steps
+def test_the_fused_decoder_stack_computes_exactly_what_its_single_ops_compute(smollm_path, precision):
+    """bs_decoder_stack runs the kernels of the single ops in their order: prompt chunks and one-token steps
     give the same logits to the bit, in every weight format."""
     runner = load_runner(smollm_path, precision)
     token_ids = encode(runner, ENGLISH_TEXT)[:57]  # 8 chunks of 7, then one token
-    assert runner.model.kernels.fused_layer(runner.attention, runner.model.config) is not None
+    assert runner.model.kernels.fused_stack(runner.attention, runner.model.config) is not None
 
     fused = paged_logits(runner, token_ids, chunk_size=7)
     runner.model.kernels.fuse_layers = False

@@ -1,6 +1,6 @@
 """The attention part of a SmolLM2 step (rotary embedding, KV-cache write, paged attention; 30 layers),
-custom kernels against pure Paddle, on the shapes of bench_worker.py's decode B=64 and prefill 1x512,
-with a float32 and a bfloat16 KV cache (Paddle's attention runs the float32 one only).
+custom kernels against pure Paddle, on the shapes of bench_worker.py's decode B=1, decode B=64 and
+prefill 1x512, and a decode of one sequence at 2000 tokens, with a float32 and a bfloat16 KV cache (Paddle's attention runs the float32 one only).
 
 Run: python benchmarks/bench_attention.py [--repeats N] [--cache-dtype float32|bfloat16 ...]
 """
@@ -39,7 +39,7 @@ SMOLLM2 = ModelConfig(
     tie_word_embeddings=True,
     rope=RopeConfig(theta=100000.0),
 )
-CASES = {"decode B=64": (64, CONTEXT_LEN, 1), "prefill 1x512": (1, 0, 512)}
+CASES = {"decode B=1": (1, CONTEXT_LEN, 1), "decode B=1 at 2000": (1, 2000, 1), "decode B=64": (64, CONTEXT_LEN, 1), "prefill 1x512": (1, 0, 512)}
 
 
 def step_inputs(num_requests: int, num_cached: int, num_new: int):
@@ -93,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     custom = select_kernels("custom").kernels
     print(f"attention of {NUM_LAYERS} layers, SmolLM2 shapes, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
-    print(f"{'case':<15}{'cache':>10}{'paddle ms':>11}{'custom ms':>11}{'ratio':>8}")
+    print(f"{'case':<20}{'cache':>10}{'paddle ms':>11}{'custom ms':>11}{'ratio':>8}")
     for cache_dtype in args.cache_dtype or ("float32", "bfloat16"):
         for name, case in CASES.items():
             custom_s = time_attention(custom, case, args.repeats, cache_dtype)
@@ -102,7 +102,7 @@ def main() -> None:
                 paddle_ms, ratio = f"{paddle_s * 1e3:>11.1f}", f"{paddle_s / custom_s:>8.1f}"
             else:
                 paddle_ms, ratio = f"{'-':>11}", f"{'-':>8}"
-            print(f"{name:<15}{cache_dtype:>10}{paddle_ms}{custom_s * 1e3:>11.1f}{ratio}")
+            print(f"{name:<20}{cache_dtype:>10}{paddle_ms}{custom_s * 1e3:>11.2f}{ratio}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <omp.h>
 #include <type_traits>
 #include <vector>
 
@@ -136,6 +137,8 @@ void paged_attention(const KernelSet& kernels, const float* query, int64_t num_t
   const int64_t *starts = requests.query_start, *lens = requests.context_lens, *table = requests.block_table;
   std::vector<TileWork> work;
   int64_t scratch_floats = 0;
+  // Fewer requests than threads (a decode of one sequence): a tile per kv head, so that the threads share them.
+  const bool few_requests = requests.count < omp_get_max_threads();
   for (int64_t r = 0; r < requests.count; ++r) {
     const int64_t num_queries = starts[r + 1] - starts[r];
     PD_CHECK(num_queries >= 0 && num_queries <= lens[r] && starts[r + 1] <= num_tokens, "bad query_start/context_lens");
@@ -148,7 +151,7 @@ void paged_attention(const KernelSet& kernels, const float* query, int64_t num_t
       const int64_t cost = count * (lens[r] - num_queries + first + count);
       // A tile of few queries (a decode) takes several kv heads, up to the rows of a full query tile, so
       // that one thread reads each cache slot's heads together; a long one takes one kv head.
-      const int64_t heads = std::clamp<int64_t>(query_tile / count, 1, kMaxTileKvHeads);
+      const int64_t heads = few_requests ? 1 : std::clamp<int64_t>(query_tile / count, 1, kMaxTileKvHeads);
       for (int64_t h = 0; h < num_kv_heads; h += heads) {
         const int64_t tile_heads = std::min(heads, num_kv_heads - h);
         work.push_back({r, first, count, h, tile_heads, cost * tile_heads});

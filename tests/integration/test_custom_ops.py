@@ -96,17 +96,26 @@ def mixed_step(rng, block_size: int, num_blocks: int):
     return build_step_inputs([(s, n) for s, (_, n) in zip(states, shapes)], block_size, num_blocks)
 
 
+def one_decode_step(rng, block_size: int, num_blocks: int):
+    """One sequence decoding its 301st token, its blocks scattered: fewer requests than threads, so each kv head
+    is a tile of its own."""
+    blocks = [int(b) for b in rng.permutation(np.arange(1, num_blocks, 2))[: -(-301 // block_size)]]
+    state = RequestState("r0", list(range(301)), 301, wire.SamplingParams(), blocks, 300)
+    return build_step_inputs([(state, 1)], block_size, num_blocks)
+
+
+@pytest.mark.parametrize("step", [mixed_step, one_decode_step])
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 32, 5)]
 )
 def test_rope_cache_write_and_paged_attention_match_the_paddle_backend(
-    custom, num_heads, num_kv_heads, head_dim, block_size
+    custom, num_heads, num_kv_heads, head_dim, block_size, step
 ):
     rng = np.random.default_rng(head_dim)
     num_blocks = 2 * (-(-320 // block_size)) * 8 + 1
     config = attention_config(num_heads, num_kv_heads, head_dim, MAX_POSITIONS)
     rotary = RotaryEmbedding(config.rope, head_dim, MAX_POSITIONS)
-    inputs = mixed_step(rng, block_size, num_blocks)
+    inputs = step(rng, block_size, num_blocks)
     cache = rng.standard_normal((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=np.float32)
     qkv = rng.standard_normal((len(inputs.positions), (num_heads + 2 * num_kv_heads) * head_dim), dtype=np.float32)
     results = {}

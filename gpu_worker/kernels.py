@@ -107,12 +107,14 @@ class FusedDecoderStack:
         self.ops = ops
         self.attention = attention
         self.config = config
-        self._weights: tuple[list, list] | None = None  # (the layers they were taken from, the op's weight inputs)
+        self._layers: list = []  # the layers that _inputs were taken from
+        self._inputs: tuple[list, list[int]] = ([], [])
 
-    def _weight_inputs(self, layers: list) -> list:
-        """The norms, packed weights and biases (None: no layer has them) of `layers`, in the op's order;
+    def _layer_inputs(self, layers: list) -> tuple[list, list[int]]:
+        """The norms, packed weights and biases (None: no layer has them) of `layers` in the op's order, and
+        each layer's four weight formats (a GGUF file may store a projection in other formats in some layers);
         kept while the model holds the same layers."""
-        if self._weights is None or self._weights[0] is not layers:
+        if len(layers) != len(self._layers) or any(a is not b for a, b in zip(layers, self._layers)):
             per_kind = [[layer.input_norm for layer in layers], [layer.post_attention_norm for layer in layers]]
             per_kind += [[layer.linears[i].packed for layer in layers] for i in range(4)]
             for i in range(4):
@@ -120,13 +122,15 @@ class FusedDecoderStack:
                 if any(bias is None for bias in biases) and any(bias is not None for bias in biases):
                     raise ValueError("a projection has a bias in some layers only")
                 per_kind.append(None if biases[0] is None else biases)
-            self._weights = (layers, per_kind)
-        return self._weights[1]
+            formats = [int(linear.format) for layer in layers for linear in layer.linears]
+            self._layers, self._inputs = list(layers), (per_kind, formats)
+        return self._inputs
 
     def __call__(self, layers: list, hidden, key_caches: list, value_caches: list, metadata: CustomAttentionMetadata):
+        weights, formats = self._layer_inputs(layers)
         hidden, _, _ = self.ops.bs_decoder_stack(
             hidden,
-            *self._weight_inputs(layers),
+            *weights,
             key_caches,
             value_caches,
             metadata.positions,
@@ -136,7 +140,7 @@ class FusedDecoderStack:
             metadata.block_table,
             self.attention.rotary.cos,
             self.attention.rotary.sin,
-            [int(linear.format) for linear in layers[0].linears],
+            formats,
             self.config.num_heads,
             self.config.num_kv_heads,
             self.config.intermediate_size,

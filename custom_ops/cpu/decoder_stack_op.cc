@@ -74,7 +74,7 @@ std::vector<paddle::Tensor> DecoderStack(
   for (const OptionalTensors* biases : {&qkv_biases, &o_biases, &gate_up_biases, &down_biases}) {
     PD_CHECK(!*biases || (*biases)->size() == num_layers, "biases of a projection: one per layer or none");
   }
-  PD_CHECK(formats.size() == 4, "one weight format per projection: qkv, o, gate_up, down");
+  PD_CHECK(formats.size() == 4 * num_layers, "one weight format per layer and projection: qkv, o, gate_up, down");
   PD_CHECK(positions.numel() == tokens && slot_mapping.numel() == tokens, "one position and slot per token");
   const int64_t num_requests = context_lens.numel();
   PD_CHECK(query_start.numel() == num_requests + 1 && block_table.shape()[0] == num_requests, "one row per request");
@@ -95,10 +95,10 @@ std::vector<paddle::Tensor> DecoderStack(
     PD_CHECK(caches.num_kv_heads == num_kv_heads && caches.head_dim == head_dim,
              "every layer's caches hold num_kv_heads heads of one head_dim");
     layers.push_back({input_norms[l].data<float>(), post_norms[l].data<float>(),
-                      projection(qkv_weights[l], qkv_biases, l, formats[0], width, qkv_width, "qkv"),
-                      projection(o_weights[l], o_biases, l, formats[1], attention_width, width, "o"),
-                      projection(gate_up_weights[l], gate_up_biases, l, formats[2], width, 2 * intermediate_size, "gate_up"),
-                      projection(down_weights[l], down_biases, l, formats[3], intermediate_size, width, "down"),
+                      projection(qkv_weights[l], qkv_biases, l, formats[4 * l + 0], width, qkv_width, "qkv"),
+                      projection(o_weights[l], o_biases, l, formats[4 * l + 1], attention_width, width, "o"),
+                      projection(gate_up_weights[l], gate_up_biases, l, formats[4 * l + 2], width, 2 * intermediate_size, "gate_up"),
+                      projection(down_weights[l], down_biases, l, formats[4 * l + 3], intermediate_size, width, "down"),
                       caches});
   }
 

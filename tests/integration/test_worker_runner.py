@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 import pytest
 
 from gpu_worker.kv_cache import block_bytes, num_blocks_for
+from gpu_worker.linear import linear
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.precision import Precision
 from service import wire
 from service.config import load_settings
 from tests.support.accuracy import ENGLISH_TEXT, encode, load_runner, paged_logits
@@ -201,6 +204,28 @@ def test_the_fused_decoder_stack_computes_exactly_what_its_single_ops_compute(sm
 
     fused = paged_logits(runner, token_ids, chunk_size=7)
     runner.model.kernels.fuse_layers = False
+    single_ops = paged_logits(runner, token_ids, chunk_size=7)
+
+    np.testing.assert_array_equal(fused, single_ops)
+
+
+def test_the_fused_decoder_stack_takes_each_layers_own_weight_formats(smollm_path):
+    """A GGUF file may store a projection in other formats in some layers (llama.cpp's Q4_K_M keeps half the
+    layers' ffn_down in Q6_K, served here in the dtype): the stack reads each layer's formats, and sees a
+    layer replaced in the model's list."""
+    runner = load_runner(smollm_path, "auto:gguf")
+    model = runner.model
+    token_ids = encode(runner, ENGLISH_TEXT)[:23]
+    paged_logits(runner, token_ids, chunk_size=7)  # the stack has taken the layers' inputs once
+    rng = np.random.default_rng(0)
+    down = model.layers[1].down
+    dense = (rng.standard_normal((down.out_features, down.in_features)) * 0.02).astype(np.float32)
+    replaced = linear(model.kernels, dense, None, Precision("bfloat16", "none", "test"))
+    assert replaced.format != down.format
+    model.layers[1] = dataclasses.replace(model.layers[1], down=replaced)  # in place: the same list
+
+    fused = paged_logits(runner, token_ids, chunk_size=7)
+    model.kernels.fuse_layers = False
     single_ops = paged_logits(runner, token_ids, chunk_size=7)
 
     np.testing.assert_array_equal(fused, single_ops)

@@ -5,42 +5,59 @@
 // x is prepared as 32-bit words, one per block of W (a bf16 pair), so that one broadcast word times one
 // 64-byte block of a panel feeds all 16 columns.
 
-constexpr int kMaxRows = 12;  // 12 accumulators of the 32 zmm
+constexpr int kMaxRows = 12;  // 12 rows x 2 panels: 24 accumulators of the 32 zmm
+// From this many rows of x a tile takes two panels: one broadcast word then feeds two vdpbf16ps (12 rows: 14
+// loads per 24 of them, not 13 per 12), which is what bounds a GEMM of many rows. Fewer rows wait on memory,
+// where one panel per tile measured faster.
+constexpr int64_t kTwoPanelRows = 16;
 
 #include "bf16_pairs.h"  // to_bf16_pairs: x as 32-bit words, one per block of W
 
-// y[rows, 0:cols] = start + the rows' words . the panel's blocks.
-template <int kRows>
+// y[rows, kPanels panels] = start + the rows' words . the panels' blocks: one broadcast word feeds every
+// panel's block, and every panel but the last has all 16 columns (`cols` of the last).
+template <int kRows, int kPanels>
 static inline __attribute__((flatten)) void tile(const uint32_t* words, int64_t num_words, const uint8_t* panel,
-                                                 const float* start, float* y, int64_t ldy, int cols) {
-  constexpr int kSplit = kRows >= 8 ? 1 : 8 / kRows;  // independent sums to cover the instruction latency
-  __m512 acc[kSplit][kRows];
+                                                 int64_t panel_bytes, const float* start, float* y, int64_t ldy,
+                                                 int cols) {
+  constexpr int kSplit = kRows * kPanels >= 8 ? 1 : 8 / (kRows * kPanels);  // sums to cover the latency
+  __m512 acc[kSplit][kPanels][kRows];
   for (int s = 0; s < kSplit; ++s) {
-    for (int r = 0; r < kRows; ++r) acc[s][r] = _mm512_setzero_ps();
+    for (int p = 0; p < kPanels; ++p) {
+      for (int r = 0; r < kRows; ++r) acc[s][p][r] = _mm512_setzero_ps();
+    }
   }
   int64_t w = 0;
   for (; w + kSplit <= num_words; w += kSplit) {
     static_for<kSplit>([&](auto s) {
-      const __m512bh weights = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + (w + s) * 64));
+      __m512bh weights[kPanels];
+      for (int p = 0; p < kPanels; ++p) {
+        weights[p] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + p * panel_bytes + (w + s) * 64));
+      }
 #pragma GCC unroll 16
       for (int r = 0; r < kRows; ++r) {
         const __m512i pair = _mm512_set1_epi32(static_cast<int>(words[r * num_words + w + s]));
-        acc[s][r] = _mm512_dpbf16_ps(acc[s][r], reinterpret_cast<__m512bh>(pair), weights);
+        for (int p = 0; p < kPanels; ++p) {
+          acc[s][p][r] = _mm512_dpbf16_ps(acc[s][p][r], reinterpret_cast<__m512bh>(pair), weights[p]);
+        }
       }
     });
   }
   for (; w < num_words; ++w) {
-    const __m512bh weights = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + w * 64));
-    for (int r = 0; r < kRows; ++r) {
-      const __m512i pair = _mm512_set1_epi32(static_cast<int>(words[r * num_words + w]));
-      acc[0][r] = _mm512_dpbf16_ps(acc[0][r], reinterpret_cast<__m512bh>(pair), weights);
+    for (int p = 0; p < kPanels; ++p) {
+      const __m512bh weights = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + p * panel_bytes + w * 64));
+      for (int r = 0; r < kRows; ++r) {
+        const __m512i pair = _mm512_set1_epi32(static_cast<int>(words[r * num_words + w]));
+        acc[0][p][r] = _mm512_dpbf16_ps(acc[0][p][r], reinterpret_cast<__m512bh>(pair), weights);
+      }
     }
   }
-  const __mmask16 columns = static_cast<__mmask16>((1u << cols) - 1);
-  const __m512 bias = _mm512_maskz_loadu_ps(columns, start);
-  for (int r = 0; r < kRows; ++r) {
-    for (int s = 1; s < kSplit; ++s) acc[0][r] = _mm512_add_ps(acc[0][r], acc[s][r]);
-    _mm512_mask_storeu_ps(y + r * ldy, columns, _mm512_add_ps(acc[0][r], bias));
+  for (int p = 0; p < kPanels; ++p) {
+    const __mmask16 columns = p + 1 < kPanels ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << cols) - 1);
+    const __m512 bias = _mm512_maskz_loadu_ps(columns, start + p * kPanelWidth);
+    for (int r = 0; r < kRows; ++r) {
+      for (int s = 1; s < kSplit; ++s) acc[0][p][r] = _mm512_add_ps(acc[0][p][r], acc[s][p][r]);
+      _mm512_mask_storeu_ps(y + r * ldy + p * kPanelWidth, columns, _mm512_add_ps(acc[0][p][r], bias));
+    }
   }
 }
 
@@ -52,6 +69,7 @@ static void gemm(const float* x, int64_t m, int64_t k, const uint8_t* packed, in
   const int64_t fitting_rows = kBlockBytes / (num_words * 4) / kMaxRows * kMaxRows;
   const int64_t block_rows = fitting_rows > kMaxRows ? fitting_rows : kMaxRows;
   const bool rows_in_parallel = m > kMaxRows;  // a tile's worth of rows is prepared faster than a barrier
+  const int64_t group_panels = m >= kTwoPanelRows ? 2 : 1;
   if (!rows_in_parallel) {
     for (int64_t r = 0; r < m; ++r) to_bf16_pairs(x + r * k, k, words + r * num_words);
   }
@@ -64,15 +82,23 @@ static void gemm(const float* x, int64_t m, int64_t k, const uint8_t* packed, in
     for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
       const int64_t m_end = m < m0 + block_rows ? m : m0 + block_rows;
 #pragma omp for schedule(static) nowait
-      for (int64_t p = 0; p < panels; ++p) {
+      for (int64_t group = 0; group < (panels + group_panels - 1) / group_panels; ++group) {
+        const int64_t p = group * group_panels, tile_panels = panels - p < group_panels ? panels - p : group_panels;
         const int64_t remaining = n - p * kPanelWidth;
-        const int cols = static_cast<int>(remaining < kPanelWidth ? remaining : kPanelWidth);
-        float start[kPanelWidth] = {};
-        if (bias != nullptr) __builtin_memcpy(start, bias + p * kPanelWidth, cols * sizeof(float));
+        const int64_t tile_cols = remaining < tile_panels * kPanelWidth ? remaining : tile_panels * kPanelWidth;
+        const int cols = static_cast<int>(tile_cols - (tile_panels - 1) * kPanelWidth);  // of the last panel
+        float start[2 * kPanelWidth] = {};
+        if (bias != nullptr) __builtin_memcpy(start, bias + p * kPanelWidth, tile_cols * sizeof(float));
         for (int64_t r0 = m0; r0 < m_end; r0 += kMaxRows) {
           with_rows<kMaxRows>(static_cast<int>(m_end - r0 < kMaxRows ? m_end - r0 : kMaxRows), [&](auto rows) {
-            tile<decltype(rows)::value>(words + r0 * num_words, num_words, packed + p * bytes, start,
-                                        y + r0 * n + p * kPanelWidth, n, cols);
+            constexpr int kRows = decltype(rows)::value;
+            const uint32_t* row_words = words + r0 * num_words;
+            float* out = y + r0 * n + p * kPanelWidth;
+            if (tile_panels == 2) {
+              tile<kRows, 2>(row_words, num_words, packed + p * bytes, bytes, start, out, n, cols);
+            } else {
+              tile<kRows, 1>(row_words, num_words, packed + p * bytes, bytes, start, out, n, cols);
+            }
           });
         }
       }

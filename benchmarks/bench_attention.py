@@ -39,7 +39,12 @@ SMOLLM2 = ModelConfig(
     tie_word_embeddings=True,
     rope=RopeConfig(theta=100000.0),
 )
-CASES = {"decode B=1": (1, CONTEXT_LEN, 1), "decode B=1 at 2000": (1, 2000, 1), "decode B=64": (64, CONTEXT_LEN, 1), "prefill 1x512": (1, 0, 512)}
+CASES = {
+    "decode B=1": (1, CONTEXT_LEN, 1),
+    "decode B=1 at 2000": (1, 2000, 1),
+    "decode B=64": (64, CONTEXT_LEN, 1),
+    "prefill 1x512": (1, 0, 512),
+}
 
 
 def step_inputs(num_requests: int, num_cached: int, num_new: int):

@@ -9,8 +9,8 @@
 namespace bs::linear {
 namespace {
 
-// Bytes of x rows a block holds: with the current weight panel (up to 96 KiB at depth 1536) it stays
-// in a 512 KiB L2.
+// Bytes of x rows a block holds: with the current weight panel (up to 96 KiB at depth 1536; the bf16
+// GEMM's two panels of 16 rows and more, 2 x 48 KiB) it stays in a 512 KiB L2.
 constexpr int64_t kBlockBytes = 256 << 10;
 
 namespace avx2 {

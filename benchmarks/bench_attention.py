@@ -1,6 +1,7 @@
 """The attention part of a SmolLM2 step (rotary embedding, KV-cache write, paged attention; 30 layers),
 custom kernels against pure Paddle, on the shapes of bench_worker.py's decode B=1, decode B=64 and
-prefill 1x512, and a decode of one sequence at 2000 tokens, with a float32 and a bfloat16 KV cache
+prefill 1x512, a decode of 64 sequences at 300 tokens (three key spans each) and a decode of one
+sequence at 2000 tokens, with a float32 and a bfloat16 KV cache
 (Paddle's attention runs the float32 one only).
 
 Run: python benchmarks/bench_attention.py [--repeats N] [--cache-dtype float32|bfloat16 ...]
@@ -44,6 +45,7 @@ CASES = {
     "decode B=1": (1, CONTEXT_LEN, 1),
     "decode B=1 at 2000": (1, 2000, 1),
     "decode B=64": (64, CONTEXT_LEN, 1),
+    "decode B=64 at 300": (64, 300, 1),
     "prefill 1x512": (1, 0, 512),
 }
 

@@ -182,9 +182,10 @@ static inline void score_rows_dot(const uint32_t* words, int64_t head_dim, const
 // consecutive keys, and two keys' values interleaved into bf16 pairs (vpunpck{l,h}wd), so that vdpbf16ps
 // adds both keys' products at once. The accumulators hold each 32 dims of the head permuted
 // (store_unpermuted puts them back): lane 4L + i of the first 16 is dim 8L + i, of the second 16 dim 8L + 4 + i.
-template <int ROWS>
+// ahead() is called once per 2 pairs of keys and 32 dims.
+template <int ROWS, class Ahead>
 static inline void accumulate_values_dot(float* acc, const float* probs, const bf16* const* values, int64_t num_keys,
-                                         int64_t head_dim) {
+                                         int64_t head_dim, Ahead& ahead) {
   uint32_t pairs[ROWS][kKeySpan / 2];
   for (int r = 0; r < ROWS; ++r) to_bf16_pairs(probs + r * kKeySpan, num_keys, pairs[r]);
   const int64_t num_pairs = (num_keys + 1) / 2;
@@ -192,6 +193,7 @@ static inline void accumulate_values_dot(float* acc, const float* probs, const b
     reg a[ROWS][2];
     for (int r = 0; r < ROWS; ++r) a[r][0] = Vec::load(acc + r * head_dim + d), a[r][1] = Vec::load(acc + r * head_dim + d + 16);
     for (int64_t p = 0; p < num_pairs; ++p) {
+      if (p % 2 == 0) ahead();
       const bf16* first = values[2 * p];
       const bf16* second = 2 * p + 1 < num_keys ? values[2 * p + 1] : first;  // its probability is 0
       const __m512i x = _mm512_loadu_si512(first + d), y = _mm512_loadu_si512(second + d);
@@ -204,6 +206,43 @@ static inline void accumulate_values_dot(float* acc, const float* probs, const b
       }
     }
     for (int r = 0; r < ROWS; ++r) Vec::store(acc + r * head_dim + d, a[r][0]), Vec::store(acc + r * head_dim + d + 16, a[r][1]);
+  }
+}
+
+// accumulate_values_dot for ROWS rows of HEADS adjacent kv heads at once (accs[h], probs[h]: head h's rows),
+// so that each slot's heads, adjacent in the cache, are read together; key j's head h is at
+// head_values + slot_offsets[j] + h * head_dim. ahead() is called once per 2 pairs of keys and 32 dims.
+template <int ROWS, int HEADS, class Ahead>
+static inline void accumulate_values_by_slot(float* const* accs, const float* const* probs, const bf16* head_values,
+                                             const int64_t* slot_offsets, int64_t num_keys, int64_t head_dim,
+                                             Ahead& ahead) {
+  uint32_t pairs[HEADS][ROWS][kKeySpan / 2];
+  for (int h = 0; h < HEADS; ++h)
+    for (int r = 0; r < ROWS; ++r) to_bf16_pairs(probs[h] + r * kKeySpan, num_keys, pairs[h][r]);
+  const int64_t num_pairs = (num_keys + 1) / 2;
+  for (int64_t d = 0; d < head_dim; d += 32) {
+    reg a[HEADS][ROWS][2];
+    for (int h = 0; h < HEADS; ++h)
+      for (int r = 0; r < ROWS; ++r)
+        a[h][r][0] = Vec::load(accs[h] + r * head_dim + d), a[h][r][1] = Vec::load(accs[h] + r * head_dim + d + 16);
+    for (int64_t p = 0; p < num_pairs; ++p) {
+      if (p % 2 == 0) ahead();
+      const bf16* first = head_values + slot_offsets[2 * p] + d;
+      const bf16* second = 2 * p + 1 < num_keys ? head_values + slot_offsets[2 * p + 1] + d : first;  // probability 0
+      for (int h = 0; h < HEADS; ++h) {
+        const __m512i x = _mm512_loadu_si512(first + h * head_dim), y = _mm512_loadu_si512(second + h * head_dim);
+        const __m512bh low = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(x, y));
+        const __m512bh high = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(x, y));
+        for (int r = 0; r < ROWS; ++r) {
+          const __m512bh w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pairs[h][r][p])));
+          a[h][r][0] = _mm512_dpbf16_ps(a[h][r][0], w, low);
+          a[h][r][1] = _mm512_dpbf16_ps(a[h][r][1], w, high);
+        }
+      }
+    }
+    for (int h = 0; h < HEADS; ++h)
+      for (int r = 0; r < ROWS; ++r)
+        Vec::store(accs[h] + r * head_dim + d, a[h][r][0]), Vec::store(accs[h] + r * head_dim + d + 16, a[h][r][1]);
   }
 }
 
@@ -225,23 +264,31 @@ template <int ROWS, class Ahead>
 void score_rows_dot(const uint32_t* words, int64_t head_dim, const bf16* const* keys, int64_t num_keys, float* scores,
                     Ahead& ahead);
 void to_bf16_pairs(const float* x, int64_t n, uint32_t* words);
-template <int ROWS>
-void accumulate_values_dot(float* acc, const float* probs, const bf16* const* values, int64_t num_keys, int64_t head_dim);
+template <int ROWS, class Ahead>
+void accumulate_values_dot(float* acc, const float* probs, const bf16* const* values, int64_t num_keys, int64_t head_dim,
+                           Ahead& ahead);
+template <int ROWS, int HEADS, class Ahead>
+void accumulate_values_by_slot(float* const* accs, const float* const* probs, const bf16* head_values,
+                               const int64_t* slot_offsets, int64_t num_keys, int64_t head_dim, Ahead& ahead);
 void store_unpermuted(const float* acc, float scale, int64_t head_dim, float* dst);
 #endif
 
 // acc_r[0..head_dim) += sum_j probs_r[j] * values[j] for ROWS rows at once: each value vector is loaded
 // once for all rows. CHUNK vectors of the head per pass keep ROWS * CHUNK accumulators in registers.
-template <int ROWS, class Cache>
+// ahead() is called once per 4 keys of a pass.
+template <int ROWS>
+constexpr int kValueChunk = W == 16 ? 4 : ROWS == 1 ? 4 : 2;
+template <int ROWS, class Cache, class Ahead>
 static inline void accumulate_values(float* acc, const float* probs, const Cache* const* values, int64_t num_keys,
-                                     int64_t head_dim) {
-  constexpr int CHUNK = W == 16 ? 4 : ROWS == 1 ? 4 : 2;
+                                     int64_t head_dim, Ahead& ahead) {
+  constexpr int CHUNK = kValueChunk<ROWS>;
   int64_t d = 0;
   for (; d + CHUNK * W <= head_dim; d += CHUNK * W) {
     reg a[ROWS][CHUNK];
     for (int r = 0; r < ROWS; ++r)
       for (int c = 0; c < CHUNK; ++c) a[r][c] = Vec::load(acc + r * head_dim + d + c * W);
     for (int64_t j = 0; j < num_keys; ++j) {
+      if (j % 4 == 0) ahead();
       reg v[CHUNK];
       for (int c = 0; c < CHUNK; ++c) v[c] = Vec::load(values[j] + d + c * W);
       for (int r = 0; r < ROWS; ++r) {
@@ -297,6 +344,11 @@ static inline void softmax_update(float* scores, int64_t visible, int64_t padded
   *running_sum += sum;
 }
 
+// An ahead() that asks for nothing.
+struct NoAsks {
+  inline void operator()() {}
+};
+
 // One kv head's rows of a tile: its queries (scaled), accumulators and running softmax state.
 struct HeadRows {
   float* q;             // [rows, dim]; with kDot [rows, dim / 2] bf16 words
@@ -305,38 +357,124 @@ struct HeadRows {
   float* running_sum;   // [rows]
 };
 
-// Scores, softmax and values of one span for ROWS consecutive rows (from row r) of one kv head; kDot: the
-// rows' queries are bf16 words (score_rows_dot), else floats.
+// scores[(r + i) * kKeySpan + j] = the scores of ROWS rows (from row r) of one kv head for num_keys keys (a
+// multiple of 4); kDot: the rows' queries are bf16 words (score_rows_dot), else floats.
 template <int ROWS, bool kDot, class Cache, class Ahead>
-static inline void attend_rows(const AttentionTile<Cache>& t, const HeadRows& head, int64_t r, int64_t span,
-                               int64_t span_keys, int64_t padded_keys, const Cache* const* keys,
-                               const Cache* const* values, float* scores, Ahead& ahead) {
-  const int64_t group = t.num_heads / t.num_kv_heads, dim = t.head_dim;
+static inline void score_head_rows(const HeadRows& head, int64_t r, int64_t dim, const Cache* const* keys,
+                                   int64_t num_keys, float* scores, Ahead& ahead) {
   if constexpr (kDot) {
-    score_rows_dot<ROWS>(reinterpret_cast<const uint32_t*>(head.q) + r * dim / 2, dim, keys, padded_keys,
+    score_rows_dot<ROWS>(reinterpret_cast<const uint32_t*>(head.q) + r * dim / 2, dim, keys, num_keys,
                          scores + r * kKeySpan, ahead);
   } else {
-    score_rows<ROWS>(head.q + r * dim, dim, keys, padded_keys, scores + r * kKeySpan, ahead);
+    score_rows<ROWS>(head.q + r * dim, dim, keys, num_keys, scores + r * kKeySpan, ahead);
   }
-  int64_t visible[ROWS], most_visible = 0;
-  for (int i = 0; i < ROWS; ++i) {
+}
+
+// How many of a span's keys rows r..r + count of a tile see: each row's (visible[i]), and the most.
+template <class Cache>
+static inline int64_t visible_keys(const AttentionTile<Cache>& t, int64_t r, int count, int64_t span,
+                                   int64_t span_keys, int64_t* visible) {
+  const int64_t group = t.num_heads / t.num_kv_heads;
+  int64_t most_visible = 0;
+  for (int i = 0; i < count; ++i) {
     const int64_t position = t.first_position + (r + i) / group;
     visible[i] = position - span + 1 < span_keys ? position - span + 1 : span_keys;
     most_visible = visible[i] > most_visible ? visible[i] : most_visible;
   }
+  return most_visible;
+}
+
+// Scores (unless `scored`), softmax and values (unless `values_by_slot`) of one span for ROWS consecutive rows
+// (from row r) of one kv head.
+template <int ROWS, bool kDot, class Cache, class Ahead>
+static inline void attend_rows(const AttentionTile<Cache>& t, const HeadRows& head, int64_t r, int64_t span,
+                               int64_t span_keys, int64_t padded_keys, const Cache* const* keys,
+                               const Cache* const* values, float* scores, Ahead& ahead, bool scored,
+                               bool values_by_slot) {
+  const int64_t dim = t.head_dim;
+  if (!scored) score_head_rows<ROWS, kDot>(head, r, dim, keys, padded_keys, scores, ahead);
+  int64_t visible[ROWS];
+  const int64_t most_visible = visible_keys(t, r, ROWS, span, span_keys, visible);
   for (int i = 0; i < ROWS; ++i) {
     softmax_update(scores + (r + i) * kKeySpan, visible[i], most_visible, head.running_max + r + i,
                    head.running_sum + r + i, head.acc + (r + i) * dim, dim);
   }
+  if (values_by_slot) return;
+  NoAsks no_asks;  // one-head tiles (prefills, long contexts) ask while scoring only, as they did
   if constexpr (kDot) {
-    accumulate_values_dot<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim);
+    if (scored) accumulate_values_dot<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim, ahead);
+    else accumulate_values_dot<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim, no_asks);
   } else {
-    accumulate_values<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim);
+    if (scored) accumulate_values<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim, ahead);
+    else accumulate_values<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim, no_asks);
   }
 }
 
-// Asks for the cache lines of one span of a tile (keys and values of the tile's kv heads, adjacent in
-// each slot), a few slots at a time: `step` slots per ask, from where the last ask stopped.
+// The scores of a span for every kv head of the tile (head h's rows at scores + h * rows * kKeySpan), a group
+// of 4 keys at a time for all heads: slot_offsets[j] (j < padded_keys) locates key j's first head.
+template <bool kDot, class Cache, class Ahead>
+static inline void score_span_by_slot(const AttentionTile<Cache>& t, const HeadRows* heads,
+                                      const int64_t* slot_offsets, int64_t padded_keys, int64_t first_row,
+                                      int64_t rows, float* scores, Ahead& ahead) {
+  const int64_t dim = t.head_dim;
+  for (int64_t j = 0; j < padded_keys; j += 4) {
+    for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
+      const Cache* keys[4];
+      for (int c = 0; c < 4; ++c) keys[c] = t.key_cache + slot_offsets[j + c] + h * dim;
+      float* head_scores = scores + h * rows * kKeySpan + j;
+      int64_t r = first_row;
+      for (; r + 3 <= rows; r += 3) score_head_rows<3, kDot>(heads[h], r, dim, keys, 4, head_scores, ahead);
+      if (rows - r == 2) score_head_rows<2, kDot>(heads[h], r, dim, keys, 4, head_scores, ahead);
+      if (rows - r == 1) score_head_rows<1, kDot>(heads[h], r, dim, keys, 4, head_scores, ahead);
+    }
+  }
+}
+
+#ifdef BS_BF16_DOT
+template <int ROWS, class Ahead>
+static inline void values_of_heads(int64_t num_heads, float* const* accs, const float* const* probs,
+                                   const bf16* head_values, const int64_t* slot_offsets, int64_t num_keys,
+                                   int64_t head_dim, Ahead& ahead) {
+  if (num_heads == 3) accumulate_values_by_slot<ROWS, 3>(accs, probs, head_values, slot_offsets, num_keys, head_dim, ahead);
+  if (num_heads == 2) accumulate_values_by_slot<ROWS, 2>(accs, probs, head_values, slot_offsets, num_keys, head_dim, ahead);
+  if (num_heads == 1) accumulate_values_by_slot<ROWS, 1>(accs, probs, head_values, slot_offsets, num_keys, head_dim, ahead);
+}
+
+// The values of a span (its probabilities in `scores`, as score_span_by_slot lays them out) for every kv head
+// of the tile, 3 rows of 3 heads at a time: each pair of keys' heads read together.
+template <class Ahead>
+static inline void values_span_by_slot(const AttentionTile<bf16>& t, const HeadRows* heads,
+                                       const int64_t* slot_offsets, int64_t span, int64_t span_keys,
+                                       int64_t first_row, int64_t rows, const float* scores, Ahead& ahead) {
+  const int64_t dim = t.head_dim;
+  for (int64_t r = first_row; r < rows; r += 3) {
+    const int count = rows - r < 3 ? static_cast<int>(rows - r) : 3;
+    int64_t visible[3];
+    const int64_t num_keys = visible_keys(t, r, count, span, span_keys, visible);
+    for (int64_t h0 = 0; h0 < t.num_tile_kv_heads; h0 += 3) {
+      const int64_t num_heads = t.num_tile_kv_heads - h0 < 3 ? t.num_tile_kv_heads - h0 : 3;
+      float* accs[3];
+      const float* probs[3];
+      for (int64_t i = 0; i < num_heads; ++i) {
+        accs[i] = heads[h0 + i].acc + r * dim;
+        probs[i] = scores + (h0 + i) * rows * kKeySpan + r * kKeySpan;
+      }
+      const bf16* head_values = t.value_cache + h0 * dim;
+      if (count == 3) values_of_heads<3>(num_heads, accs, probs, head_values, slot_offsets, num_keys, dim, ahead);
+      if (count == 2) values_of_heads<2>(num_heads, accs, probs, head_values, slot_offsets, num_keys, dim, ahead);
+      if (count == 1) values_of_heads<1>(num_heads, accs, probs, head_values, slot_offsets, num_keys, dim, ahead);
+    }
+  }
+}
+#else
+template <class Ahead>
+void values_span_by_slot(const AttentionTile<bf16>& t, const HeadRows* heads, const int64_t* slot_offsets,
+                         int64_t span, int64_t span_keys, int64_t first_row, int64_t rows, const float* scores,
+                         Ahead& ahead);
+#endif
+
+// Asks for the cache lines of keys [cursor, end_key) of a tile (keys and values of the tile's kv heads,
+// adjacent in each slot), a few slots at a time: `step` slots per ask, from where the last ask stopped.
 template <class Cache>
 struct SpanPrefetch {
   const AttentionTile<Cache>* tile = nullptr;
@@ -344,13 +482,16 @@ struct SpanPrefetch {
   int key_locality = 2;  // keys into L2, or into L1 (3) when they are scored right after
 
   SpanPrefetch() = default;
-  // The span of `of` from key `span`, asked for in about `asks` asks (0: at once); `into_l1` for the keys.
-  SpanPrefetch(const AttentionTile<Cache>* of, int64_t span, int64_t asks, bool into_l1 = false)
-      : tile(of), cursor(span), key_locality(into_l1 ? 3 : 2) {
-    const int64_t num_keys = of->first_position + of->num_queries;
-    end_key = num_keys - span < kKeySpan ? num_keys : span + kKeySpan;
-    step = asks > 0 ? (end_key - span + asks - 1) / asks : end_key - span;
+  // Keys [from, to) of `of`, asked for in about `asks` asks (0: at once); `into_l1` for the keys.
+  SpanPrefetch(const AttentionTile<Cache>* of, int64_t from, int64_t to, int64_t asks, bool into_l1 = false)
+      : tile(of), end_key(to), cursor(from), key_locality(into_l1 ? 3 : 2) {
+    step = asks > 0 ? (to - from + asks - 1) / asks : to - from;
     bytes = of->num_tile_kv_heads * of->head_dim * static_cast<int64_t>(sizeof(Cache));
+  }
+  // The span of `of` from key `span`.
+  static SpanPrefetch span_of(const AttentionTile<Cache>* of, int64_t span, int64_t asks, bool into_l1 = false) {
+    const int64_t num_keys = of->first_position + of->num_queries;
+    return SpanPrefetch(of, span, num_keys - span < kKeySpan ? num_keys : span + kKeySpan, asks, into_l1);
   }
 
   inline void operator()() {
@@ -377,22 +518,67 @@ struct SpanPrefetch {
     step = end_key - cursor;
     (*this)();
   }
+
+  // Every slot before `key` not yet asked for; the pace of later asks unchanged.
+  inline void through(int64_t key) {
+    const int64_t pace = step;
+    step = key - cursor;
+    if (step > 0) (*this)();
+    step = pace;
+  }
+};
+
+// What a tile asks for while it computes: its own keys after its first span, then the next tile's first
+// span (the thread's next tile), `step` slots per ask, so that both are asked for by the end of the tile
+// at about the pace its keys are used, each span while the span before it computes.
+template <class Cache>
+struct TileAsks {
+  SpanPrefetch<Cache> own, next;
+
+  TileAsks(const AttentionTile<Cache>& t, int64_t num_asks) {
+    const int64_t num_keys = t.first_position + t.num_queries;
+    if (num_keys > kKeySpan) own = SpanPrefetch<Cache>(&t, kKeySpan, num_keys, 0);
+    if (t.next) next = SpanPrefetch<Cache>::span_of(t.next, 0, 0);
+    const int64_t slots = (own.end_key - own.cursor) + (next.end_key - next.cursor);
+    own.step = next.step = num_asks > 0 ? (slots + num_asks - 1) / num_asks : slots;
+  }
+
+  inline void operator()() {
+    if (own.cursor < own.end_key) {
+      own();
+    } else {
+      next();
+    }
+  }
+
+  // The tile's keys before `key` not yet asked for (a span about to be scored).
+  inline void through(int64_t key) { own.through(key); }
+
+  inline void all() {
+    own.all();
+    next.all();
+  }
 };
 
 // Attention of a tile's queries for its kv heads [kv_head, kv_head + num_tile_kv_heads). The keys of
 // one span are scattered over the cache (one row per slot and head): each span's slots are asked for
-// before it is scored, every head of the tile at once, so that many misses are in flight, and each
-// slot's heads are read while they are in cache. A tile's first span is asked for while the thread's
-// tile before it computes (t.next of that one), spread over its groups of keys: a decode tile's keys
-// (one span) then arrive while the previous decode computes, instead of between two tiles.
+// while the span before computes (TileAsks), every head of the tile at once, so that misses are in flight
+// while the arithmetic runs, and each slot's heads are read while they are in cache. A tile's first span is
+// asked for while the thread's tile before it computes (t.next of that one): a decode tile's keys then
+// arrive while the previous decode computes, instead of between two tiles.
+// A tile of several kv heads (a decode's) also asks while it sums values, and goes through each span
+// slot by slot: each group of 4 keys is scored for every head, and (kDot) each pair of keys' values summed
+// for 3 heads at once, so that a slot's heads, adjacent in the cache, are read together.
 // kDot (a bf16 cache with AVX512-BF16, head_dim a multiple of 32): keys scored by score_rows_dot, values summed
-// by accumulate_values_dot.
-template <class Cache, bool kDot = false>
-static void attend_tile_of(const AttentionTile<Cache>& t) {
+// by accumulate_values_dot (accumulate_values_by_slot).
+// by_slot: the tile has several kv heads (an instance of its own, so that the one-head tiles' code stays as
+// it was).
+template <class Cache, bool kDot, bool by_slot>
+static void attend_tile_with(const AttentionTile<Cache>& t) {
   const int64_t group = t.num_heads / t.num_kv_heads, dim = t.head_dim;
   const int64_t rows = t.num_queries * group;  // per kv head: row qi * group + i = query qi, head group member i
-  float* scores = t.scratch;                   // [rows, kKeySpan], reused by each head
-  float* state = scores + rows * kKeySpan;
+  float* scores = t.scratch;  // [num_tile_kv_heads, rows, kKeySpan]; without by_slot, [rows, kKeySpan] reused by each head
+  float* state = scores + t.num_tile_kv_heads * rows * kKeySpan;
   HeadRows heads[kMaxTileKvHeads];
   for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
     HeadRows& head = heads[h];
@@ -418,10 +604,14 @@ static void attend_tile_of(const AttentionTile<Cache>& t) {
   const Cache* keys[kKeySpan];
   const Cache* values[kKeySpan];
   const int64_t num_keys = t.first_position + t.num_queries;
-  // About how many groups of 4 keys this tile scores: the next tile's first span is spread over them.
+  // About how many times this tile calls ahead() (per group of 4 keys: once scoring, and with by_slot once per
+  // value pass): its later spans and the next tile's first span are spread over them.
   const int64_t row_groups = (rows + 2) / 3;
-  const int64_t num_asks = t.num_tile_kv_heads * row_groups * ((num_keys + 3) / 4);
-  SpanPrefetch<Cache> ahead = t.next ? SpanPrefetch<Cache>(t.next, 0, num_asks) : SpanPrefetch<Cache>();
+  const int64_t value_passes = kDot ? dim / 32 : dim / (kValueChunk<3> * W);
+  const int64_t value_heads = kDot && by_slot ? (t.num_tile_kv_heads + 2) / 3 : t.num_tile_kv_heads;
+  const int64_t num_asks =
+      row_groups * ((num_keys + 3) / 4) * (t.num_tile_kv_heads + (by_slot ? value_heads * value_passes : 0));
+  TileAsks<Cache> ahead(t, num_asks);
   for (int64_t span = 0; span < num_keys; span += kKeySpan) {
     const int64_t span_keys = num_keys - span < kKeySpan ? num_keys - span : kKeySpan;
     for (int64_t j = 0; j < span_keys; ++j) {
@@ -429,13 +619,19 @@ static void attend_tile_of(const AttentionTile<Cache>& t) {
       const int64_t slot = t.block_ids[position / t.block_size] * t.block_size + position % t.block_size;
       slot_offsets[j] = (slot * t.num_kv_heads + t.kv_head) * dim;
     }
-    // This span's lines: asked for by the tile before (the first span), else all now, so that many misses
-    // are in flight; meanwhile the next tile's first span is asked for a few slots per group of keys.
-    if (span > 0 || !t.first_span_prefetched) SpanPrefetch<Cache>(&t, span, 0, true).all();
+    // This span's lines: asked for while the span before computed (the first span: by the tile before),
+    // else now, at once.
+    if (span == 0 && !t.first_span_prefetched) SpanPrefetch<Cache>::span_of(&t, 0, 0, true).all();
+    if (span > 0) ahead.through(span + span_keys);
     const int64_t padded_keys = (span_keys + 3) / 4 * 4;  // extra keys repeat one; their scores are never read
     // Queries before the span see none of it.
     const int64_t first_row = (span > t.first_position ? span - t.first_position : 0) * group;
+    if constexpr (by_slot) {
+      for (int64_t j = span_keys; j < padded_keys; ++j) slot_offsets[j] = slot_offsets[0];
+      score_span_by_slot<kDot>(t, heads, slot_offsets, padded_keys, first_row, rows, scores, ahead);
+    }
     for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
+      float* head_scores = by_slot ? scores + h * rows * kKeySpan : scores;
       for (int64_t j = 0; j < span_keys; ++j) {
         keys[j] = t.key_cache + slot_offsets[j] + h * dim;
         values[j] = t.value_cache + slot_offsets[j] + h * dim;
@@ -443,13 +639,23 @@ static void attend_tile_of(const AttentionTile<Cache>& t) {
       for (int64_t j = span_keys; j < padded_keys; ++j) keys[j] = keys[0];
       int64_t r = first_row;
       for (; r + 3 <= rows; r += 3) {
-        attend_rows<3, kDot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores, ahead);
+        attend_rows<3, kDot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, head_scores, ahead, by_slot,
+                             kDot && by_slot);
       }
-      if (rows - r == 2) attend_rows<2, kDot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores, ahead);
-      if (rows - r == 1) attend_rows<1, kDot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, scores, ahead);
+      if (rows - r == 2) {
+        attend_rows<2, kDot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, head_scores, ahead, by_slot,
+                             kDot && by_slot);
+      }
+      if (rows - r == 1) {
+        attend_rows<1, kDot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, head_scores, ahead, by_slot,
+                             kDot && by_slot);
+      }
+    }
+    if constexpr (kDot && by_slot) {
+      values_span_by_slot(t, heads, slot_offsets, span, span_keys, first_row, rows, scores, ahead);
     }
   }
-  if (t.next) ahead.all();  // what the groups did not ask for (a tile of fewer keys than counted)
+  ahead.all();  // what the groups did not ask for (a tile of fewer keys than counted)
   for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
     for (int64_t qi = 0; qi < t.num_queries; ++qi) {
       for (int64_t i = 0; i < group; ++i) {
@@ -464,6 +670,12 @@ static void attend_tile_of(const AttentionTile<Cache>& t) {
       }
     }
   }
+}
+
+template <class Cache, bool kDot = false>
+static void attend_tile_of(const AttentionTile<Cache>& t) {
+  if (t.num_tile_kv_heads > 1) return attend_tile_with<Cache, kDot, true>(t);
+  attend_tile_with<Cache, kDot, false>(t);
 }
 
 static void attend_tile(const AttentionTile<float>& tile) { attend_tile_of(tile); }

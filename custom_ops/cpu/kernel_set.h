@@ -42,10 +42,11 @@ struct AttentionTile {
   bool first_span_prefetched;  // the tile before asked for this one's first span already
 };
 
-// Scratch of a tile of `queries` queries over `tile_kv_heads` kv heads.
+// Scratch of a tile of `queries` queries over `tile_kv_heads` kv heads: each head's scores of a span, its rows' queries,
+// accumulators and softmax state.
 inline int64_t attention_scratch_floats(int64_t queries, int64_t tile_kv_heads, int64_t group, int64_t head_dim) {
   const int64_t rows = queries * group;  // per kv head
-  return rows * kKeySpan + tile_kv_heads * rows * (2 * head_dim + 2);
+  return tile_kv_heads * rows * kKeySpan + tile_kv_heads * rows * (2 * head_dim + 2);
 }
 
 struct KernelSet {

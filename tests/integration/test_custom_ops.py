@@ -82,9 +82,10 @@ def test_argmax_rows_is_numpy_argmax_first_of_ties_and_never_a_nan(custom, rows,
 
 
 def mixed_step(rng, block_size: int, num_blocks: int):
-    """Decodes, a fresh prefill longer than a query tile, prefill chunks, a context over many key spans,
-    two requests sharing their first blocks, block ids scattered over the cache (holes between them)."""
-    shapes = [(9, 1), (0, 40), (5, 1), (37, 7), (0, 1), (300, 1), (2 * block_size, 20), (13, 3)]
+    """Decodes, a fresh prefill longer than a query tile, prefill chunks (one whose queries start in one key
+    span and end in the next), a context over many key spans, two requests sharing their first blocks,
+    block ids scattered over the cache (holes between them)."""
+    shapes = [(9, 1), (0, 40), (5, 1), (37, 7), (0, 1), (300, 1), (2 * block_size, 20), (13, 3), (125, 6)]
     free = [int(b) for b in rng.permutation(np.arange(1, num_blocks, 2))]  # odd ids only: holes in every table
     states = []
     for i, (num_cached, num_new) in enumerate(shapes):
@@ -106,7 +107,7 @@ def one_decode_step(rng, block_size: int, num_blocks: int):
 
 @pytest.mark.parametrize("step", [mixed_step, one_decode_step])
 @pytest.mark.parametrize(
-    "num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 32, 5)]
+    "num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 32, 5), (8, 4, 32, 8)]
 )
 def test_rope_cache_write_and_paged_attention_match_the_paddle_backend(
     custom, num_heads, num_kv_heads, head_dim, block_size, step
@@ -148,7 +149,7 @@ def test_rope_cache_write_and_paged_attention_match_the_paddle_backend(
 
 
 @pytest.mark.parametrize(
-    "num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (8, 2, 32, 5), (4, 4, 16, 4)]
+    "num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (8, 2, 32, 5), (4, 4, 16, 4), (8, 4, 32, 8)]
 )
 def test_a_bfloat16_cache_holds_the_rounded_keys_and_attention_reads_them_as_float32(
     custom, num_heads, num_kv_heads, head_dim, block_size

@@ -528,16 +528,19 @@ struct SpanPrefetch {
   }
 };
 
-// What a tile asks for while it computes: its own keys after its first span, then the next tile's first
-// span (the thread's next tile), `step` slots per ask, so that both are asked for by the end of the tile
-// at about the pace its keys are used, each span while the span before it computes.
+// What a tile asks for while it computes: its own keys after its first span (a decode's: one query), then
+// the next tile's first span (the thread's next tile), `step` slots per ask, so that both are asked for by
+// the end of the tile at about the pace its keys are used, each span while the span before it computes.
+// A tile of several queries (a prefill's) asks for each later span at once when it begins, as before
+// (spreading them measured no faster there, and the whole-step prefill figures moved the wrong way).
 template <class Cache>
 struct TileAsks {
   SpanPrefetch<Cache> own, next;
+  bool spreads_own = false;
 
-  TileAsks(const AttentionTile<Cache>& t, int64_t num_asks) {
+  TileAsks(const AttentionTile<Cache>& t, int64_t num_asks) : spreads_own(t.num_queries == 1) {
     const int64_t num_keys = t.first_position + t.num_queries;
-    if (num_keys > kKeySpan) own = SpanPrefetch<Cache>(&t, kKeySpan, num_keys, 0);
+    if (spreads_own && num_keys > kKeySpan) own = SpanPrefetch<Cache>(&t, kKeySpan, num_keys, 0);
     if (t.next) next = SpanPrefetch<Cache>::span_of(t.next, 0, 0);
     const int64_t slots = (own.end_key - own.cursor) + (next.end_key - next.cursor);
     own.step = next.step = num_asks > 0 ? (slots + num_asks - 1) / num_asks : slots;
@@ -551,8 +554,14 @@ struct TileAsks {
     }
   }
 
-  // The tile's keys before `key` not yet asked for (a span about to be scored).
-  inline void through(int64_t key) { own.through(key); }
+  // The lines of the tile's span from key `span` not yet asked for (it is about to be scored).
+  inline void span_begins(const AttentionTile<Cache>& t, int64_t span) {
+    if (spreads_own) {
+      own.through(SpanPrefetch<Cache>::span_of(&t, span, 0).end_key);
+    } else {
+      SpanPrefetch<Cache>::span_of(&t, span, 0, true).all();
+    }
+  }
 
   inline void all() {
     own.all();
@@ -622,7 +631,7 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
     // This span's lines: asked for while the span before computed (the first span: by the tile before),
     // else now, at once.
     if (span == 0 && !t.first_span_prefetched) SpanPrefetch<Cache>::span_of(&t, 0, 0, true).all();
-    if (span > 0) ahead.through(span + span_keys);
+    if (span > 0) ahead.span_begins(t, span);
     const int64_t padded_keys = (span_keys + 3) / 4 * 4;  // extra keys repeat one; their scores are never read
     // Queries before the span see none of it.
     const int64_t first_row = (span > t.first_position ? span - t.first_position : 0) * group;

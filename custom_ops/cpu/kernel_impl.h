@@ -628,8 +628,8 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
       const int64_t slot = t.block_ids[position / t.block_size] * t.block_size + position % t.block_size;
       slot_offsets[j] = (slot * t.num_kv_heads + t.kv_head) * dim;
     }
-    // This span's lines: asked for while the span before computed (the first span: by the tile before),
-    // else now, at once.
+    // This span's lines: the first span's asked for by the tile before, else now, at once; a later span's
+    // by span_begins (a decode tile's: while the span before computed).
     if (span == 0 && !t.first_span_prefetched) SpanPrefetch<Cache>::span_of(&t, 0, 0, true).all();
     if (span > 0) ahead.span_begins(t, span);
     const int64_t padded_keys = (span_keys + 3) / 4 * 4;  // extra keys repeat one; their scores are never read

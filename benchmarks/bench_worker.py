@@ -237,6 +237,9 @@ def main() -> None:
             f"{key}={value}" for key, value in runs[0].described.items() if key in ("kernels_isa", "cpu_features")
         )
     )
+    # An editable install imports its own checkout, not this script's: A/B runs from a worktree need
+    # PYTHONPATH=<worktree>, and this line shows which code ran.
+    print(f"code: {os.path.dirname(os.path.dirname(os.path.abspath(model_runner_module.__file__)))}")
     print(f"\nstep ms (tokens/s; vs {reference.name})")
     print(f"{'case':<16}" + "".join(f"{run.name:>34}" for run in runs))
     for index, (case, num_tokens, *_) in enumerate(reference.cases):

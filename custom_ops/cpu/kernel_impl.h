@@ -384,29 +384,35 @@ static inline int64_t visible_keys(const AttentionTile<Cache>& t, int64_t r, int
   return most_visible;
 }
 
-// Scores (unless `scored`), softmax and values (unless `values_by_slot`) of one span for ROWS consecutive rows
-// (from row r) of one kv head.
-template <int ROWS, bool kDot, class Cache, class Ahead>
+// Softmax and values of one span for ROWS consecutive rows (from row r) of one kv head, and their scores
+// unless by_slot (score_span_by_slot scored them). Values: with kDot && by_slot, values_span_by_slot sums
+// them; other by_slot tiles ask while summing, one-head tiles (prefills, long contexts) only while scoring.
+template <int ROWS, bool kDot, bool by_slot, class Cache, class Ahead>
 static inline void attend_rows(const AttentionTile<Cache>& t, const HeadRows& head, int64_t r, int64_t span,
                                int64_t span_keys, int64_t padded_keys, const Cache* const* keys,
-                               const Cache* const* values, float* scores, Ahead& ahead, bool scored,
-                               bool values_by_slot) {
+                               const Cache* const* values, float* scores, Ahead& ahead) {
   const int64_t dim = t.head_dim;
-  if (!scored) score_head_rows<ROWS, kDot>(head, r, dim, keys, padded_keys, scores, ahead);
+  if constexpr (!by_slot) score_head_rows<ROWS, kDot>(head, r, dim, keys, padded_keys, scores, ahead);
   int64_t visible[ROWS];
   const int64_t most_visible = visible_keys(t, r, ROWS, span, span_keys, visible);
   for (int i = 0; i < ROWS; ++i) {
     softmax_update(scores + (r + i) * kKeySpan, visible[i], most_visible, head.running_max + r + i,
                    head.running_sum + r + i, head.acc + (r + i) * dim, dim);
   }
-  if (values_by_slot) return;
-  NoAsks no_asks;  // one-head tiles (prefills, long contexts) ask while scoring only, as they did
-  if constexpr (kDot) {
-    if (scored) accumulate_values_dot<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim, ahead);
-    else accumulate_values_dot<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim, no_asks);
-  } else {
-    if (scored) accumulate_values<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim, ahead);
-    else accumulate_values<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim, no_asks);
+  if constexpr (!(kDot && by_slot)) {
+    NoAsks no_asks;
+    auto& value_asks = [&]() -> auto& {
+      if constexpr (by_slot) {
+        return ahead;
+      } else {
+        return no_asks;
+      }
+    }();
+    if constexpr (kDot) {
+      accumulate_values_dot<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim, value_asks);
+    } else {
+      accumulate_values<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim, value_asks);
+    }
   }
 }
 
@@ -554,9 +560,12 @@ struct TileAsks {
     }
   }
 
-  // The lines of the tile's span from key `span` not yet asked for (it is about to be scored).
+  // The lines of the tile's span from key `span` not yet asked for (it is about to be scored): the first
+  // span's unless the tile before asked for them, a later span's at once, or what a decode's asks left.
   inline void span_begins(const AttentionTile<Cache>& t, int64_t span) {
-    if (spreads_own) {
+    if (span == 0) {
+      if (!t.first_span_prefetched) SpanPrefetch<Cache>::span_of(&t, 0, 0, true).all();
+    } else if (spreads_own) {
       own.through(SpanPrefetch<Cache>::span_of(&t, span, 0).end_key);
     } else {
       SpanPrefetch<Cache>::span_of(&t, span, 0, true).all();
@@ -628,10 +637,7 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
       const int64_t slot = t.block_ids[position / t.block_size] * t.block_size + position % t.block_size;
       slot_offsets[j] = (slot * t.num_kv_heads + t.kv_head) * dim;
     }
-    // This span's lines: the first span's asked for by the tile before, else now, at once; a later span's
-    // by span_begins (a decode tile's: while the span before computed).
-    if (span == 0 && !t.first_span_prefetched) SpanPrefetch<Cache>::span_of(&t, 0, 0, true).all();
-    if (span > 0) ahead.span_begins(t, span);
+    ahead.span_begins(t, span);  // what was not asked for while the span (or tile) before computed
     const int64_t padded_keys = (span_keys + 3) / 4 * 4;  // extra keys repeat one; their scores are never read
     // Queries before the span see none of it.
     const int64_t first_row = (span > t.first_position ? span - t.first_position : 0) * group;
@@ -641,23 +647,25 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
     }
     for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
       float* head_scores = by_slot ? scores + h * rows * kKeySpan : scores;
-      for (int64_t j = 0; j < span_keys; ++j) {
-        keys[j] = t.key_cache + slot_offsets[j] + h * dim;
-        values[j] = t.value_cache + slot_offsets[j] + h * dim;
+      if constexpr (!by_slot) {  // a by_slot tile's keys were scored by score_span_by_slot
+        for (int64_t j = 0; j < span_keys; ++j) keys[j] = t.key_cache + slot_offsets[j] + h * dim;
+        for (int64_t j = span_keys; j < padded_keys; ++j) keys[j] = keys[0];
       }
-      for (int64_t j = span_keys; j < padded_keys; ++j) keys[j] = keys[0];
+      if constexpr (!(kDot && by_slot)) {  // kDot && by_slot: values_span_by_slot sums the values
+        for (int64_t j = 0; j < span_keys; ++j) values[j] = t.value_cache + slot_offsets[j] + h * dim;
+      }
       int64_t r = first_row;
       for (; r + 3 <= rows; r += 3) {
-        attend_rows<3, kDot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, head_scores, ahead, by_slot,
-                             kDot && by_slot);
+        attend_rows<3, kDot, by_slot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, head_scores,
+                                      ahead);
       }
       if (rows - r == 2) {
-        attend_rows<2, kDot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, head_scores, ahead, by_slot,
-                             kDot && by_slot);
+        attend_rows<2, kDot, by_slot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, head_scores,
+                                      ahead);
       }
       if (rows - r == 1) {
-        attend_rows<1, kDot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, head_scores, ahead, by_slot,
-                             kDot && by_slot);
+        attend_rows<1, kDot, by_slot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, head_scores,
+                                      ahead);
       }
     }
     if constexpr (kDot && by_slot) {

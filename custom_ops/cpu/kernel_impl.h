@@ -485,26 +485,29 @@ template <class Cache>
 struct SpanPrefetch {
   const AttentionTile<Cache>* tile = nullptr;
   int64_t end_key = 0, cursor = 0, step = 0, bytes = 0;
+  int64_t block = 0, within = 0;  // the cursor's block-table entry and slot in it (no division per slot)
   int key_locality = 2;  // keys into L2, or into L1 (3) when they are scored right after
 
   SpanPrefetch() = default;
   // Keys [from, to) of `of`, asked for in about `asks` asks (0: at once); `into_l1` for the keys.
   SpanPrefetch(const AttentionTile<Cache>* of, int64_t from, int64_t to, int64_t asks, bool into_l1 = false)
-      : tile(of), end_key(to), cursor(from), key_locality(into_l1 ? 3 : 2) {
+      : tile(of), end_key(to), cursor(from), block(from / of->block_size), within(from % of->block_size),
+        key_locality(into_l1 ? 3 : 2) {
     step = asks > 0 ? (to - from + asks - 1) / asks : to - from;
     bytes = of->num_tile_kv_heads * of->head_dim * static_cast<int64_t>(sizeof(Cache));
   }
   // The span of `of` from key `span`.
   static SpanPrefetch span_of(const AttentionTile<Cache>* of, int64_t span, int64_t asks, bool into_l1 = false) {
-    const int64_t num_keys = of->first_position + of->num_queries;
-    return SpanPrefetch(of, span, num_keys - span < kKeySpan ? num_keys : span + kKeySpan, asks, into_l1);
+    const int64_t end = of->key_end;
+    return SpanPrefetch(of, span, end - span < kKeySpan ? end : span + kKeySpan, asks, into_l1);
   }
 
   inline void operator()() {
     const int64_t stop = cursor + step < end_key ? cursor + step : end_key;
     for (; cursor < stop; ++cursor) {
       const AttentionTile<Cache>& t = *tile;
-      const int64_t slot = t.block_ids[cursor / t.block_size] * t.block_size + cursor % t.block_size;
+      const int64_t slot = t.block_ids[block] * t.block_size + within;
+      if (++within == t.block_size) within = 0, ++block;
       const int64_t offset = (slot * t.num_kv_heads + t.kv_head) * t.head_dim;
       const char* key_rows = reinterpret_cast<const char*>(t.key_cache + offset);
       const char* value_rows = reinterpret_cast<const char*>(t.value_cache + offset);
@@ -545,9 +548,9 @@ struct TileAsks {
   bool spreads_own = false;
 
   TileAsks(const AttentionTile<Cache>& t, int64_t num_asks) : spreads_own(t.num_queries == 1) {
-    const int64_t num_keys = t.first_position + t.num_queries;
-    if (spreads_own && num_keys > kKeySpan) own = SpanPrefetch<Cache>(&t, kKeySpan, num_keys, 0);
-    if (t.next) next = SpanPrefetch<Cache>::span_of(t.next, 0, 0);
+    const int64_t second_span = t.key_begin + kKeySpan;
+    if (spreads_own && t.key_end > second_span) own = SpanPrefetch<Cache>(&t, second_span, t.key_end, 0);
+    if (t.next) next = SpanPrefetch<Cache>::span_of(t.next, t.next->key_begin, 0);
     const int64_t slots = (own.end_key - own.cursor) + (next.end_key - next.cursor);
     own.step = next.step = num_asks > 0 ? (slots + num_asks - 1) / num_asks : slots;
   }
@@ -563,8 +566,8 @@ struct TileAsks {
   // The lines of the tile's span from key `span` not yet asked for (it is about to be scored): the first
   // span's unless the tile before asked for them, a later span's at once, or what a decode's asks left.
   inline void span_begins(const AttentionTile<Cache>& t, int64_t span) {
-    if (span == 0) {
-      if (!t.first_span_prefetched) SpanPrefetch<Cache>::span_of(&t, 0, 0, true).all();
+    if (span == t.key_begin) {
+      if (!t.first_span_prefetched) SpanPrefetch<Cache>::span_of(&t, span, 0, true).all();
     } else if (spreads_own) {
       own.through(SpanPrefetch<Cache>::span_of(&t, span, 0).end_key);
     } else {
@@ -621,7 +624,7 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
   int64_t slot_offsets[kKeySpan];  // elements from the cache's start to the slot's first kv head of the tile
   const Cache* keys[kKeySpan];
   const Cache* values[kKeySpan];
-  const int64_t num_keys = t.first_position + t.num_queries;
+  const int64_t num_keys = t.key_end - t.key_begin;
   // About how many times this tile calls ahead() (per group of 4 keys: once scoring, and with by_slot once per
   // value pass): its later spans and the next tile's first span are spread over them.
   const int64_t row_groups = (rows + 2) / 3;
@@ -630,12 +633,11 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
   const int64_t num_asks =
       row_groups * ((num_keys + 3) / 4) * (t.num_tile_kv_heads + (by_slot ? value_heads * value_passes : 0));
   TileAsks<Cache> ahead(t, num_asks);
-  for (int64_t span = 0; span < num_keys; span += kKeySpan) {
-    const int64_t span_keys = num_keys - span < kKeySpan ? num_keys - span : kKeySpan;
-    for (int64_t j = 0; j < span_keys; ++j) {
-      const int64_t position = span + j;
-      const int64_t slot = t.block_ids[position / t.block_size] * t.block_size + position % t.block_size;
-      slot_offsets[j] = (slot * t.num_kv_heads + t.kv_head) * dim;
+  for (int64_t span = t.key_begin; span < t.key_end; span += kKeySpan) {
+    const int64_t span_keys = t.key_end - span < kKeySpan ? t.key_end - span : kKeySpan;
+    for (int64_t j = 0, block = span / t.block_size, within = span % t.block_size; j < span_keys; ++j) {
+      slot_offsets[j] = ((t.block_ids[block] * t.block_size + within) * t.num_kv_heads + t.kv_head) * dim;
+      if (++within == t.block_size) within = 0, ++block;  // no division per key
     }
     ahead.span_begins(t, span);  // what was not asked for while the span (or tile) before computed
     const int64_t padded_keys = (span_keys + 3) / 4 * 4;  // extra keys repeat one; their scores are never read
@@ -678,10 +680,16 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
       for (int64_t i = 0; i < group; ++i) {
         const int64_t r = qi * group + i;
         float* dst = t.out + (t.first_token + qi) * t.num_heads * dim + ((t.kv_head + h) * group + i) * dim;
+        float scale = 1.0f / heads[h].running_sum[r];
+        if (t.partial != nullptr) {  // a split: the sums as they are, and the softmax state to merge them by
+          dst = t.partial + (h * rows + r) * (dim + 2);
+          dst[dim] = heads[h].running_max[r], dst[dim + 1] = heads[h].running_sum[r];
+          scale = 1.0f;
+        }
         if constexpr (kDot) {
-          store_unpermuted(heads[h].acc + r * dim, 1.0f / heads[h].running_sum[r], dim, dst);
+          store_unpermuted(heads[h].acc + r * dim, scale, dim, dst);
         } else {
-          const reg inv = Vec::set1(1.0f / heads[h].running_sum[r]);
+          const reg inv = Vec::set1(scale);
           for (int64_t d = 0; d < dim; d += W) Vec::store(dst + d, Vec::mul(Vec::load(heads[h].acc + r * dim + d), inv));
         }
       }

@@ -40,6 +40,12 @@ struct AttentionTile {
   // tile computes, a few at each group of keys, so that its misses overlap this tile's arithmetic.
   const AttentionTile* next;
   bool first_span_prefetched;  // the tile before asked for this one's first span already
+  // The keys the tile reads, [key_begin, key_end): all of them (0, first_position + num_queries), or a part of
+  // a decode's (a split: the threads share one request's keys).
+  int64_t key_begin, key_end;
+  // Null, or where a split leaves its rows' partial results for paged_attention to merge: per kv head of the
+  // tile and row, head_dim unnormalized sums of values (the head's order), then the row's max score and sum.
+  float* partial;
 };
 
 // Scratch of a tile of `queries` queries over `tile_kv_heads` kv heads: each head's scores of a span, its rows' queries,

@@ -97,15 +97,23 @@ def mixed_step(rng, block_size: int, num_blocks: int):
     return build_step_inputs([(s, n) for s, (_, n) in zip(states, shapes)], block_size, num_blocks)
 
 
-def one_decode_step(rng, block_size: int, num_blocks: int):
-    """One sequence decoding its 301st token, its blocks scattered: fewer requests than threads, so each kv head
-    is a tile of its own."""
-    blocks = [int(b) for b in rng.permutation(np.arange(1, num_blocks, 2))[: -(-301 // block_size)]]
-    state = RequestState("r0", list(range(301)), 301, wire.SamplingParams(), blocks, 300)
+def one_decode_step(rng, block_size: int, num_blocks: int, length: int = 301):
+    """One sequence decoding its 301st token, its blocks scattered: fewer requests than threads, so its keys
+    are split over the threads (each part over several key spans, for every kv head) and the parts merged."""
+    blocks = [int(b) for b in rng.permutation(np.arange(1, num_blocks, 2))[: -(-length // block_size)]]
+    state = RequestState("r0", list(range(length)), length, wire.SamplingParams(), blocks, length - 1)
     return build_step_inputs([(state, 1)], block_size, num_blocks)
 
 
-@pytest.mark.parametrize("step", [mixed_step, one_decode_step])
+def short_decode_step(rng, block_size: int, num_blocks: int):
+    """One sequence decoding its 40th token: too few keys to split, so each kv head is a tile of its own."""
+    return one_decode_step(rng, block_size, num_blocks, length=40)
+
+
+DECODE_AND_MIXED_STEPS = [mixed_step, one_decode_step, short_decode_step]
+
+
+@pytest.mark.parametrize("step", DECODE_AND_MIXED_STEPS)
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 32, 5), (8, 4, 32, 8)]
 )
@@ -148,11 +156,12 @@ def test_rope_cache_write_and_paged_attention_match_the_paddle_backend(
         np.testing.assert_array_equal(turned, ~at_start, err_msg=name)
 
 
+@pytest.mark.parametrize("step", DECODE_AND_MIXED_STEPS)
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (8, 2, 32, 5), (4, 4, 16, 4), (8, 4, 32, 8)]
 )
 def test_a_bfloat16_cache_holds_the_rounded_keys_and_attention_reads_them_as_float32(
-    custom, num_heads, num_kv_heads, head_dim, block_size
+    custom, num_heads, num_kv_heads, head_dim, block_size, step
 ):
     """With AVX512-BF16 and head_dim a multiple of 32, the scores multiply the scaled query rounded to bf16
     (vdpbf16ps); elsewhere the query stays float32. The values are summed in float32 either way."""
@@ -160,7 +169,7 @@ def test_a_bfloat16_cache_holds_the_rounded_keys_and_attention_reads_them_as_flo
     num_blocks = 2 * (-(-320 // block_size)) * 8 + 1
     config = attention_config(num_heads, num_kv_heads, head_dim, MAX_POSITIONS)
     rotary = RotaryEmbedding(config.rope, head_dim, MAX_POSITIONS)
-    inputs = mixed_step(rng, block_size, num_blocks)
+    inputs = step(rng, block_size, num_blocks)
     cache = bf16_rounded(rng.standard_normal((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=np.float32))
     qkv = rng.standard_normal((len(inputs.positions), (num_heads + 2 * num_kv_heads) * head_dim), dtype=np.float32)
     attention = custom.attention(config, block_size, rotary)

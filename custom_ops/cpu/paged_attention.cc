@@ -46,7 +46,7 @@ struct TileWork {
   int64_t partial = -1;                 // a split's offset in the partial results, or -1
 };
 
-// Below this many keys per thread a decode's keys are not split: the merge would cost more than it saves.
+// Fewer keys than this per part: a decode's keys are not split (into fewer parts), the merge would cost more.
 constexpr int64_t kMinSplitKeys = 32;
 
 template <class Cache>
@@ -91,17 +91,16 @@ void merge_splits(const std::vector<Split>& splits, const float* partials, const
                   int64_t num_heads, int64_t group, int64_t head_dim, float* out) {
   const int64_t stride = head_dim + 2;
   for (const Split& split : splits) {
-    const int64_t rows = group;
     float* query_out = out + requests.query_start[split.request] * num_heads * head_dim;
-    for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t row = 0; row < group; ++row) {
       const float* first_part = partials + split.first + row * stride;
       float max = -INFINITY;
-      for (int64_t p = 0; p < split.parts; ++p) max = std::max(max, first_part[p * rows * stride + head_dim]);
+      for (int64_t p = 0; p < split.parts; ++p) max = std::max(max, first_part[p * group * stride + head_dim]);
       float* dst = query_out + (split.kv_head * group + row) * head_dim;
       std::fill(dst, dst + head_dim, 0.0f);
       float sum = 0.0f;
       for (int64_t p = 0; p < split.parts; ++p) {
-        const float* part = first_part + p * rows * stride;
+        const float* part = first_part + p * group * stride;
         const float weight = std::exp(part[head_dim] - max);
         sum += weight * part[head_dim + 1];
         for (int64_t d = 0; d < head_dim; ++d) dst[d] += weight * part[d];
@@ -184,7 +183,8 @@ void paged_attention(const KernelSet& kernels, const float* query, int64_t num_t
   // Fewer requests than threads (a decode of one sequence): a decode's keys are split into parts over the
   // threads, a tile per kv head and part, merged after (flash-decoding); other queries get a tile per kv head.
   // (A part's kv heads in one tile, read slot by slot as a decode tile of many requests reads them, measured
-  // slower here: 2.4 against 2.1 ms unsplit for one sequence at 2000 keys, one-head parts 1.8.)
+  // slower: 2.3-2.5 ms against 2.1 unsplit for one sequence at 2000 keys, one-head parts 1.7-1.9, both in a
+  // version whose later parts asked for the wrong first span; one-head parts after the fix 1.9-2.0.)
   const int64_t num_threads = omp_get_max_threads();
   const bool few_requests = requests.count < num_threads;
   const int64_t parts_per_request = (num_threads + requests.count - 1) / std::max<int64_t>(requests.count, 1);

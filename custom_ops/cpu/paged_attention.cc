@@ -195,7 +195,8 @@ void paged_attention(const KernelSet& kernels, const float* query, int64_t num_t
     for (int64_t b = 0; b < (lens[r] + block_size - 1) / block_size; ++b) {
       PD_CHECK(table[r * width + b] >= 0 && table[r * width + b] < caches.num_blocks, "block id outside the cache");
     }
-    const int64_t parts = few_requests && num_queries == 1 ? std::min(parts_per_request, lens[r] / kMinSplitKeys) : 1;
+    // A decode's parts: 1 unless few_requests (parts_per_request is 1 then), or its keys are too few.
+    const int64_t parts = num_queries == 1 ? std::min(parts_per_request, lens[r] / kMinSplitKeys) : 1;
     if (parts > 1) {
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         splits.push_back({r, h, parts, num_partial_floats});

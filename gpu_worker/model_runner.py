@@ -162,7 +162,7 @@ class ModelRunner:
                 return LaunchedStep(prepared)
             for state in inputs.sampling_requests:
                 state.awaiting_token = True
-            logits = self.model.compute_logits(take_rows(hidden, paddle.to_tensor(inputs.logits_indices)))
+            logits = self.model.compute_logits(_sampling_rows(hidden, inputs.logits_indices))
             self.clock.launched()
             return LaunchedStep(prepared, logits, model_inputs=model_inputs)
         except Exception as exc:
@@ -245,6 +245,14 @@ class ModelRunner:
             state.block_ids.extend(running.new_block_ids)
             scheduled.append((state, running.num_scheduled_tokens))
         return [(state, count) for state, count in scheduled if count > 0]
+
+
+def _sampling_rows(hidden: paddle.Tensor, logits_indices) -> paddle.Tensor:
+    """The rows of `hidden` whose logits are sampled: `hidden` itself where every row is (a step of decodes:
+    the indices, increasing and distinct, are then 0..rows-1), a copy of those rows otherwise."""
+    if len(logits_indices) == hidden.shape[0]:
+        return hidden
+    return take_rows(hidden, paddle.to_tensor(logits_indices))
 
 
 def _free_and_total_memory(device: str) -> tuple[int, int] | None:

@@ -46,7 +46,9 @@ class Draw:
 
     requests: Sequence[SamplingRequest]
     tokens: paddle.Tensor
-    packed: paddle.Tensor  # float64: the tokens, then per logprobs row its logprob and top-k values and ids
+    # The tokens alone (int64) where no row asked for logprobs; else float64: the tokens, then per logprobs row
+    # its logprob and top-k values and ids.
+    packed: paddle.Tensor
     logprob_rows: np.ndarray  # rows that asked for logprobs
     max_k: int
 
@@ -163,13 +165,13 @@ def _with_logprobs(logits: paddle.Tensor, requests: Sequence[SamplingRequest], t
     wanted = np.array([r.sampling.logprobs is not None for r in requests])
     rows = np.flatnonzero(wanted)
     max_k = max((requests[row].sampling.logprobs for row in rows), default=0)
-    packed = [tokens.astype("float64")]
-    if len(rows):
-        logprobs = log_softmax(_rows(logits, wanted))
-        chosen_ids = paddle.gather(tokens, paddle.to_tensor(rows)).unsqueeze(-1)
-        parts = [paddle.take_along_axis(logprobs, chosen_ids, axis=-1)]
-        if max_k:
-            top_values, top_ids = paddle.topk(logprobs, max_k, axis=-1)
-            parts += [top_values, top_ids.astype(logprobs.dtype)]
-        packed.append(paddle.concat(parts, axis=-1).astype("float64").reshape([-1]))
-    return Draw(requests, tokens, paddle.concat(packed) if len(packed) > 1 else packed[0], rows, max_k)
+    if not len(rows):
+        return Draw(requests, tokens, tokens, rows, max_k)  # the tokens alone: nothing to pack with them
+    logprobs = log_softmax(_rows(logits, wanted))
+    chosen_ids = paddle.gather(tokens, paddle.to_tensor(rows)).unsqueeze(-1)
+    parts = [paddle.take_along_axis(logprobs, chosen_ids, axis=-1)]
+    if max_k:
+        top_values, top_ids = paddle.topk(logprobs, max_k, axis=-1)
+        parts += [top_values, top_ids.astype(logprobs.dtype)]
+    packed = [tokens.astype("float64"), paddle.concat(parts, axis=-1).astype("float64").reshape([-1])]
+    return Draw(requests, tokens, paddle.concat(packed), rows, max_k)

@@ -10,7 +10,8 @@ float32) runs every case in the same run; "vs f32" divides by the custom float32
 For decode B=1, "read ms" is the time to read the weights' actual bytes (what the model holds in that
 precision) once at the read bandwidth measured in this run (torch's sum over a 1 GiB array). The
 breakdown times the parts of the median step with wall-clock timers (Paddle on CPU runs ops
-synchronously). ISA_CAP (avx2, avx512; default all: BLOCKSERVE_CPU_ISA) keeps the custom ops below what the
+synchronously); inside the fused decoder stack (the default), the op clocks its own stages (time_stages),
+so the linear matmuls and the attention are the same parts in both modes. ISA_CAP (avx2, avx512; default all: BLOCKSERVE_CPU_ISA) keeps the custom ops below what the
 CPU has: `custom:float32:none:avx2` and `custom:bfloat16:none:avx2` measure the AVX2 path
 (bf16 storage widened to fp32 in registers) on an AVX-512 machine. The worker's OpenMP settings (gpu_worker/cpu_threads.py) apply, as in the service.
 """
@@ -36,6 +37,7 @@ import paddle  # noqa: E402
 import torch  # noqa: E402
 
 import gpu_worker.model_runner as model_runner_module  # noqa: E402
+from gpu_worker.kernels import STACK_STAGES, FusedDecoderStack  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
 from gpu_worker.step_inputs import build_step_inputs  # noqa: E402
 from service import wire  # noqa: E402
@@ -52,7 +54,9 @@ PRECISIONS = (
     "custom:auto:gguf",
     "paddle:float32:none",
 )
-PARTS = ("layers", "linear matmuls", "attention", "lm_head", "input building", "sampling")
+PARTS = ("linear matmuls", "attention", "lm_head", "input building", "sampling")
+LINEAR_STAGES = ("qkv", "o", "gate_up", "down")
+ATTENTION_STAGES = ("rope + KV write", "attention")  # as op by op: attend_qkv
 
 
 class Timers:
@@ -81,7 +85,9 @@ def instrument(runner: ModelRunner, timers: Timers) -> None:
     model = runner.model
     fused = model.kernels.fused_stack(runner.attention, model.config)
     if fused is not None:
-        model.kernels.fused_stack = lambda *_: timers.wrap("layers", fused)
+        fused.time_stages = True
+        timed = stack_timed_by_stage(fused, timers)
+        model.kernels.fused_stack = lambda *_: timed
     else:
         linears = ("qkv", "o", "gate_up", "down")
         model.layers = [
@@ -95,6 +101,20 @@ def instrument(runner: ModelRunner, timers: Timers) -> None:
     model_runner_module.build_step_inputs = timers.wrap("input building", build_step_inputs)
     model.compute_logits = timers.wrap("lm_head", model.compute_logits)
     runner.sampler.draw = timers.wrap("sampling", runner.sampler.draw)
+
+
+def stack_timed_by_stage(stack: FusedDecoderStack, timers: Timers):
+    """`stack`, adding what its stages spent in each call to the linear matmuls and the attention."""
+
+    def run(*args):
+        before = stack.stage_seconds.copy()
+        hidden = stack(*args)
+        spent = dict(zip(STACK_STAGES, stack.stage_seconds - before))
+        timers.seconds["linear matmuls"] += sum(spent[stage] for stage in LINEAR_STAGES)
+        timers.seconds["attention"] += sum(spent[stage] for stage in ATTENTION_STAGES)
+        return hidden
+
+    return run
 
 
 class Workload:
@@ -260,10 +280,7 @@ def main() -> None:
 
 
 def print_breakdown(run: PrecisionRun) -> None:
-    print(
-        f"\n{run.name}: where the median step's time goes (ms; rest = embedding, final norm, python; op by op also "
-        "the layers' norms and activation)"
-    )
+    print(f"\n{run.name}: where the median step's time goes (ms; rest = embedding, the norms, the activation, python)")
     print(f"{'case':<16}" + "".join(f"{part:>16}" for part in PARTS) + f"{'rest':>9}{'attention %':>13}")
     for case, _, step_s, seconds in run.cases:
         per_step = {part: seconds.get(part, 0.0) for part in PARTS}

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import paddle
 import paddle.nn.functional as F
 
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 
 KERNEL_MODES = ("auto", "custom", "paddle")  # auto = custom where it builds and the device can run it
 REPORTED_CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+# bs_decoder_stack's stages, in the order of its StageSeconds output.
+STACK_STAGES = ("norms", "qkv", "rope + KV write", "attention", "o", "gate_up", "silu", "down")
 
 
 class PaddleKernels:
@@ -109,6 +112,10 @@ class FusedDecoderStack:
         self.config = config
         self._layers: list = []  # the layers that _inputs were taken from
         self._inputs: tuple[list, list[int]] = ([], [])
+        # Off in the service. On, each call adds the wall time of each of its stages (STACK_STAGES order, summed
+        # over the layers) to stage_seconds: where a benchmark's fused step goes.
+        self.time_stages = False
+        self.stage_seconds = np.zeros(len(STACK_STAGES))
 
     def _layer_inputs(self, layers: list) -> tuple[list, list[int]]:
         """The norms, packed weights and biases (None: no layer has them) of `layers` in the op's order, and
@@ -128,7 +135,7 @@ class FusedDecoderStack:
 
     def __call__(self, layers: list, hidden, key_caches: list, value_caches: list, metadata: CustomAttentionMetadata):
         weights, formats = self._layer_inputs(layers)
-        hidden, _, _ = self.ops.bs_decoder_stack(
+        hidden, _, _, stage_seconds = self.ops.bs_decoder_stack(
             hidden,
             *weights,
             key_caches,
@@ -147,7 +154,10 @@ class FusedDecoderStack:
             self.config.rms_norm_eps,
             self.attention.query_tile,
             self.attention.isa,
+            self.time_stages,
         )
+        if self.time_stages:
+            self.stage_seconds += stage_seconds.numpy()
         return hidden
 
 

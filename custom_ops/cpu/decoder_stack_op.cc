@@ -5,6 +5,9 @@
 // and each of a layer's 11 outputs and intermediates another ~0.6 us to allocate: one call per layer spent
 // ~0.55 ms of a one-sequence decode step (~4 ms) on these, one call for the stack ~0.1 ms (its ~240
 // tensors) plus the step's buffers once.
+// With time_stages, the op also clocks each stage of every layer (StageSeconds: seconds per stage, summed over
+// the layers; zeros without it), so that a benchmark sees where the fused step goes.
+#include <chrono>
 #include <initializer_list>
 #include <vector>
 
@@ -46,6 +49,27 @@ void apply(const bs::Isa& isa, const Projection& w, const float* x, int64_t rows
   bs::linear::gemm(isa, w.format, x, rows, w.k, w.packed, w.n, w.bias, y);
 }
 
+// A layer's stages, in StageSeconds' order (the input and post-attention norms are one stage).
+enum Stage { kNorms, kQkv, kRopeWrite, kAttention, kO, kGateUp, kSilu, kDown, kNumStages };
+
+// Wall time per stage: each lap adds the time since the last to its stage. The stages run one after another on
+// the calling thread (each parallel inside), so the laps are the stages' times. Off: reads no clock.
+class StageClock {
+ public:
+  explicit StageClock(double* seconds) : seconds_(seconds), last_(now()) {}
+  void lap(Stage stage) {
+    if (seconds_ == nullptr) return;
+    const auto at = now();
+    seconds_[stage] += std::chrono::duration<double>(at - last_).count();
+    last_ = at;
+  }
+
+ private:
+  static std::chrono::steady_clock::time_point now() { return std::chrono::steady_clock::now(); }
+  double* seconds_;
+  std::chrono::steady_clock::time_point last_;
+};
+
 float* buffer(std::vector<paddle::Tensor>& owned, int64_t rows, int64_t width, const paddle::Place& place) {
   owned.push_back(paddle::empty({rows, width}, paddle::DataType::FLOAT32, place));
   return owned.back().data<float>();
@@ -59,7 +83,7 @@ std::vector<paddle::Tensor> DecoderStack(
     const paddle::Tensor& slot_mapping, const paddle::Tensor& query_start, const paddle::Tensor& context_lens,
     const paddle::Tensor& block_table, const paddle::Tensor& cos, const paddle::Tensor& sin,
     const std::vector<int>& formats, int num_heads, int num_kv_heads, int64_t intermediate_size, float eps,
-    int query_tile, int isa_bits) {
+    int query_tile, int isa_bits, bool time_stages) {
   const bs::Isa isa = bs::resolve_isa(isa_bits);
   const auto& kernels = bs::kernels_for(isa);
   PD_CHECK(hidden.is_cpu() && hidden.dtype() == paddle::DataType::FLOAT32 && hidden.shape().size() == 2,
@@ -115,6 +139,8 @@ std::vector<paddle::Tensor> DecoderStack(
   float* attended = buffer(owned, tokens, attention_width, place);
   float* gate_up_out = buffer(owned, tokens, 2 * intermediate_size, place);
   float* activated = buffer(owned, tokens, intermediate_size, place);
+  auto stage_seconds = paddle::full({kNumStages}, 0.0, paddle::DataType::FLOAT64, place);
+  StageClock clock(time_stages ? stage_seconds.data<double>() : nullptr);
   const bs::StepTokens step_tokens{positions.data<int64_t>(), slot_mapping.data<int64_t>(), tokens};
   const bs::StepRequests requests{query_start.data<int64_t>(), context_lens.data<int64_t>(), num_requests,
                                   block_table.data<int64_t>(), block_table.shape()[1]};
@@ -129,19 +155,28 @@ std::vector<paddle::Tensor> DecoderStack(
       bs::rms_norm_rows(kernels, down_out, post_summed, layer.input_norm, normed, summed, tokens, width, eps);
       residual = summed;
     }
+    clock.lap(kNorms);
     apply(isa, layer.qkv, normed, tokens, qkv_out);
+    clock.lap(kQkv);
     bs::rope_write_kv(kernels, qkv_out, step_tokens, cos.data<float>(), sin.data<float>(), cos.shape()[0], num_heads,
                       layer.caches, query);
+    clock.lap(kRopeWrite);
     bs::paged_attention(kernels, query, tokens, num_heads, layer.caches, requests, query_tile, attended);
+    clock.lap(kAttention);
     apply(isa, layer.o, attended, tokens, o_out);
+    clock.lap(kO);
     bs::rms_norm_rows(kernels, o_out, residual, layer.post_norm, normed, post_summed, tokens, width, eps);
+    clock.lap(kNorms);
     apply(isa, layer.gate_up, normed, tokens, gate_up_out);
+    clock.lap(kGateUp);
     bs::silu_and_mul_rows(kernels, gate_up_out, activated, tokens, intermediate_size);
+    clock.lap(kSilu);
     apply(isa, layer.down, activated, tokens, down_out);
+    clock.lap(kDown);
   }
   float* result = out.data<float>();
   for (int64_t i = 0; i < tokens * width; ++i) result[i] = down_out[i] + post_summed[i];
-  return {out};
+  return {out, stage_seconds};
 }
 
 }  // namespace
@@ -153,9 +188,9 @@ PD_BUILD_OP(bs_decoder_stack)
              paddle::Optional(paddle::Vec("GateUpBiases")), paddle::Optional(paddle::Vec("DownBiases")),
              paddle::Vec("KeyCaches"), paddle::Vec("ValueCaches"), "Positions", "SlotMapping", "QueryStart",
              "ContextLens", "BlockTable", "Cos", "Sin"})
-    .Outputs({"HiddenOut", paddle::Vec("KeyCachesOut"), paddle::Vec("ValueCachesOut")})
+    .Outputs({"HiddenOut", paddle::Vec("KeyCachesOut"), paddle::Vec("ValueCachesOut"), "StageSeconds"})
     .SetInplaceMap({{paddle::Vec("KeyCaches"), paddle::Vec("KeyCachesOut")},
                     {paddle::Vec("ValueCaches"), paddle::Vec("ValueCachesOut")}})
     .Attrs({"formats: std::vector<int>", "num_heads: int", "num_kv_heads: int", "intermediate_size: int64_t",
-            "eps: float", "query_tile: int", "isa: int"})
+            "eps: float", "query_tile: int", "isa: int", "time_stages: bool"})
     .SetKernelFn(PD_KERNEL(DecoderStack));

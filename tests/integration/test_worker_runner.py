@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import numpy as np
 import pytest
 
+from gpu_worker.kernels import STACK_STAGES
 from gpu_worker.kv_cache import block_bytes, num_blocks_for
 from gpu_worker.linear import linear
 from gpu_worker.model_runner import ModelRunner
@@ -207,6 +209,25 @@ def test_the_fused_decoder_stack_computes_exactly_what_its_single_ops_compute(sm
     single_ops = paged_logits(runner, token_ids, chunk_size=7)
 
     np.testing.assert_array_equal(fused, single_ops)
+
+
+def test_the_fused_decoder_stack_clocks_its_stages_only_when_asked_and_computes_the_same(smollm_path):
+    """time_stages (bench_worker's breakdown of the fused step) adds each stage's wall time and changes nothing
+    it computes; off (the service), nothing is added."""
+    runner = load_runner(smollm_path, "auto:gguf")
+    token_ids = encode(runner, ENGLISH_TEXT)[:23]
+    stack = runner.model.kernels.fused_stack(runner.attention, runner.model.config)
+    untimed = paged_logits(runner, token_ids, chunk_size=7)
+    assert not stack.stage_seconds.any()
+
+    stack.time_stages = True
+    started = time.perf_counter()
+    timed = paged_logits(runner, token_ids, chunk_size=7)
+    elapsed = time.perf_counter() - started
+
+    np.testing.assert_array_equal(timed, untimed)
+    assert len(stack.stage_seconds) == len(STACK_STAGES)
+    assert (stack.stage_seconds > 0).all() and stack.stage_seconds.sum() < elapsed
 
 
 def test_the_fused_decoder_stack_takes_each_layers_own_weight_formats(smollm_path):

@@ -53,3 +53,6 @@ class CudaKernels(CustomKernels):
 
     def argmax_rows(self, logits):
         return PaddleKernels().argmax_rows(logits)
+
+    def sample_rows(self, logits, params):
+        return PaddleKernels().sample_rows(logits, params)

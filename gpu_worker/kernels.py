@@ -17,6 +17,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from gpu_worker import plain_draw
 from gpu_worker.attention import PagedAttentionBackend, RotaryPagedAttention
 from gpu_worker.custom_attention import CustomAttentionMetadata, CustomPagedAttention
 from gpu_worker.custom_ops import REQUIRED_CPU_FEATURES, CustomOpsUnavailable, IsaSet, cpu_features, load_ops
@@ -51,6 +52,10 @@ class PaddleKernels:
         """int64 [rows]: each row's largest entry (greedy sampling)."""
         return paddle.argmax(logits, axis=-1).astype("int64")
 
+    def sample_rows(self, logits, params):
+        """int64 [rows]: each row's draw without top_k/top_p (gpu_worker/plain_draw.py)."""
+        return plain_draw.sample_rows(logits, params)
+
     def attention(self, config: ModelConfig, block_size: int, rotary: RotaryEmbedding) -> RotaryPagedAttention:
         backend = PagedAttentionBackend(config.num_heads, config.num_kv_heads, config.head_dim, block_size)
         return RotaryPagedAttention(backend, rotary)
@@ -84,6 +89,11 @@ class CustomKernels:
         """Paddle's CPU argmax takes ~2 ms over a [64, 49152] batch, on one thread: greedy sampling of that batch
         took 2.66 ms with it and 0.15 ms with this op (Sampler.draw on a 2-core EPYC)."""
         return self.ops.bs_argmax_rows(logits, self.isa.bits)
+
+    def sample_rows(self, logits, params):
+        """Paddle's CPU ops for the draw take 36 ms over a [64, 49152] batch (on one thread each): sampling 64
+        requests at temperature 1 cost as much as the model's step; bs_sample_rows draws as plain_draw does."""
+        return self.ops.bs_sample_rows(logits, paddle.to_tensor(params, dtype="float64"), self.isa.bits)
 
     def attention(self, config: ModelConfig, block_size: int, rotary: RotaryEmbedding) -> AttentionBackend:
         if config.head_dim % 16:  # the attention kernel works on whole AVX-512 vectors of a head

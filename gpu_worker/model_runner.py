@@ -105,7 +105,7 @@ class ModelRunner:
         else:
             self.step_inputs = HostInputs(self.attention)
         self.clock = ComputeClock(gpu_event if self.device != "cpu" else None)
-        self.sampler = Sampler(argmax=choice.kernels.argmax_rows)
+        self.sampler = Sampler(argmax=choice.kernels.argmax_rows, sample_rows=choice.kernels.sample_rows)
         self.requests: dict[str, RequestState] = {}
         # Requests refused for their own parameters, and why: never computed (no token; each result that skips
         # one says why, and the scheduler ends it alone with that reason), until the scheduler says they finished.

@@ -28,6 +28,7 @@ import paddle.nn.functional as F
 
 from gpu_worker.kernels import PaddleKernels
 from gpu_worker.penalties import SamplingRequest, apply_logit_bias, apply_penalties
+from gpu_worker.plain_draw import inverse_cdf, scaled_logits
 from gpu_worker.tensor_ops import log_softmax, take_rows
 from service import wire
 
@@ -70,9 +71,16 @@ class Draw:
 class Sampler:
     """`sample(logits, requests)` -> one SampledToken per row; `draw` leaves the result on the device."""
 
-    def __init__(self, seed: int | None = None, argmax: Callable[[paddle.Tensor], paddle.Tensor] | None = None):
+    def __init__(
+        self,
+        seed: int | None = None,
+        argmax: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
+        sample_rows: Callable[[paddle.Tensor, np.ndarray], paddle.Tensor] | None = None,
+    ):
         self._rng = np.random.default_rng(seed)
-        self._argmax = argmax or PaddleKernels().argmax_rows  # the worker passes its kernels' argmax_rows
+        # The worker passes its kernels' argmax_rows and sample_rows (a draw without top_k/top_p).
+        self._argmax = argmax or PaddleKernels().argmax_rows
+        self._sample_rows = sample_rows or PaddleKernels().sample_rows
 
     def sample(self, logits: paddle.Tensor, requests: Sequence[SamplingRequest]) -> list[wire.SampledToken]:
         return self.draw(logits, requests).fetch()
@@ -90,12 +98,15 @@ class Sampler:
             groups.append(np.flatnonzero(greedy))
             group_tokens.append(self._argmax(_rows(penalised, greedy)))
         if plain.any():
-            probs = F.softmax(_scaled(_rows(penalised, plain), _select(params, plain)), axis=-1)
+            chosen = _select(params, plain)
+            table = np.array([[p.temperature, min(p.min_p, 1.0)] for p in chosen], dtype=np.float64)
             groups.append(np.flatnonzero(plain))
-            group_tokens.append(_inverse_cdf(probs, uniforms[plain]))
+            group_tokens.append(self._sample_rows(_rows(penalised, plain), np.hstack([table, uniforms[plain, None]])))
         if truncated.any():
             chosen = _select(params, truncated)
-            scaled = _scaled(_rows(penalised, truncated), chosen)
+            temperatures = np.array([[p.temperature] for p in chosen])
+            min_ps = np.minimum(np.array([[p.min_p] for p in chosen]), 1.0)  # the top token always stays
+            scaled = scaled_logits(_rows(penalised, truncated), temperatures, min_ps)
             groups.append(np.flatnonzero(truncated))
             group_tokens.append(_draw_truncated(scaled, chosen, uniforms[truncated]))
         # The groups' tokens back in row order: row i is entry position_of_row[i] of their concatenation.
@@ -120,19 +131,6 @@ def _select(params: list[wire.SamplingParams], selected: np.ndarray) -> list[wir
     return [params[i] for i in np.flatnonzero(selected)]
 
 
-def _scaled(logits: paddle.Tensor, params: list[wire.SamplingParams]) -> paddle.Tensor:
-    """Logits divided by temperature, with tokens under min_p times the top probability removed."""
-    temperature = np.array([[p.temperature] for p in params], dtype=np.float32)
-    logits = logits / paddle.to_tensor(temperature)
-    # Capped at 1 so the floor never rises above the top probability: the most likely token stays.
-    min_p = np.minimum(np.array([[p.min_p] for p in params], dtype=np.float32), 1.0)
-    if (min_p > 0).any():
-        probs = F.softmax(logits, axis=-1)
-        floor = paddle.to_tensor(min_p) * probs.max(axis=-1, keepdim=True)
-        logits = paddle.where(probs < floor, paddle.full_like(logits, -np.inf), logits)
-    return logits
-
-
 def _draw_truncated(logits: paddle.Tensor, params: list[wire.SamplingParams], uniforms: np.ndarray) -> paddle.Tensor:
     """Draw among each row's top_k tokens, cut further to the smallest set holding top_p of the mass."""
     vocab_size = logits.shape[-1]
@@ -148,16 +146,8 @@ def _draw_truncated(logits: paddle.Tensor, params: list[wire.SamplingParams], un
     # The first (most likely) candidate always stays: a top_p of 0, or one that is 0 in float32, keeps it alone.
     kept = (mass_before < paddle.to_tensor(top_p)) | paddle.to_tensor(np.arange(probs.shape[-1])[None, :] == 0)
     probs = paddle.where(kept, probs, paddle.zeros_like(probs))
-    picked = _inverse_cdf(probs, uniforms)
+    picked = inverse_cdf(probs, uniforms)
     return paddle.take_along_axis(sorted_ids, picked.unsqueeze(-1), axis=-1).squeeze(-1).astype("int64")
-
-
-def _inverse_cdf(probs: paddle.Tensor, uniforms: np.ndarray) -> paddle.Tensor:
-    """Index of the first entry whose cumulative (unnormalised) mass exceeds uniform * total."""
-    cdf = paddle.cumsum(probs.astype("float64"), axis=-1)
-    targets = paddle.to_tensor(uniforms[:, None]) * cdf[:, -1:]
-    picked = paddle.searchsorted(cdf, targets, right=True)[:, 0]
-    return paddle.minimum(picked, paddle.full_like(picked, probs.shape[-1] - 1)).astype("int64")
 
 
 def _with_logprobs(logits: paddle.Tensor, requests: Sequence[SamplingRequest], tokens: paddle.Tensor) -> Draw:

@@ -29,6 +29,8 @@ struct Vec {
   static inline reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
   static inline reg min(reg a, reg b) { return _mm256_min_ps(a, b); }
   static inline reg floor(reg a) { return _mm256_floor_ps(a); }
+  // v where v >= at_least, else 0 (a NaN lane: 0)
+  static inline reg keep_at_least(reg v, reg at_least) { return _mm256_and_ps(v, _mm256_cmp_ps(v, at_least, _CMP_GE_OQ)); }
   // 2^n for integral n in [-127, 127] held in a float vector
   static inline reg pow2(reg n) {
     __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);

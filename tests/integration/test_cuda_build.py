@@ -95,8 +95,8 @@ def test_gpu_ops_have_the_cpu_ops_names_and_signatures():
     gpu = registered_ops([Path(source) for source in cuda_build.op_sources()], isa_attr)
     shared = {"bs_rope_write_kv", "bs_paged_attention", "bs_rms_norm", "bs_add_rms_norm", "bs_silu_and_mul"}
     assert {name: cpu[name] for name in shared} == {name: gpu[name] for name in shared}
-    # Linear layers are Paddle's matmul on a GPU, a decoder layer runs op by op there, and greedy sampling
-    # takes Paddle's CUDA argmax (only its CPU kernel is single-threaded).
+    # Linear layers are Paddle's matmul on a GPU, a decoder layer runs op by op there, and sampling takes
+    # Paddle's CUDA argmax and draw (only their CPU kernels are single-threaded).
     cpu_only = {
         "bs_linear_pack",
         "bs_linear_pack_int8",
@@ -104,6 +104,7 @@ def test_gpu_ops_have_the_cpu_ops_names_and_signatures():
         "bs_linear",
         "bs_linear_columns",
         "bs_argmax_rows",
+        "bs_sample_rows",
     }
     assert set(cpu) - shared == cpu_only | {"bs_decoder_stack"}
     assert set(gpu) - shared == {"bs_prepare_step_inputs"}

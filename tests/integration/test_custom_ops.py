@@ -21,6 +21,7 @@ from gpu_worker.attention import PagedAttentionBackend
 from gpu_worker.custom_ops import CustomOpsUnavailable, cpu_features, load_ops
 from gpu_worker.kernels import PaddleKernels, select_kernels
 from gpu_worker.models.rope import RotaryEmbedding
+from gpu_worker.sampler import Sampler
 from gpu_worker.step_inputs import RequestState, build_step_inputs
 from service import wire
 from tests.support.api_peer import ApiPeer
@@ -79,6 +80,86 @@ def test_argmax_rows_is_numpy_argmax_first_of_ties_and_never_a_nan(custom, rows,
     assert ours.dtype == np.int64
     np.testing.assert_array_equal(ours, np.nanargmax(np.where(np.isnan(x), -np.inf, x), axis=-1))
     assert custom.argmax_rows(tensor(np.full((2, width), np.nan, np.float32))).numpy().tolist() == [0, 0]
+
+
+def numpy_draw(logits: np.ndarray, params: np.ndarray) -> np.ndarray:
+    """The draw bs_sample_rows makes, in float64 NumPy: softmax(logits / temperature) without the tokens under
+    min_p times the top probability, then the first token whose cumulative mass exceeds uniform * total."""
+    tokens = []
+    for row, (temperature, min_p, uniform) in zip(logits.astype(np.float64), params):
+        scaled = row / np.float32(temperature)
+        probs = np.exp(scaled - scaled.max())
+        probs[probs < min_p * probs.max()] = 0.0
+        cdf = np.cumsum(probs)
+        tokens.append(min(int(np.searchsorted(cdf, uniform * cdf[-1], side="right")), len(row) - 1))
+    return np.array(tokens)
+
+
+@pytest.mark.parametrize("rows, width", [(1, 1), (3, 17), (64, 49152), (40, 1000), (9, 37)])
+def test_sample_rows_draws_what_numpy_and_the_paddle_reference_draw(custom, rows, width):
+    """Every row of every shape (a width past the last whole vector too) against the float64 NumPy draw and
+    the Paddle ops the op replaces: the same token (they part only where a rounding moves a boundary, for
+    uniforms this rare: none of these rows). Temperatures on both sides of 1, min_p off and on, -inf logits."""
+    rng = np.random.default_rng(rows * width)
+    logits = (rng.standard_normal((rows, width)) * 3).astype(np.float32)
+    if width > 8:
+        logits[0, : width // 3] = -np.inf  # never drawn
+    params = np.stack(
+        [
+            rng.uniform(0.3, 2.0, rows),
+            np.where(np.arange(rows) % 2 == 0, 0.0, rng.uniform(0.0, 0.5, rows)),
+            rng.random(rows),
+        ],
+        axis=1,
+    )
+    ours = custom.sample_rows(tensor(logits), params).numpy()
+
+    assert ours.dtype == np.int64
+    np.testing.assert_array_equal(ours, numpy_draw(logits, params))
+    np.testing.assert_array_equal(ours, PaddleKernels().sample_rows(tensor(logits), params).numpy())
+    if width > 8:
+        assert ours[0] >= width // 3
+
+
+def test_sample_rows_edges_and_bad_parameters(custom):
+    logits = np.random.default_rng(0).standard_normal((4, 300)).astype(np.float32)
+    top = logits.argmax(axis=-1)
+    first_positive = np.zeros(4, dtype=np.int64)  # uniform 0: the first token with any mass
+    cases = {
+        "min_p 1 keeps the top token alone": (np.array([[1.0, 1.0, u] for u in (0.0, 0.3, 0.6, 0.99)]), top),
+        "uniform 0, min_p 0: the first token": (np.array([[1.0, 0.0, 0.0]] * 4), first_positive),
+    }
+    for name, (params, expected) in cases.items():
+        np.testing.assert_array_equal(custom.sample_rows(tensor(logits), params).numpy(), expected, err_msg=name)
+    nan_rows = np.full((2, 300), np.nan, np.float32)
+    nan_rows[1, 7] = 1.0  # NaNs never drawn; a row of NaNs alone falls back to argmax's 0
+    drawn = custom.sample_rows(tensor(nan_rows), np.array([[1.0, 0.0, 0.5]] * 2)).numpy()
+    assert drawn.tolist() == [0, 7]
+    for bad in ([0.0, 0.0, 0.5], [1.0, 1.5, 0.5], [1.0, 0.0, 1.0], [np.nan, 0.0, 0.5]):
+        with pytest.raises(OSError, match="temperature > 0, min_p in"):  # a PD_CHECK
+            custom.sample_rows(tensor(logits[:1]), np.array([bad]))
+
+
+def test_the_sampler_on_the_custom_draw_picks_the_paddle_samplers_tokens(custom):
+    """A batch of every kind of request: greedy, plain draws (the op), seeded, min_p, top_k/top_p (Paddle's)."""
+    rng = np.random.default_rng(5)
+    kinds = [
+        {"temperature": 0.0},
+        {"temperature": 1.0},
+        {"temperature": 0.7, "seed": 11},
+        {"temperature": 1.3, "min_p": 0.05},
+        {"temperature": 1.0, "top_k": 20, "top_p": 0.9},
+    ]
+    requests = [
+        RequestState(f"r{i}", [1, 2, 3], 3, wire.SamplingParams(**kinds[i % len(kinds)]), [], 3) for i in range(40)
+    ]
+    logits = tensor((rng.standard_normal((40, 1000)) * 2).astype(np.float32))
+    custom_sampler = Sampler(seed=3, argmax=custom.argmax_rows, sample_rows=custom.sample_rows)
+
+    ours = [t.token_id for t in custom_sampler.sample(logits, requests)]
+    reference = [t.token_id for t in Sampler(seed=3).sample(logits, requests)]
+
+    assert ours == reference
 
 
 def mixed_step(rng, block_size: int, num_blocks: int):

@@ -17,7 +17,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from gpu_worker import plain_draw
+from gpu_worker import token_draw
 from gpu_worker.attention import PagedAttentionBackend, RotaryPagedAttention
 from gpu_worker.custom_attention import CustomAttentionMetadata, CustomPagedAttention
 from gpu_worker.custom_ops import REQUIRED_CPU_FEATURES, CustomOpsUnavailable, IsaSet, cpu_features, load_ops
@@ -53,8 +53,8 @@ class PaddleKernels:
         return paddle.argmax(logits, axis=-1).astype("int64")
 
     def sample_rows(self, logits, params):
-        """int64 [rows]: each row's draw without top_k/top_p (gpu_worker/plain_draw.py)."""
-        return plain_draw.sample_rows(logits, params)
+        """int64 [rows]: each row's draw (temperature, min_p, top_k, top_p: gpu_worker/token_draw.py)."""
+        return token_draw.sample_rows(logits, params)
 
     def attention(self, config: ModelConfig, block_size: int, rotary: RotaryEmbedding) -> RotaryPagedAttention:
         backend = PagedAttentionBackend(config.num_heads, config.num_kv_heads, config.head_dim, block_size)
@@ -91,8 +91,8 @@ class CustomKernels:
         return self.ops.bs_argmax_rows(logits, self.isa.bits)
 
     def sample_rows(self, logits, params):
-        """Paddle's CPU ops for the draw take 36 ms over a [64, 49152] batch (on one thread each): sampling 64
-        requests at temperature 1 cost as much as the model's step; bs_sample_rows draws as plain_draw does."""
+        """Paddle's CPU ops for the draw take 12-36 ms over a [64, 49152] batch at temperature 1 and 210 ms with
+        top_p (on one thread each): as long as the model's step, or six; bs_sample_rows draws as token_draw does."""
         return self.ops.bs_sample_rows(logits, paddle.to_tensor(params, dtype="float64"), self.isa.bits)
 
     def attention(self, config: ModelConfig, block_size: int, rotary: RotaryEmbedding) -> AttentionBackend:

@@ -9,8 +9,9 @@ bfloat16 the activations are rounded after sums whose order depends on how a ste
 most), so a draw that falls near a boundary between two tokens may differ. Logprobs come from the raw
 model logits.
 
-Rows without top_k/top_p draw over the vocabulary in id order (no sort); only rows that truncate
-pay for a top-k (or, without top_k, a full sort).
+The draw is the kernels' sample_rows (gpu_worker/token_draw.py in Paddle ops; on a CPU the custom op
+bs_sample_rows): rows without top_k/top_p draw over the vocabulary in id order (no sort); rows that
+truncate walk their top tokens from the largest down.
 
 Everything stays on the logits' device until `Draw.fetch()`, which copies the tokens and the asked
 logprobs to the host in one transfer; on a GPU the worker keeps `Draw.tokens` there for the next
@@ -24,11 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 
 from gpu_worker.kernels import PaddleKernels
 from gpu_worker.penalties import SamplingRequest, apply_logit_bias, apply_penalties
-from gpu_worker.plain_draw import inverse_cdf, scaled_logits
 from gpu_worker.tensor_ops import log_softmax, take_rows
 from service import wire
 
@@ -78,7 +77,7 @@ class Sampler:
         sample_rows: Callable[[paddle.Tensor, np.ndarray], paddle.Tensor] | None = None,
     ):
         self._rng = np.random.default_rng(seed)
-        # The worker passes its kernels' argmax_rows and sample_rows (a draw without top_k/top_p).
+        # The worker passes its kernels' argmax_rows and sample_rows (gpu_worker/token_draw.py's draw).
         self._argmax = argmax or PaddleKernels().argmax_rows
         self._sample_rows = sample_rows or PaddleKernels().sample_rows
 
@@ -89,26 +88,20 @@ class Sampler:
         logits = logits if logits.dtype == paddle.float32 else logits.astype("float32")
         params = [r.sampling for r in requests]
         greedy = np.array([p.temperature < GREEDY_TEMPERATURE for p in params])
-        truncated = np.array([p.top_k > 0 or p.top_p < 1.0 for p in params]) & ~greedy
-        plain = ~greedy & ~truncated
         penalised = apply_logit_bias(apply_penalties(logits, requests), requests)
         uniforms = self._uniforms(requests, ~greedy)
         groups, group_tokens = [], []
         if greedy.any():
             groups.append(np.flatnonzero(greedy))
             group_tokens.append(self._argmax(_rows(penalised, greedy)))
-        if plain.any():
-            chosen = _select(params, plain)
-            table = np.array([[p.temperature, min(p.min_p, 1.0)] for p in chosen], dtype=np.float64)
-            groups.append(np.flatnonzero(plain))
-            group_tokens.append(self._sample_rows(_rows(penalised, plain), np.hstack([table, uniforms[plain, None]])))
-        if truncated.any():
-            chosen = _select(params, truncated)
-            temperatures = np.array([[p.temperature] for p in chosen])
-            min_ps = np.minimum(np.array([[p.min_p] for p in chosen]), 1.0)  # the top token always stays
-            scaled = scaled_logits(_rows(penalised, truncated), temperatures, min_ps)
-            groups.append(np.flatnonzero(truncated))
-            group_tokens.append(_draw_truncated(scaled, chosen, uniforms[truncated]))
+        if not greedy.all():
+            drawn = np.flatnonzero(~greedy)
+            table = [
+                [p.temperature, min(p.min_p, 1.0), uniform, max(p.top_k, 0), p.top_p]
+                for p, uniform in zip(_select(params, ~greedy), uniforms[drawn])
+            ]
+            groups.append(drawn)
+            group_tokens.append(self._sample_rows(_rows(penalised, ~greedy), np.array(table, dtype=np.float64)))
         # The groups' tokens back in row order: row i is entry position_of_row[i] of their concatenation.
         if len(groups) == 1:  # the group is every row, in order
             tokens = group_tokens[0]
@@ -129,25 +122,6 @@ class Sampler:
 
 def _select(params: list[wire.SamplingParams], selected: np.ndarray) -> list[wire.SamplingParams]:
     return [params[i] for i in np.flatnonzero(selected)]
-
-
-def _draw_truncated(logits: paddle.Tensor, params: list[wire.SamplingParams], uniforms: np.ndarray) -> paddle.Tensor:
-    """Draw among each row's top_k tokens, cut further to the smallest set holding top_p of the mass."""
-    vocab_size = logits.shape[-1]
-    top_k = np.array([p.top_k if p.top_k > 0 else vocab_size for p in params])
-    top_p = np.array([[p.top_p if p.top_p < 1.0 else np.inf] for p in params], dtype=np.float32)
-    # Only as many candidates as the largest top_k; a full sort only when some row has no top_k.
-    sorted_logits, sorted_ids = paddle.topk(logits, int(min(top_k.max(), vocab_size)), axis=-1)
-    beyond_top_k = np.arange(sorted_logits.shape[-1])[None, :] >= top_k[:, None]
-    removed = paddle.full_like(sorted_logits, -np.inf)
-    sorted_logits = paddle.where(paddle.to_tensor(beyond_top_k), removed, sorted_logits)
-    probs = F.softmax(sorted_logits, axis=-1)
-    mass_before = paddle.cumsum(probs, axis=-1) - probs
-    # The first (most likely) candidate always stays: a top_p of 0, or one that is 0 in float32, keeps it alone.
-    kept = (mass_before < paddle.to_tensor(top_p)) | paddle.to_tensor(np.arange(probs.shape[-1])[None, :] == 0)
-    probs = paddle.where(kept, probs, paddle.zeros_like(probs))
-    picked = inverse_cdf(probs, uniforms)
-    return paddle.take_along_axis(sorted_ids, picked.unsqueeze(-1), axis=-1).squeeze(-1).astype("int64")
 
 
 def _with_logprobs(logits: paddle.Tensor, requests: Sequence[SamplingRequest], tokens: paddle.Tensor) -> Draw:

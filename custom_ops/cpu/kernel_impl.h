@@ -99,28 +99,29 @@ static int64_t argmax_row(const float* x, int64_t width) {
   return 0;
 }
 
-// The draw of one row without top_k/top_p (KernelSet::sample_row): masses exp(x / temperature - max) in
-// scratch[0..width), their sums per W entries in scratch[width..], the total and the walk to the chosen entry
-// in fp64 over those fp32 sums.
-static int64_t sample_row(const float* x, int64_t width, float temperature, float min_p, double uniform,
-                          float* scratch) {
-  const int64_t full = width - width % W;
+// The masses of a row's draw (KernelSet::draw_masses), and the sums of each kDrawGroup of them.
+static double draw_masses(const float* x, int64_t width, float temperature, float min_p, float* masses,
+                          float* group_sums) {
+  static_assert(kDrawGroup % W == 0, "a group is whole vectors");
+  const int64_t full = width - width % kDrawGroup;
   reg maxes = Vec::set1(-__builtin_inff());
-  for (int64_t i = 0; i < full; i += W) maxes = Vec::max(Vec::load(x + i), maxes);  // a NaN lane keeps `maxes`
+  for (int64_t i = 0; i < width - width % W; i += W) maxes = Vec::max(Vec::load(x + i), maxes);  // a NaN lane keeps `maxes`
   float top = Vec::reduce_max(maxes);
-  for (int64_t i = full; i < width; ++i) top = x[i] > top ? x[i] : top;
+  for (int64_t i = width - width % W; i < width; ++i) top = x[i] > top ? x[i] : top;
   const float shift = top / temperature;  // = the largest x / temperature: division rounds monotonically
-  const float at_least = min_p > kMinSampledMass ? min_p : kMinSampledMass;  // the largest entry's mass is 1
-  float* masses = scratch;
-  float* sums = scratch + width;
+  const float at_least = min_p > kMinDrawnMass ? min_p : kMinDrawnMass;  // the largest entry's mass is 1
   const reg t = Vec::set1(temperature), s = Vec::set1(shift), floor = Vec::set1(at_least);
-  int64_t num_sums = 0;
   double total = 0.0;
-  for (int64_t i = 0; i < full; i += W, ++num_sums) {
-    const reg mass = Vec::keep_at_least(vexp(Vec::sub(Vec::div(Vec::load(x + i), t), s)), floor);
-    Vec::store(masses + i, mass);
-    sums[num_sums] = Vec::reduce_add(mass);
-    total += sums[num_sums];
+  int64_t g = 0;
+  for (int64_t i = 0; i < full; i += kDrawGroup, ++g) {
+    reg sum = Vec::zero();
+    for (int64_t v = i; v < i + kDrawGroup; v += W) {
+      const reg mass = Vec::keep_at_least(vexp(Vec::sub(Vec::div(Vec::load(x + v), t), s)), floor);
+      Vec::store(masses + v, mass);
+      sum = Vec::add(sum, mass);
+    }
+    group_sums[g] = Vec::reduce_add(sum);
+    total += group_sums[g];
   }
   if (full < width) {
     float tail = 0.0f;
@@ -129,27 +130,10 @@ static int64_t sample_row(const float* x, int64_t width, float temperature, floa
       masses[i] = mass >= at_least ? mass : 0.0f;
       tail += masses[i];
     }
-    sums[num_sums++] = tail;
+    group_sums[g] = tail;
     total += tail;
   }
-  if (!(total > 0.0 && total < __builtin_inf())) return argmax_row(x, width);  // no mass: all NaN, or +inf
-  const double target = uniform * total;
-  double cumulative = 0.0;
-  int64_t k = 0;
-  for (; k + 1 < num_sums && cumulative + sums[k] <= target; ++k) cumulative += sums[k];
-  int64_t chosen = -1;  // in group k (the crossing's, or the last)
-  for (int64_t j = k * W; j < width && j < (k + 1) * W; ++j) {
-    if (masses[j] > 0.0f) {
-      chosen = j;
-      cumulative += masses[j];
-      if (cumulative > target) return j;
-    }
-  }
-  if (chosen >= 0) return chosen;  // the group's fp32 sum crossed the target, its fp64 walk fell short by a rounding
-  for (int64_t j = width - 1; j >= 0; --j) {  // the last group has no mass: the last entry that has
-    if (masses[j] > 0.0f) return j;
-  }
-  return argmax_row(x, width);
+  return total;
 }
 
 // Rotary embedding of one head into the query (fp32) or the cache (Out = float or bf16).
@@ -767,4 +751,4 @@ static void attend_tile_bf16(const AttentionTile<bf16>& tile) { attend_tile_of(t
 #endif
 
 static const KernelSet kKernels = {rms_norm_row, silu_and_mul_row, rotate_head, rotate_head_bf16, store_bf16,
-                                   attend_tile,  attend_tile_bf16, argmax_row,  sample_row};
+                                   attend_tile,  attend_tile_bf16, argmax_row,  draw_masses};

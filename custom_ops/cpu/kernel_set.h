@@ -55,10 +55,11 @@ inline int64_t attention_scratch_floats(int64_t queries, int64_t tile_kv_heads, 
   return tile_kv_heads * rows * kKeySpan + tile_kv_heads * rows * (2 * head_dim + 2);
 }
 
-// Entries of a sampled row this far below the largest in probability are never drawn (e^-69; the clamped
+// Entries of a drawn row this far below the largest in probability are never drawn (e^-69; the clamped
 // exp of the kernels reaches ~4e-39).
-constexpr float kMinSampledMass = 1e-30f;
-inline int64_t sample_scratch_floats(int64_t width) { return width + width / 8 + 1; }  // masses, sums per W >= 8
+constexpr float kMinDrawnMass = 1e-30f;
+// Entries per sum of draw_masses (whole vectors of every instruction set).
+constexpr int64_t kDrawGroup = 16;
 
 struct KernelSet {
   // out = x_sum * rsqrt(mean(x_sum^2) + eps) * weight, x_sum = x + residual (residual may be null);
@@ -75,12 +76,12 @@ struct KernelSet {
   void (*attend_tile_bf16)(const AttentionTile<bf16>& tile);
   // The index of the largest of x[0..width), the first if tied (greedy sampling).
   int64_t (*argmax_row)(const float* x, int64_t width);
-  // A draw from softmax(x / temperature) over x[0..width), leaving out the entries whose probability is under
-  // min_p (<= 1) times the largest: the first index whose cumulative mass exceeds uniform (in [0, 1)) times the
-  // total, the masses summed in fp64 as the Paddle reference sums its probabilities (the two can part only
-  // where a rounding moves a boundary). Masses under kMinSampledMass times the largest count as 0; a row with
-  // no mass (all NaN) gives argmax_row's index. scratch: sample_scratch_floats(width) floats.
-  int64_t (*sample_row)(const float* x, int64_t width, float temperature, float min_p, double uniform, float* scratch);
+  // The masses of a draw from softmax(x / temperature) over x[0..width): masses[i] = exp(x[i] / temperature - the
+  // largest), 0 where under min_p (<= 1) or kMinDrawnMass (the largest's mass is 1; NaN: 0); group_sums[g]
+  // their fp32 sum over entries [g * kDrawGroup, (g + 1) * kDrawGroup) (the last group may be short). Returns
+  // the sum of group_sums in fp64.
+  double (*draw_masses)(const float* x, int64_t width, float temperature, float min_p, float* masses,
+                        float* group_sums);
 };
 
 const KernelSet& avx2_kernels();

@@ -84,34 +84,42 @@ def test_argmax_rows_is_numpy_argmax_first_of_ties_and_never_a_nan(custom, rows,
 
 def numpy_draw(logits: np.ndarray, params: np.ndarray) -> np.ndarray:
     """The draw bs_sample_rows makes, in float64 NumPy: softmax(logits / temperature) without the tokens under
-    min_p times the top probability, then the first token whose cumulative mass exceeds uniform * total."""
+    min_p times the top probability; without top_k/top_p the first token (in id order) whose cumulative mass
+    exceeds uniform * total, else the same walk over the top_k largest (largest first) cut to the smallest
+    prefix holding top_p of their mass."""
     tokens = []
-    for row, (temperature, min_p, uniform) in zip(logits.astype(np.float64), params):
+    for row, (temperature, min_p, uniform, top_k, top_p) in zip(logits.astype(np.float64), params):
         scaled = row / np.float32(temperature)
         probs = np.exp(scaled - scaled.max())
         probs[probs < min_p * probs.max()] = 0.0
-        cdf = np.cumsum(probs)
-        tokens.append(min(int(np.searchsorted(cdf, uniform * cdf[-1], side="right")), len(row) - 1))
+        order = np.arange(len(row))
+        if top_k > 0 or top_p < 1.0:
+            order = np.lexsort((order, -row))[: int(top_k) or len(row)]  # largest first, ties by id
+            before = np.cumsum(probs[order]) - probs[order]
+            order = order[(before < top_p * probs[order].sum()) | (np.arange(len(order)) == 0)]
+        cdf = np.cumsum(probs[order])
+        tokens.append(order[min(int(np.searchsorted(cdf, uniform * cdf[-1], side="right")), len(order) - 1)])
     return np.array(tokens)
 
 
+def draw_params(rng, rows: int, top_k=0, top_p=1.0) -> np.ndarray:
+    """Rows of (temperature, min_p, uniform, top_k, top_p): temperatures both sides of 1, min_p off and on."""
+    temperatures = rng.uniform(0.3, 2.0, rows)
+    min_ps = np.where(np.arange(rows) % 2 == 0, 0.0, rng.uniform(0.0, 0.2, rows))
+    return np.stack([temperatures, min_ps, rng.random(rows), np.full(rows, top_k), np.full(rows, top_p)], axis=1)
+
+
 @pytest.mark.parametrize("rows, width", [(1, 1), (3, 17), (64, 49152), (40, 1000), (9, 37)])
-def test_sample_rows_draws_what_numpy_and_the_paddle_reference_draw(custom, rows, width):
-    """Every row of every shape (a width past the last whole vector too) against the float64 NumPy draw and
-    the Paddle ops the op replaces: the same token (they part only where a rounding moves a boundary, for
-    uniforms this rare: none of these rows). Temperatures on both sides of 1, min_p off and on, -inf logits."""
-    rng = np.random.default_rng(rows * width)
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (50, 1.0), (0, 0.9), (20, 0.5), (0, 0.0)])
+def test_sample_rows_draws_what_numpy_and_the_paddle_reference_draw(custom, rows, width, top_k, top_p):
+    """Every row of every shape (widths past the last whole vector and group too), in id order and truncated,
+    against the float64 NumPy draw and the Paddle ops the op replaces: the same token (they part only where a
+    rounding moves a boundary, for uniforms this rare: none of these rows). -inf logits are never drawn."""
+    rng = np.random.default_rng(rows * width + top_k)
     logits = (rng.standard_normal((rows, width)) * 3).astype(np.float32)
     if width > 8:
-        logits[0, : width // 3] = -np.inf  # never drawn
-    params = np.stack(
-        [
-            rng.uniform(0.3, 2.0, rows),
-            np.where(np.arange(rows) % 2 == 0, 0.0, rng.uniform(0.0, 0.5, rows)),
-            rng.random(rows),
-        ],
-        axis=1,
-    )
+        logits[0, : width // 3] = -np.inf
+    params = draw_params(rng, rows, top_k, top_p)
     ours = custom.sample_rows(tensor(logits), params).numpy()
 
     assert ours.dtype == np.int64
@@ -121,27 +129,44 @@ def test_sample_rows_draws_what_numpy_and_the_paddle_reference_draw(custom, rows
         assert ours[0] >= width // 3
 
 
+def test_sample_rows_mixes_truncated_and_id_order_rows_and_keeps_their_order(custom):
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((30, 500)) * 2).astype(np.float32)
+    params = draw_params(rng, 30)
+    params[::3, 3], params[1::3, 4] = 10, 0.8  # top_k rows, top_p rows, plain rows
+
+    ours = custom.sample_rows(tensor(logits), params).numpy()
+
+    np.testing.assert_array_equal(ours, numpy_draw(logits, params))
+    np.testing.assert_array_equal(ours, PaddleKernels().sample_rows(tensor(logits), params).numpy())
+
+
 def test_sample_rows_edges_and_bad_parameters(custom):
     logits = np.random.default_rng(0).standard_normal((4, 300)).astype(np.float32)
     top = logits.argmax(axis=-1)
-    first_positive = np.zeros(4, dtype=np.int64)  # uniform 0: the first token with any mass
     cases = {
-        "min_p 1 keeps the top token alone": (np.array([[1.0, 1.0, u] for u in (0.0, 0.3, 0.6, 0.99)]), top),
-        "uniform 0, min_p 0: the first token": (np.array([[1.0, 0.0, 0.0]] * 4), first_positive),
+        "min_p 1 keeps the top token alone": ([1.0, 1.0, None, 0, 1.0], top),
+        "top_k 1 keeps the top token alone": ([1.0, 0.0, None, 1, 1.0], top),
+        "top_p 0 keeps the top token alone": ([1.0, 0.0, None, 0, 0.0], top),
+        "uniform 0 in id order: the first token": ([1.0, 0.0, 0.0, 0, 1.0], np.zeros(4, dtype=np.int64)),
+        "uniform 0 truncated: the top token": ([1.0, 0.0, 0.0, 0, 0.99], top),
     }
-    for name, (params, expected) in cases.items():
+    for name, (row, expected) in cases.items():
+        params = np.array([[u if value is None else value for value in row] for u in (0.0, 0.3, 0.6, 0.99)])
         np.testing.assert_array_equal(custom.sample_rows(tensor(logits), params).numpy(), expected, err_msg=name)
     nan_rows = np.full((2, 300), np.nan, np.float32)
     nan_rows[1, 7] = 1.0  # NaNs never drawn; a row of NaNs alone falls back to argmax's 0
-    drawn = custom.sample_rows(tensor(nan_rows), np.array([[1.0, 0.0, 0.5]] * 2)).numpy()
-    assert drawn.tolist() == [0, 7]
-    for bad in ([0.0, 0.0, 0.5], [1.0, 1.5, 0.5], [1.0, 0.0, 1.0], [np.nan, 0.0, 0.5]):
+    for top_k in (0, 5):
+        drawn = custom.sample_rows(tensor(nan_rows), np.array([[1.0, 0.0, 0.5, top_k, 1.0]] * 2)).numpy()
+        assert drawn.tolist() == [0, 7]
+    bad_rows = ([0.0, 0.0, 0.5, 0, 1.0], [1.0, 1.5, 0.5, 0, 1.0], [1.0, 0.0, 1.0, 0, 1.0], [np.nan, 0.0, 0.5, 0, 1.0])
+    for bad in (*bad_rows, [1.0, 0.0, 0.5, 2.5, 1.0], [1.0, 0.0, 0.5, -1, 1.0], [1.0, 0.0, 0.5, 0, -0.1]):
         with pytest.raises(OSError, match="temperature > 0, min_p in"):  # a PD_CHECK
             custom.sample_rows(tensor(logits[:1]), np.array([bad]))
 
 
 def test_the_sampler_on_the_custom_draw_picks_the_paddle_samplers_tokens(custom):
-    """A batch of every kind of request: greedy, plain draws (the op), seeded, min_p, top_k/top_p (Paddle's)."""
+    """A batch of every kind of request: greedy (argmax), draws in id order and truncated (the op), seeded, min_p."""
     rng = np.random.default_rng(5)
     kinds = [
         {"temperature": 0.0},
@@ -149,6 +174,7 @@ def test_the_sampler_on_the_custom_draw_picks_the_paddle_samplers_tokens(custom)
         {"temperature": 0.7, "seed": 11},
         {"temperature": 1.3, "min_p": 0.05},
         {"temperature": 1.0, "top_k": 20, "top_p": 0.9},
+        {"temperature": 0.8, "top_p": 0.7},
     ]
     requests = [
         RequestState(f"r{i}", [1, 2, 3], 3, wire.SamplingParams(**kinds[i % len(kinds)]), [], 3) for i in range(40)

@@ -2,10 +2,12 @@
 // gpu_worker/token_draw.py draws it in Paddle ops (the reference). Paddle's CPU ops for that draw run on one
 // thread: 12-36 ms for 64 rows of SmolLM2's 49152 logits at temperature 1 (the model's step is ~35 ms), and
 // with top_p alone (a sort of every row) 210 ms (2-core EPYC). Here the masses are one vectorised pass of exp
-// per row (KernelSet::draw_masses), the rows in parallel, and a truncated row sorts only its candidates
-// (benchmarks/bench_sampling.py: 64 rows at temperature 1 ~1.4 ms, top_k 50 ~1.5 ms, top_p 0.9 ~14 ms).
+// per row (KernelSet::draw_masses), the rows in parallel, and a truncated row bins its masses and sorts only
+// the bins its walks stop in (benchmarks/bench_sampling.py, 64 rows: temperature 1 ~1.5 ms, top_k 50 ~3 ms,
+// top_p 0.9 ~7 ms).
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "cpu_isa.h"
@@ -24,11 +26,40 @@ struct DrawParams {
   bool truncated() const { return top_k > 0 || top_p < 1.0; }
 };
 
+// Bins of the masses (0, 1] by the float's exponent and 3 leading mantissa bits: a bin holds masses within
+// 12.5% of each other, and a higher bin only larger masses.
+constexpr int kBins = 1024;
+inline int bin_of(float mass) {
+  uint32_t bits;
+  std::memcpy(&bits, &mass, sizeof bits);
+  return static_cast<int>(bits >> 20);  // < kBins for 0 < mass <= 1 (1.0f: 1016)
+}
+inline float bin_floor(int bin) {  // the smallest mass of a bin
+  const uint32_t bits = static_cast<uint32_t>(bin) << 20;
+  float mass;
+  std::memcpy(&mass, &bits, sizeof mass);
+  return mass;
+}
+
+// A run of a truncated row's candidates: one bin's entries, in `order` at [begin, end), sorted (by logit,
+// largest first, ties by id) only once a walk has to look inside it.
+struct Segment {
+  int64_t begin, end;
+  double mass;
+  bool sorted;
+};
+
 // A thread's scratch for its rows.
 struct Scratch {
   std::vector<float> masses, group_sums;
-  std::vector<int32_t> candidates;
-  explicit Scratch(int64_t width) : masses(width), group_sums(width / bs::kDrawGroup + 1) { candidates.reserve(width); }
+  std::vector<int64_t> bin_counts, cursor;
+  std::vector<double> bin_masses;
+  std::vector<int32_t> order;  // the candidates by bin, the highest bin first
+  std::vector<Segment> segments;
+  explicit Scratch(int64_t width)
+      : masses(width), group_sums(width / bs::kDrawGroup + 1), bin_counts(kBins), cursor(kBins), bin_masses(kBins) {
+    order.reserve(width);
+  }
 };
 
 // The draw in id order (no top_k/top_p): the first entry whose cumulative mass exceeds uniform * total, the
@@ -54,54 +85,123 @@ int64_t draw_in_id_order(const Scratch& s, int64_t width, double total, double u
   return -1;
 }
 
-// The candidates of a truncated draw, in s.candidates: the entries of mass >= t for the largest t of 2^-2,
-// 2^-4, ... (relative to the largest entry's 1), then 0, whose entries hold the top_k, or without top_k more
-// than top_p of the whole mass (by a hair: the walk's roundings). A group whose sum is under t holds none.
-void gather_candidates(Scratch& s, int64_t width, double total, const DrawParams& p) {
-  const int64_t num_groups = (width + bs::kDrawGroup - 1) / bs::kDrawGroup;
-  for (float at_least = 0.25f;; at_least = at_least > bs::kMinDrawnMass ? at_least / 4.0f : 0.0f) {
-    s.candidates.clear();
-    double mass = 0.0;
-    for (int64_t g = 0; g < num_groups; ++g) {
-      if (s.group_sums[g] < at_least || s.group_sums[g] == 0.0f) continue;
-      for (int64_t j = g * bs::kDrawGroup; j < width && j < (g + 1) * bs::kDrawGroup; ++j) {
-        if (s.masses[j] > 0.0f && s.masses[j] >= at_least) {
-          s.candidates.push_back(static_cast<int32_t>(j));
-          mass += s.masses[j];
-        }
-      }
-    }
-    const bool enough = p.top_k > 0 ? static_cast<int64_t>(s.candidates.size()) >= p.top_k
-                                    : mass > p.top_p * total * (1.0 + 1e-6);
-    if (enough || at_least == 0.0f) return;
-  }
+void sort_segment(const float* x, std::vector<int32_t>& order, Segment& segment) {
+  if (segment.sorted) return;
+  std::sort(order.begin() + segment.begin, order.begin() + segment.end,
+            [x](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); });
+  segment.sorted = true;
 }
 
 // The draw among the top_k largest, cut to the smallest prefix holding top_p of their mass, walked from the
-// largest down (ties by id), as the reference sorts; only the candidates are sorted.
+// largest down (ties by id), as the reference sorts. The entries are binned by mass: the walks skip whole bins
+// by their sums and sort only the bins they stop in (the top_k's last, the top_p's, the draw's).
 int64_t draw_truncated(const float* x, Scratch& s, int64_t width, double total, const DrawParams& p) {
-  gather_candidates(s, width, total, p);
-  std::sort(s.candidates.begin(), s.candidates.end(),
-            [x](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); });
-  const int64_t num_candidates =
-      p.top_k > 0 ? std::min<int64_t>(p.top_k, static_cast<int64_t>(s.candidates.size())) : s.candidates.size();
-  double kept_total = total;  // top_k: the probabilities are over the top_k alone
-  if (p.top_k > 0) {
-    kept_total = 0.0;
-    for (int64_t i = 0; i < num_candidates; ++i) kept_total += s.masses[s.candidates[i]];
+  const int64_t num_groups = (width + bs::kDrawGroup - 1) / bs::kDrawGroup;
+  std::fill(s.bin_counts.begin(), s.bin_counts.end(), 0);
+  std::fill(s.bin_masses.begin(), s.bin_masses.end(), 0.0);
+  for (int64_t g = 0; g < num_groups; ++g) {
+    if (s.group_sums[g] == 0.0f) continue;
+    for (int64_t j = g * bs::kDrawGroup; j < width && j < (g + 1) * bs::kDrawGroup; ++j) {
+      if (s.masses[j] > 0.0f) {
+        const int b = bin_of(s.masses[j]);
+        ++s.bin_counts[b];
+        s.bin_masses[b] += s.masses[j];
+      }
+    }
   }
-  int64_t num_kept = 1;  // the largest always stays
-  double before = s.masses[s.candidates[0]];
-  for (; num_kept < num_candidates && before < p.top_p * kept_total; ++num_kept) before += s.masses[s.candidates[num_kept]];
+  // The bins needed, from the highest down: to the one that completes the top_k, or (without top_k) the one
+  // where top_p of the whole mass is reached, and one more (a rounding of the walk may keep one more entry).
+  int lowest = kBins - 1;
+  int64_t count = 0;
+  double mass = 0.0;
+  bool reached = false;
+  for (int b = kBins - 1; b >= 0; --b) {
+    if (s.bin_counts[b] == 0) continue;
+    lowest = b;
+    if (reached) break;
+    count += s.bin_counts[b];
+    mass += s.bin_masses[b];
+    if (p.top_k > 0 ? count >= p.top_k : mass >= p.top_p * total) {
+      if (p.top_k > 0) break;
+      reached = true;
+    }
+  }
+  s.segments.clear();
+  int64_t position = 0;
+  for (int b = kBins - 1; b >= lowest; --b) {
+    if (s.bin_counts[b] == 0) continue;
+    s.cursor[b] = position;
+    s.segments.push_back({position, position + s.bin_counts[b], s.bin_masses[b], false});
+    position += s.bin_counts[b];
+  }
+  s.order.resize(position);
+  const float floor = bin_floor(lowest);
+  for (int64_t g = 0; g < num_groups; ++g) {
+    if (s.group_sums[g] < floor) continue;  // no entry of the group reaches the lowest bin
+    for (int64_t j = g * bs::kDrawGroup; j < width && j < (g + 1) * bs::kDrawGroup; ++j) {
+      if (s.masses[j] > 0.0f && bin_of(s.masses[j]) >= lowest) s.order[s.cursor[bin_of(s.masses[j])]++] = static_cast<int32_t>(j);
+    }
+  }
+  // top_k: the entries after the k-th go, the segment holding the k-th sorted and cut; the probabilities are
+  // over the top_k alone.
+  double kept_total = total;
+  if (p.top_k > 0 && p.top_k < position) {
+    kept_total = 0.0;
+    for (size_t i = 0; i < s.segments.size(); ++i) {
+      Segment& segment = s.segments[i];
+      if (segment.end >= p.top_k) {
+        sort_segment(x, s.order, segment);
+        segment.end = p.top_k;
+        segment.mass = 0.0;
+        for (int64_t e = segment.begin; e < segment.end; ++e) segment.mass += s.masses[s.order[e]];
+        s.segments.resize(i + 1);
+      }
+      kept_total += segment.mass;
+    }
+  } else if (p.top_k > 0) {
+    kept_total = 0.0;
+    for (const Segment& segment : s.segments) kept_total += segment.mass;
+  }
+  // top_p: an entry stays while the mass before it is under top_p (the largest always stays); whole segments
+  // whose mass ends under it stay, the one where it is reached is sorted and cut.
+  const double cut = p.top_p * kept_total;
+  double before = 0.0;
+  for (size_t i = 0; i < s.segments.size(); ++i) {
+    Segment& segment = s.segments[i];
+    if (before + segment.mass < cut) {
+      before += segment.mass;
+      continue;
+    }
+    sort_segment(x, s.order, segment);
+    int64_t end = segment.begin;
+    double kept = 0.0;
+    for (; end < segment.end && (before + kept < cut || (i == 0 && end == segment.begin)); ++end) kept += s.masses[s.order[end]];
+    segment.end = end;
+    segment.mass = kept;
+    s.segments.resize(i + 1);
+    break;
+  }
+  // The draw: the first kept entry whose cumulative mass exceeds uniform * the kept mass.
   double kept_mass = 0.0;
-  for (int64_t i = 0; i < num_kept; ++i) kept_mass += s.masses[s.candidates[i]];
+  for (const Segment& segment : s.segments) kept_mass += segment.mass;
   const double target = p.uniform * kept_mass;
   double cumulative = 0.0;
-  for (int64_t i = 0; i < num_kept; ++i) {
-    cumulative += s.masses[s.candidates[i]];
-    if (cumulative > target) return s.candidates[i];
+  for (size_t i = 0; i < s.segments.size(); ++i) {
+    Segment& segment = s.segments[i];
+    if (cumulative + segment.mass <= target && i + 1 < s.segments.size()) {
+      cumulative += segment.mass;
+      continue;
+    }
+    sort_segment(x, s.order, segment);
+    for (int64_t e = segment.begin; e < segment.end; ++e) {
+      cumulative += s.masses[s.order[e]];
+      if (cumulative > target) return s.order[e];
+    }
+    for (size_t back = i + 1; back-- > 0;) {  // a rounding fell short: the last kept entry
+      if (s.segments[back].end > s.segments[back].begin) return s.order[s.segments[back].end - 1];
+    }
   }
-  return s.candidates[num_kept - 1];
+  return s.order.empty() ? -1 : s.order[0];
 }
 
 std::vector<paddle::Tensor> SampleRows(const paddle::Tensor& logits, const paddle::Tensor& params, int isa) {

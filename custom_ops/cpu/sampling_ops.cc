@@ -49,16 +49,23 @@ struct Segment {
   bool sorted;
 };
 
-// A thread's scratch for its rows.
+// A thread's scratch for its rows, kept from call to call (a fresh one per call cost page faults: its masses
+// alone are 192 KiB for SmolLM2's vocabulary).
 struct Scratch {
   std::vector<float> masses, group_sums;
-  std::vector<int64_t> bin_counts, cursor;
-  std::vector<double> bin_masses;
+  std::vector<int64_t> bin_counts = std::vector<int64_t>(kBins), cursor = std::vector<int64_t>(kBins);
+  std::vector<double> bin_masses = std::vector<double>(kBins);
   std::vector<int32_t> order;  // the candidates by bin, the highest bin first
   std::vector<Segment> segments;
-  explicit Scratch(int64_t width)
-      : masses(width), group_sums(width / bs::kDrawGroup + 1), bin_counts(kBins), cursor(kBins), bin_masses(kBins) {
-    order.reserve(width);
+
+  static Scratch& of_thread(int64_t width) {
+    thread_local Scratch scratch;
+    if (static_cast<int64_t>(scratch.masses.size()) < width) {
+      scratch.masses.resize(width);
+      scratch.group_sums.resize(width / bs::kDrawGroup + 1);
+      scratch.order.reserve(width);
+    }
+    return scratch;
   }
 };
 
@@ -97,34 +104,41 @@ void sort_segment(const float* x, std::vector<int32_t>& order, Segment& segment)
 // by their sums and sort only the bins they stop in (the top_k's last, the top_p's, the draw's).
 int64_t draw_truncated(const float* x, Scratch& s, int64_t width, double total, const DrawParams& p) {
   const int64_t num_groups = (width + bs::kDrawGroup - 1) / bs::kDrawGroup;
-  std::fill(s.bin_counts.begin(), s.bin_counts.end(), 0);
-  std::fill(s.bin_masses.begin(), s.bin_masses.end(), 0.0);
-  for (int64_t g = 0; g < num_groups; ++g) {
-    if (s.group_sums[g] == 0.0f) continue;
-    for (int64_t j = g * bs::kDrawGroup; j < width && j < (g + 1) * bs::kDrawGroup; ++j) {
-      if (s.masses[j] > 0.0f) {
-        const int b = bin_of(s.masses[j]);
-        ++s.bin_counts[b];
-        s.bin_masses[b] += s.masses[j];
+  // The entries binned: first only those of mass >= 2^-8 (a model's distribution has few; the groups whose sum
+  // is under it are skipped whole), all of them where those do not hold the top_k (or top_p of the mass).
+  int lowest = kBins - 1;  // the lowest bin needed
+  float at_least = 1.0f / 256.0f;
+  for (;; at_least = 0.0f) {
+    std::fill(s.bin_counts.begin(), s.bin_counts.end(), 0);
+    std::fill(s.bin_masses.begin(), s.bin_masses.end(), 0.0);
+    for (int64_t g = 0; g < num_groups; ++g) {
+      if (s.group_sums[g] == 0.0f || s.group_sums[g] < at_least) continue;
+      for (int64_t j = g * bs::kDrawGroup; j < width && j < (g + 1) * bs::kDrawGroup; ++j) {
+        if (s.masses[j] > 0.0f && s.masses[j] >= at_least) {
+          const int b = bin_of(s.masses[j]);
+          ++s.bin_counts[b];
+          s.bin_masses[b] += s.masses[j];
+        }
       }
     }
-  }
-  // The bins needed, from the highest down: to the one that completes the top_k, or (without top_k) the one
-  // where top_p of the whole mass is reached, and one more (a rounding of the walk may keep one more entry).
-  int lowest = kBins - 1;
-  int64_t count = 0;
-  double mass = 0.0;
-  bool reached = false;
-  for (int b = kBins - 1; b >= 0; --b) {
-    if (s.bin_counts[b] == 0) continue;
-    lowest = b;
-    if (reached) break;
-    count += s.bin_counts[b];
-    mass += s.bin_masses[b];
-    if (p.top_k > 0 ? count >= p.top_k : mass >= p.top_p * total) {
-      if (p.top_k > 0) break;
-      reached = true;
+    // From the highest bin down: to the one that completes the top_k, or (without top_k) the one where top_p
+    // of the whole mass is reached, and one more (a rounding of the walk may keep one more entry).
+    int64_t count = 0;
+    double mass = 0.0;
+    bool reached = false, enough = false;
+    for (int b = kBins - 1; b >= 0; --b) {
+      if (s.bin_counts[b] == 0) continue;
+      lowest = b;
+      if (reached) break;
+      count += s.bin_counts[b];
+      mass += s.bin_masses[b];
+      if (p.top_k > 0 ? count >= p.top_k : mass >= p.top_p * total) {
+        enough = p.top_k > 0 || mass > p.top_p * total * (1.0 + 1e-6);
+        if (p.top_k > 0) break;
+        reached = true;
+      }
     }
+    if (enough || at_least == 0.0f) break;
   }
   s.segments.clear();
   int64_t position = 0;
@@ -135,11 +149,12 @@ int64_t draw_truncated(const float* x, Scratch& s, int64_t width, double total, 
     position += s.bin_counts[b];
   }
   s.order.resize(position);
-  const float floor = bin_floor(lowest);
+  const float floor = std::max(bin_floor(lowest), at_least);  // the entries binned above: the same
   for (int64_t g = 0; g < num_groups; ++g) {
-    if (s.group_sums[g] < floor) continue;  // no entry of the group reaches the lowest bin
+    if (s.group_sums[g] < floor) continue;  // no entry of the group reaches it
     for (int64_t j = g * bs::kDrawGroup; j < width && j < (g + 1) * bs::kDrawGroup; ++j) {
-      if (s.masses[j] > 0.0f && bin_of(s.masses[j]) >= lowest) s.order[s.cursor[bin_of(s.masses[j])]++] = static_cast<int32_t>(j);
+      const float m = s.masses[j];
+      if (m > 0.0f && m >= at_least && bin_of(m) >= lowest) s.order[s.cursor[bin_of(m)]++] = static_cast<int32_t>(j);
     }
   }
   // top_k: the entries after the k-th go, the segment holding the k-th sorted and cut; the probabilities are
@@ -228,7 +243,7 @@ std::vector<paddle::Tensor> SampleRows(const paddle::Tensor& logits, const paddl
   int64_t* index = out.data<int64_t>();
 #pragma omp parallel if (rows > 1 && rows * width >= bs::kParallelFloats)
   {
-    Scratch scratch(width);
+    Scratch& scratch = Scratch::of_thread(width);
 #pragma omp for schedule(dynamic)
     for (int64_t r = 0; r < rows; ++r) {
       const float* x = values + r * width;

@@ -34,14 +34,23 @@ class RequestTiming:
         return self.error is None
 
 
+GREEDY = {"temperature": 0.0}
+
+
 async def _one(
-    http: httpx.AsyncClient, url: str, model: str, request: TraceRequest, ignore_eos: bool, timing: RequestTiming
+    http: httpx.AsyncClient,
+    url: str,
+    model: str,
+    request: TraceRequest,
+    ignore_eos: bool,
+    timing: RequestTiming,
+    sampling: dict = GREEDY,
 ) -> None:
     body = {
         "model": model,
         "prompt": request.prompt_token_ids,
         "max_tokens": request.max_tokens,
-        "temperature": 0.0,
+        **sampling,
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": ignore_eos,
@@ -70,9 +79,16 @@ async def _one(
 
 
 async def run_trace(
-    url: str, model: str, trace: list[TraceRequest], ignore_eos: bool, max_concurrency: int | None, timeout_s: float
+    url: str,
+    model: str,
+    trace: list[TraceRequest],
+    ignore_eos: bool,
+    max_concurrency: int | None,
+    timeout_s: float,
+    sampling: dict = GREEDY,
 ) -> tuple[list[RequestTiming], float, float]:
-    """Replay the trace; return the timings and the run's start and end (perf_counter seconds)."""
+    """Replay the trace, every request with the `sampling` fields (temperature, top_p, top_k); return the
+    timings and the run's start and end (perf_counter seconds)."""
     limits = httpx.Limits(max_connections=max_concurrency or len(trace) or 1, max_keepalive_connections=64)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     timings = [RequestTiming(r.request_id, len(r.prompt_token_ids), r.max_tokens) for r in trace]
@@ -83,10 +99,10 @@ async def run_trace(
         async def launch(request: TraceRequest, timing: RequestTiming) -> None:
             await asyncio.sleep(max(0.0, request.arrival_time_s - (time.perf_counter() - started)))
             if gate is None:
-                await _one(http, url, model, request, ignore_eos, timing)
+                await _one(http, url, model, request, ignore_eos, timing, sampling)
             else:
                 async with gate:
-                    await _one(http, url, model, request, ignore_eos, timing)
+                    await _one(http, url, model, request, ignore_eos, timing, sampling)
             progress.update(1)
 
         started = time.perf_counter()

@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--shared-prefix-len", type=int, default=256, help="tokens of each common prefix")
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let requests stop at EOS")
+    # Greedy by default; a server's draw (temperature, top_p, top_k) costs what greedy does not.
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
+    parser.add_argument("--top-p", type=float, default=None, help="top_p of every request (default: not sent)")
+    parser.add_argument("--top-k", type=int, default=None, help="top_k of every request (default: not sent)")
     parser.add_argument("--slo-ttft-ms", type=float, default=None)
     parser.add_argument("--slo-tpot-ms", type=float, default=None)
     parser.add_argument("--metrics-url", default=None, help="scheduler /metrics to sample (KV usage, preemptions)")
@@ -60,6 +64,12 @@ def build_trace(args: argparse.Namespace):
             shared_prefix_len=args.shared_prefix_len if args.shared_prefixes else 0,
         )
     )
+
+
+def sampling_fields(args: argparse.Namespace) -> dict:
+    """The sampling fields every request sends: temperature, and top_p / top_k where given."""
+    fields = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,7 +113,7 @@ async def _serve(args: argparse.Namespace, trace) -> dict:
         )
         await first_sample.wait()  # the baseline, so counter deltas cover exactly this run
     timings, started, finished = await run_trace(
-        args.url, model, trace, args.ignore_eos, args.max_concurrency, args.timeout_s
+        args.url, model, trace, args.ignore_eos, args.max_concurrency, args.timeout_s, sampling_fields(args)
     )
     if sampler is not None:
         stop.set()
@@ -111,7 +121,14 @@ async def _serve(args: argparse.Namespace, trace) -> dict:
     slo = {name: limit / 1000 for name, limit in (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms)) if limit}
     report = summarize(timings, finished - started, slo)
     print(format_report(report))
-    result = {"mode": "serve", "url": args.url, "model": model, "workload": args.workload, "report": report.as_dict()}
+    result = {
+        "mode": "serve",
+        "url": args.url,
+        "model": model,
+        "workload": args.workload,
+        "sampling": sampling_fields(args),
+        "report": report.as_dict(),
+    }
     if args.metrics_url:
         result["server"] = {
             name: timeline.delta(name) for name in ("preemptions", "recomputed_tokens", "generation_tokens")

@@ -48,6 +48,10 @@ def test_bench_report_is_well_formed_and_agrees_with_the_server_metrics(server, 
             "60000",
             "--result-dir",
             str(result_dir),
+            "--temperature",
+            "0.8",
+            "--top-p",
+            "0.9",
         ],
         check=True,
         cwd=ROOT,
@@ -58,6 +62,7 @@ def test_bench_report_is_well_formed_and_agrees_with_the_server_metrics(server, 
     report = result["report"]
     after = scrape(env["BLOCKSERVE_METRICS_PORT"])
     generated = after["blockserve_generation_tokens_total"] - before["blockserve_generation_tokens_total"]
+    assert result["sampling"] == {"temperature": 0.8, "top_p": 0.9}  # sent with every request, all accepted
     assert report["num_requests"] == report["num_completed"] == 16 and report["num_failed"] == 0
     assert report["total_output_tokens"] == generated == result["server"]["generation_tokens"]
     assert (

@@ -28,7 +28,7 @@ import paddle
 
 from gpu_worker.kernels import PaddleKernels
 from gpu_worker.penalties import SamplingRequest, apply_logit_bias, apply_penalties
-from gpu_worker.tensor_ops import log_softmax, take_rows
+from gpu_worker.tensor_ops import in_row_order, log_softmax, take_rows
 from service import wire
 
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is argmax
@@ -102,13 +102,7 @@ class Sampler:
             ]
             groups.append(drawn)
             group_tokens.append(self._sample_rows(_rows(penalised, ~greedy), np.array(table, dtype=np.float64)))
-        # The groups' tokens back in row order: row i is entry position_of_row[i] of their concatenation.
-        if len(groups) == 1:  # the group is every row, in order
-            tokens = group_tokens[0]
-        else:
-            position_of_row = np.argsort(np.concatenate(groups))
-            tokens = paddle.gather(paddle.concat(group_tokens), paddle.to_tensor(position_of_row))
-        return _with_logprobs(logits, requests, tokens)
+        return _with_logprobs(logits, requests, in_row_order(groups, group_tokens))
 
     def _uniforms(self, requests: Sequence[SamplingRequest], needed: np.ndarray) -> np.ndarray:
         """One uniform in [0, 1) per request: seeded from (seed, length) or from the worker's generator."""

@@ -13,7 +13,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from gpu_worker.tensor_ops import take_rows
+from gpu_worker.tensor_ops import in_row_order, take_rows
 
 
 def sample_rows(logits: paddle.Tensor, params: np.ndarray) -> paddle.Tensor:
@@ -24,15 +24,9 @@ def sample_rows(logits: paddle.Tensor, params: np.ndarray) -> paddle.Tensor:
     if truncated.all():
         return _truncated(logits, params)
     plain_rows, truncated_rows = np.flatnonzero(~truncated), np.flatnonzero(truncated)
-    tokens = paddle.concat(
-        [
-            _in_id_order(take_rows(logits, paddle.to_tensor(plain_rows)), params[plain_rows]),
-            _truncated(take_rows(logits, paddle.to_tensor(truncated_rows)), params[truncated_rows]),
-        ]
-    )
-    # Row i's token is entry position_of_row[i] of the two groups' concatenation.
-    position_of_row = np.argsort(np.concatenate([plain_rows, truncated_rows]))
-    return paddle.gather(tokens, paddle.to_tensor(position_of_row))
+    plain = _in_id_order(take_rows(logits, paddle.to_tensor(plain_rows)), params[plain_rows])
+    cut = _truncated(take_rows(logits, paddle.to_tensor(truncated_rows)), params[truncated_rows])
+    return in_row_order([plain_rows, truncated_rows], [plain, cut])
 
 
 def _scaled_logits(logits: paddle.Tensor, params: np.ndarray) -> paddle.Tensor:

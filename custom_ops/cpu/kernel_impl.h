@@ -82,13 +82,20 @@ static void silu_and_mul_row(const float* gate_up, float* out, int64_t width) {
   }
 }
 
-// The index of the largest of x[0..width): the first if tied; NaNs never win (an all-NaN row gives 0).
-static int64_t argmax_row(const float* x, int64_t width) {
+// The largest of x[0..width), NaNs left out (-inf for a row of NaNs).
+static float row_max(const float* x, int64_t width) {
   const int64_t full = width - width % W;
   reg maxes = Vec::set1(-__builtin_inff());
   for (int64_t i = 0; i < full; i += W) maxes = Vec::max(Vec::load(x + i), maxes);  // a NaN lane keeps `maxes`
   float best = Vec::reduce_max(maxes);
   for (int64_t i = full; i < width; ++i) best = x[i] > best ? x[i] : best;
+  return best;
+}
+
+// The index of the largest of x[0..width): the first if tied; NaNs never win (an all-NaN row gives 0).
+static int64_t argmax_row(const float* x, int64_t width) {
+  const int64_t full = width - width % W;
+  const float best = row_max(x, width);
   for (int64_t i = 0; i < full; i += W) {
     const int lane = Vec::first_equal(Vec::load(x + i), best);
     if (lane >= 0) return i + lane;
@@ -104,11 +111,7 @@ static double draw_masses(const float* x, int64_t width, float temperature, floa
                           float* group_sums) {
   static_assert(kDrawGroup % W == 0, "a group is whole vectors");
   const int64_t full = width - width % kDrawGroup;
-  reg maxes = Vec::set1(-__builtin_inff());
-  for (int64_t i = 0; i < width - width % W; i += W) maxes = Vec::max(Vec::load(x + i), maxes);  // a NaN lane keeps `maxes`
-  float top = Vec::reduce_max(maxes);
-  for (int64_t i = width - width % W; i < width; ++i) top = x[i] > top ? x[i] : top;
-  const float shift = top / temperature;  // = the largest x / temperature: division rounds monotonically
+  const float shift = row_max(x, width) / temperature;  // = the largest x / temperature: division rounds monotonically
   const float at_least = min_p > kMinDrawnMass ? min_p : kMinDrawnMass;  // the largest entry's mass is 1
   const reg t = Vec::set1(temperature), s = Vec::set1(shift), floor = Vec::set1(at_least);
   double total = 0.0;

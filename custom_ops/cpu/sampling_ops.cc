@@ -157,23 +157,20 @@ int64_t draw_truncated(const float* x, Scratch& s, int64_t width, double total, 
       if (m > 0.0f && m >= at_least && bin_of(m) >= lowest) s.order[s.cursor[bin_of(m)]++] = static_cast<int32_t>(j);
     }
   }
-  // top_k: the entries after the k-th go, the segment holding the k-th sorted and cut; the probabilities are
+  // top_k: the entries after the k-th go (the segment holding the k-th sorted and cut); the probabilities are
   // over the top_k alone.
   double kept_total = total;
-  if (p.top_k > 0 && p.top_k < position) {
-    kept_total = 0.0;
+  if (p.top_k > 0) {
     for (size_t i = 0; i < s.segments.size(); ++i) {
       Segment& segment = s.segments[i];
-      if (segment.end >= p.top_k) {
+      if (segment.end > p.top_k) {
         sort_segment(x, s.order, segment);
         segment.end = p.top_k;
         segment.mass = 0.0;
         for (int64_t e = segment.begin; e < segment.end; ++e) segment.mass += s.masses[s.order[e]];
         s.segments.resize(i + 1);
       }
-      kept_total += segment.mass;
     }
-  } else if (p.top_k > 0) {
     kept_total = 0.0;
     for (const Segment& segment : s.segments) kept_total += segment.mass;
   }

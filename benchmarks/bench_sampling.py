@@ -36,6 +36,7 @@ KINDS = {
     "top_k 50": {"temperature": 1.0, "top_k": 50},
     "top_p 0.9": {"temperature": 1.0, "top_p": 0.9},
     "top_k 50 top_p 0.95": {"temperature": 0.7, "top_k": 50, "top_p": 0.95},
+    "top_p 0.9 temp 2.5": {"temperature": 2.5, "top_p": 0.9},  # flat rows: top_p keeps most of the vocabulary
 }
 
 

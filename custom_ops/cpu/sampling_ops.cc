@@ -3,8 +3,8 @@
 // thread: 12-36 ms for 64 rows of SmolLM2's 49152 logits at temperature 1 (the model's step is ~35 ms), and
 // with top_p alone (a sort of every row) 210 ms (2-core EPYC). Here the masses are one vectorised pass of exp
 // per row (KernelSet::draw_masses), the rows in parallel, and a truncated row bins its masses and sorts only
-// the bins its walks stop in (benchmarks/bench_sampling.py, 64 rows: temperature 1 ~1.5 ms, top_k 50 ~3 ms,
-// top_p 0.9 ~7 ms).
+// the bins its walks stop in (benchmarks/bench_sampling.py, 64 rows: temperature 1 ~1 ms, top_k 50 ~2 ms,
+// top_p 0.9 ~5 ms, top_p 0.9 at temperature 2.5 (flat rows) ~11 ms).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -26,44 +26,58 @@ struct DrawParams {
   bool truncated() const { return top_k > 0 || top_p < 1.0; }
 };
 
-// Bins of the masses (0, 1] by the float's exponent and 3 leading mantissa bits: a bin holds masses within
-// 12.5% of each other, and a higher bin only larger masses.
-constexpr int kBins = 1024;
+// Bins of the masses (0, 1] by the float's exponent and 6 leading mantissa bits: a bin holds masses within
+// 1.6% of each other, and a higher bin only larger masses. A flat row (a high temperature) puts a few hundred
+// of SmolLM2's 49152 entries in a bin near its middle, a model's usual row a handful.
+constexpr int kBinShift = 17;
+constexpr int kTopBin = 0x3F800000 >> kBinShift;  // 1.0f's, the largest mass's
+constexpr int kBins = kTopBin + 1;  // bin 0 (masses under 2^-126, never candidates): an entry that is none
 inline int bin_of(float mass) {
   uint32_t bits;
   std::memcpy(&bits, &mass, sizeof bits);
-  return static_cast<int>(bits >> 20);  // < kBins for 0 < mass <= 1 (1.0f: 1016)
+  return static_cast<int>(bits >> kBinShift);
 }
 inline float bin_floor(int bin) {  // the smallest mass of a bin
-  const uint32_t bits = static_cast<uint32_t>(bin) << 20;
+  const uint32_t bits = static_cast<uint32_t>(bin) << kBinShift;
   float mass;
   std::memcpy(&mass, &bits, sizeof mass);
   return mass;
 }
 
-// A run of a truncated row's candidates: one bin's entries, in `order` at [begin, end), sorted (by logit,
-// largest first, ties by id) only once a walk has to look inside it.
+// One bin of a truncated row's candidates: `first` candidates are in higher bins. Its entries are gathered
+// into `order` at [begin, end) (all bins' at once where they are few) and sorted (by logit, largest first,
+// ties by id) only once a walk has to look inside it; a cut keeps `count` of them.
 struct Segment {
-  int64_t begin, end;
+  int bin;
+  int64_t first, count;
   double mass;
-  bool sorted;
+  int64_t begin = 0, end = 0;
+  bool gathered = false, sorted = false;
 };
+
+// Up to this many candidates in the bins a row needs are gathered in one pass over its groups (a model's
+// usual row: a few dozen); more (a flat row) are gathered bin by bin, only those a walk stops in.
+constexpr int64_t kGatherAllAtMost = 256;
 
 // A thread's scratch for its rows, kept from call to call (a fresh one per call cost page faults: its masses
 // alone are 192 KiB for SmolLM2's vocabulary).
 struct Scratch {
   std::vector<float> masses, group_sums;
+  std::vector<uint16_t> bins;  // each entry's bin (0: no candidate) in the groups binned
+  std::vector<int32_t> binned_groups;  // the groups that hold a candidate, in id order
   std::vector<int64_t> bin_counts = std::vector<int64_t>(kBins), cursor = std::vector<int64_t>(kBins);
   std::vector<double> bin_masses = std::vector<double>(kBins);
-  std::vector<int32_t> order;  // the candidates by bin, the highest bin first
+  std::vector<int32_t> order;  // the gathered bins' entries
   std::vector<Segment> segments;
 
   static Scratch& of_thread(int64_t width) {
     thread_local Scratch scratch;
     if (static_cast<int64_t>(scratch.masses.size()) < width) {
       scratch.masses.resize(width);
+      scratch.bins.resize(width);
       scratch.group_sums.resize(width / bs::kDrawGroup + 1);
-      scratch.order.reserve(width);
+      scratch.order.resize(width);
+      scratch.binned_groups.resize(width / bs::kDrawGroup + 1);
     }
     return scratch;
   }
@@ -92,41 +106,97 @@ int64_t draw_in_id_order(const Scratch& s, int64_t width, double total, double u
   return -1;
 }
 
-void sort_segment(const float* x, std::vector<int32_t>& order, Segment& segment) {
-  if (segment.sorted) return;
-  std::sort(order.begin() + segment.begin, order.begin() + segment.end,
-            [x](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); });
-  segment.sorted = true;
-}
+// A truncated row's candidates: the entries of mass >= at_least, in the groups whose sum reaches it.
+struct Candidates {
+  const float* x;
+  int64_t width, num_groups;
+  float at_least;
+
+  int64_t num_binned = 0;  // groups in s.binned_groups
+
+  // Each candidate's bin, and each bin's count and mass.
+  void bin(Scratch& s) {
+    const int lowest = bin_of(at_least);
+    std::fill(s.bin_counts.begin() + lowest, s.bin_counts.end(), 0);
+    std::fill(s.bin_masses.begin() + lowest, s.bin_masses.end(), 0.0);
+    int64_t* counts = s.bin_counts.data();
+    double* sums = s.bin_masses.data();
+    num_binned = 0;
+    for (int64_t g = 0; g < num_groups; ++g) {
+      if (!(s.group_sums[g] > 0.0f && s.group_sums[g] >= at_least)) continue;  // no candidate in the group
+      s.binned_groups[num_binned++] = static_cast<int32_t>(g);
+      const int64_t end = std::min(width, (g + 1) * bs::kDrawGroup);
+      for (int64_t j = g * bs::kDrawGroup; j < end; ++j) {
+        const float m = s.masses[j];
+        const int b = m >= at_least ? bin_of(m) : 0;
+        s.bins[j] = static_cast<uint16_t>(b);
+        if (b != 0) ++counts[b], sums[b] += m;
+      }
+    }
+  }
+
+  // Every segment's entries gathered into `order`, in the segments' order (s.segments: every bin from kTopBin
+  // down to `lowest` that has candidates, `first` of each set).
+  void gather_all(Scratch& s, int lowest) const {
+    for (Segment& segment : s.segments) {
+      s.cursor[segment.bin] = segment.begin = segment.first;
+      segment.end = segment.first + segment.count;
+      segment.gathered = true;
+    }
+    const float floor = bin_floor(lowest);
+    for (int64_t i = 0; i < num_binned; ++i) {
+      const int64_t g = s.binned_groups[i];
+      if (s.group_sums[g] < floor) continue;  // no entry of the group is in a bin needed
+      const int64_t end = std::min(width, (g + 1) * bs::kDrawGroup);
+      for (int64_t j = g * bs::kDrawGroup; j < end; ++j) {
+        const int b = s.bins[j];
+        if (b >= lowest && b <= kTopBin) s.order[s.cursor[b]++] = static_cast<int32_t>(j);
+      }
+    }
+  }
+
+  // The segment's entries gathered into `order` (after those gathered before) unless they are, and sorted.
+  void gather(Scratch& s, Segment& segment, int64_t& gathered) const {
+    if (segment.sorted) return;
+    if (!segment.gathered) {
+      const float floor = bin_floor(segment.bin);
+      const uint16_t bin = static_cast<uint16_t>(segment.bin);
+      segment.begin = gathered;
+      for (int64_t i = 0; i < num_binned; ++i) {
+        const int64_t g = s.binned_groups[i];
+        if (s.group_sums[g] < floor) continue;  // no entry of the group is in the bin
+        const int64_t end = std::min(width, (g + 1) * bs::kDrawGroup);
+        for (int64_t j = g * bs::kDrawGroup; j < end; ++j) {
+          if (s.bins[j] == bin) s.order[gathered++] = static_cast<int32_t>(j);
+        }
+      }
+      segment.end = gathered;
+      segment.gathered = true;
+    }
+    const float* logits = x;
+    std::sort(s.order.begin() + segment.begin, s.order.begin() + segment.end,
+              [logits](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+    segment.sorted = true;
+  }
+};
 
 // The draw among the top_k largest, cut to the smallest prefix holding top_p of their mass, walked from the
 // largest down (ties by id), as the reference sorts. The entries are binned by mass: the walks skip whole bins
-// by their sums and sort only the bins they stop in (the top_k's last, the top_p's, the draw's).
+// by their sums and gather and sort only the bins they stop in (the top_k's last, the top_p's, the draw's).
 int64_t draw_truncated(const float* x, Scratch& s, int64_t width, double total, const DrawParams& p) {
   const int64_t num_groups = (width + bs::kDrawGroup - 1) / bs::kDrawGroup;
-  // The entries binned: first only those of mass >= 2^-8 (a model's distribution has few; the groups whose sum
+  // The candidates: first only the entries of mass >= 2^-8 (a model's distribution has few; the groups whose sum
   // is under it are skipped whole), all of them where those do not hold the top_k (or top_p of the mass).
-  int lowest = kBins - 1;  // the lowest bin needed
-  float at_least = 1.0f / 256.0f;
-  for (;; at_least = 0.0f) {
-    std::fill(s.bin_counts.begin(), s.bin_counts.end(), 0);
-    std::fill(s.bin_masses.begin(), s.bin_masses.end(), 0.0);
-    for (int64_t g = 0; g < num_groups; ++g) {
-      if (s.group_sums[g] == 0.0f || s.group_sums[g] < at_least) continue;
-      for (int64_t j = g * bs::kDrawGroup; j < width && j < (g + 1) * bs::kDrawGroup; ++j) {
-        if (s.masses[j] > 0.0f && s.masses[j] >= at_least) {
-          const int b = bin_of(s.masses[j]);
-          ++s.bin_counts[b];
-          s.bin_masses[b] += s.masses[j];
-        }
-      }
-    }
+  Candidates candidates{x, width, num_groups, 1.0f / 256.0f};
+  int lowest = kTopBin;  // the lowest bin needed
+  for (;; candidates.at_least = bs::kMinDrawnMass) {  // draw_masses' masses are 0 or at least kMinDrawnMass
+    candidates.bin(s);
     // From the highest bin down: to the one that completes the top_k, or (without top_k) the one where top_p
     // of the whole mass is reached, and one more (a rounding of the walk may keep one more entry).
     int64_t count = 0;
     double mass = 0.0;
     bool reached = false, enough = false;
-    for (int b = kBins - 1; b >= 0; --b) {
+    for (int b = kTopBin; b >= bin_of(candidates.at_least); --b) {
       if (s.bin_counts[b] == 0) continue;
       lowest = b;
       if (reached) break;
@@ -138,36 +208,34 @@ int64_t draw_truncated(const float* x, Scratch& s, int64_t width, double total, 
         reached = true;
       }
     }
-    if (enough || at_least == 0.0f) break;
+    if (enough || candidates.at_least == bs::kMinDrawnMass) break;
   }
   s.segments.clear();
-  int64_t position = 0;
-  for (int b = kBins - 1; b >= lowest; --b) {
+  int64_t first = 0, gathered = 0;
+  for (int b = kTopBin; b >= lowest; --b) {
     if (s.bin_counts[b] == 0) continue;
-    s.cursor[b] = position;
-    s.segments.push_back({position, position + s.bin_counts[b], s.bin_masses[b], false});
-    position += s.bin_counts[b];
+    Segment segment;
+    segment.bin = b, segment.first = first, segment.count = s.bin_counts[b], segment.mass = s.bin_masses[b];
+    s.segments.push_back(segment);
+    first += s.bin_counts[b];
   }
-  s.order.resize(position);
-  const float floor = std::max(bin_floor(lowest), at_least);  // the entries binned above: the same
-  for (int64_t g = 0; g < num_groups; ++g) {
-    if (s.group_sums[g] < floor) continue;  // no entry of the group reaches it
-    for (int64_t j = g * bs::kDrawGroup; j < width && j < (g + 1) * bs::kDrawGroup; ++j) {
-      const float m = s.masses[j];
-      if (m > 0.0f && m >= at_least && bin_of(m) >= lowest) s.order[s.cursor[bin_of(m)]++] = static_cast<int32_t>(j);
-    }
-  }
-  // top_k: the entries after the k-th go (the segment holding the k-th sorted and cut); the probabilities are
+  if (first <= kGatherAllAtMost) candidates.gather_all(s, lowest);
+  // A gathered segment cut to its first `keep` entries (their mass summed).
+  auto cut_to = [&s](Segment& segment, int64_t keep) {
+    segment.end = segment.begin + keep;
+    segment.count = keep;
+    segment.mass = 0.0;
+    for (int64_t e = segment.begin; e < segment.end; ++e) segment.mass += s.masses[s.order[e]];
+  };
+  // top_k: the entries after the k-th go (the segment holding the k-th gathered and cut); the probabilities are
   // over the top_k alone.
   double kept_total = total;
   if (p.top_k > 0) {
     for (size_t i = 0; i < s.segments.size(); ++i) {
       Segment& segment = s.segments[i];
-      if (segment.end > p.top_k) {
-        sort_segment(x, s.order, segment);
-        segment.end = p.top_k;
-        segment.mass = 0.0;
-        for (int64_t e = segment.begin; e < segment.end; ++e) segment.mass += s.masses[s.order[e]];
+      if (segment.first + segment.count > p.top_k) {
+        candidates.gather(s, segment, gathered);
+        cut_to(segment, p.top_k - segment.first);
         s.segments.resize(i + 1);
       }
     }
@@ -175,7 +243,7 @@ int64_t draw_truncated(const float* x, Scratch& s, int64_t width, double total, 
     for (const Segment& segment : s.segments) kept_total += segment.mass;
   }
   // top_p: an entry stays while the mass before it is under top_p (the largest always stays); whole segments
-  // whose mass ends under it stay, the one where it is reached is sorted and cut.
+  // whose mass ends under it stay, the one where it is reached is gathered and cut.
   const double cut = p.top_p * kept_total;
   double before = 0.0;
   for (size_t i = 0; i < s.segments.size(); ++i) {
@@ -184,12 +252,11 @@ int64_t draw_truncated(const float* x, Scratch& s, int64_t width, double total, 
       before += segment.mass;
       continue;
     }
-    sort_segment(x, s.order, segment);
+    candidates.gather(s, segment, gathered);
     int64_t end = segment.begin;
     double kept = 0.0;
     for (; end < segment.end && (before + kept < cut || (i == 0 && end == segment.begin)); ++end) kept += s.masses[s.order[end]];
-    segment.end = end;
-    segment.mass = kept;
+    cut_to(segment, end - segment.begin);
     s.segments.resize(i + 1);
     break;
   }
@@ -204,16 +271,17 @@ int64_t draw_truncated(const float* x, Scratch& s, int64_t width, double total, 
       cumulative += segment.mass;
       continue;
     }
-    sort_segment(x, s.order, segment);
+    candidates.gather(s, segment, gathered);
     for (int64_t e = segment.begin; e < segment.end; ++e) {
       cumulative += s.masses[s.order[e]];
       if (cumulative > target) return s.order[e];
     }
-    for (size_t back = i + 1; back-- > 0;) {  // a rounding fell short: the last kept entry
-      if (s.segments[back].end > s.segments[back].begin) return s.order[s.segments[back].end - 1];
+    for (size_t back = i + 1; back-- > 0;) {  // a rounding fell short: the last kept entry (of a gathered segment)
+      if (s.segments[back].sorted && s.segments[back].end > s.segments[back].begin) return s.order[s.segments[back].end - 1];
     }
+    break;
   }
-  return s.order.empty() ? -1 : s.order[0];
+  return -1;
 }
 
 std::vector<paddle::Tensor> SampleRows(const paddle::Tensor& logits, const paddle::Tensor& params, int isa) {

@@ -129,6 +129,19 @@ def test_sample_rows_draws_what_numpy_and_the_paddle_reference_draw(custom, rows
         assert ours[0] >= width // 3
 
 
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (0, 0.99), (50, 1.0), (2000, 0.95)])
+def test_sample_rows_draws_flat_rows_as_numpy_does(custom, top_k, top_p):
+    """Flat rows (a high temperature over close logits): top_p keeps most of the vocabulary, so the op bins
+    every entry (its first binning, of the masses >= 2^-8, does not hold top_p), a bin holds hundreds of
+    entries and the walks gather and sort bins deep in the row. The same tokens as the NumPy draw."""
+    rng = np.random.default_rng(top_k + int(top_p * 100))
+    logits = rng.standard_normal((16, 49152)).astype(np.float32)
+    params = draw_params(rng, 16, top_k, top_p)
+    params[:, 0] = rng.uniform(1.0, 3.0, 16)
+
+    np.testing.assert_array_equal(custom.sample_rows(tensor(logits), params).numpy(), numpy_draw(logits, params))
+
+
 def test_sample_rows_mixes_truncated_and_id_order_rows_and_keeps_their_order(custom):
     rng = np.random.default_rng(3)
     logits = (rng.standard_normal((30, 500)) * 2).astype(np.float32)

@@ -2,9 +2,12 @@
 
 Run: OMP_NUM_THREADS=2 python benchmarks/bench_worker.py [--steps N]
      [--precision KERNELS:DTYPE:QUANTIZATION[:ISA_CAP] ...] [--op-by-op]
+     [--temperature T] [--top-p P] [--top-k K]
 
 Decode: B requests with a 128-token context each, one token per request per step.
 Prefill: fresh prompts computed in one step (the step samples each request's first token).
+Every request samples greedily unless --temperature, --top-p or --top-k say otherwise (the draw is the
+breakdown's "sampling").
 Every precision (default: the custom kernels in float32, bfloat16, int8 and gguf, and pure Paddle in
 float32) runs every case in the same run; "vs f32" divides by the custom float32 step of the case.
 For decode B=1, "read ms" is the time to read the weights' actual bytes (what the model holds in that
@@ -120,8 +123,9 @@ def stack_timed_by_stage(stack: FusedDecoderStack, timers: Timers):
 class Workload:
     """Hands out request ids and blocks, and builds the steps of one benchmark case."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, sampling: wire.SamplingParams = GREEDY):
         self.runner = runner
+        self.sampling = sampling  # every request's
         self.step_id = 0
         self.num_requests = 0
         self.rng = np.random.default_rng(0)
@@ -140,7 +144,7 @@ class Workload:
                 request_id=f"r{self.num_requests}-{i}",
                 token_ids=self.rng.integers(100, 40000, prompt_len).tolist(),
                 num_prompt_tokens=prompt_len,
-                sampling=GREEDY,
+                sampling=self.sampling,
                 block_ids=list(range(i * blocks_each, (i + 1) * blocks_each)),
                 num_computed_tokens=0,
                 num_scheduled_tokens=prompt_len,
@@ -195,7 +199,7 @@ class PrecisionRun:
     cases: list[tuple[str, int, float, dict[str, float]]]  # (case, tokens per step, median step s, s per part)
 
 
-def run_precision(name: str, steps: int, op_by_op: bool) -> PrecisionRun:
+def run_precision(name: str, steps: int, op_by_op: bool, sampling: wire.SamplingParams = GREEDY) -> PrecisionRun:
     kernels, dtype, quantization, *cap = name.split(":")
     cpu_isa = {"all": "auto"}.get(cap[0], cap[0]) if cap else "auto"  # BLOCKSERVE_CPU_ISA
     runner = ModelRunner(
@@ -207,7 +211,7 @@ def run_precision(name: str, steps: int, op_by_op: bool) -> PrecisionRun:
     weight_bytes = runner.model.weight_bytes()
     timers = Timers()
     instrument(runner, timers)
-    workload = Workload(runner)
+    workload = Workload(runner, sampling)
     cases = []
     for batch in DECODE_BATCHES:
         cases.append((f"decode B={batch}", batch, *time_decode(workload, batch, steps, timers)))
@@ -244,9 +248,15 @@ def main() -> None:
         "--precision", action="append", help=f"KERNELS:DTYPE:QUANTIZATION[:ISA_CAP] (default: {PRECISIONS})"
     )
     parser.add_argument("--op-by-op", action="store_true", help="custom kernels: layers op by op, timed by part")
+    parser.add_argument("--temperature", type=float, default=0.0, help="every request's (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's (default 1: none)")
+    parser.add_argument("--top-k", type=int, default=0, help="every request's (default 0: none)")
     args = parser.parse_args()
+    sampling = wire.SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=GREEDY.max_tokens
+    )
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    runs = [run_precision(name, args.steps, args.op_by_op) for name in args.precision or PRECISIONS]
+    runs = [run_precision(name, args.steps, args.op_by_op, sampling) for name in args.precision or PRECISIONS]
     bandwidth = read_bandwidth()
     reference = next((run for run in runs if run.name == "custom:float32:none"), runs[0])
     print(
@@ -260,6 +270,12 @@ def main() -> None:
     # An editable install imports its own checkout, not this script's: A/B runs from a worktree need
     # PYTHONPATH=<worktree>, and this line shows which code ran.
     print(f"code: {os.path.dirname(os.path.dirname(os.path.abspath(model_runner_module.__file__)))}")
+    print(
+        "sampling: "
+        + ("greedy" if sampling.temperature == 0 else f"temperature {sampling.temperature}")
+        + (f", top_p {sampling.top_p}" if sampling.top_p < 1 else "")
+        + (f", top_k {sampling.top_k}" if sampling.top_k > 0 else "")
+    )
     print(f"\nstep ms (tokens/s; vs {reference.name})")
     print(f"{'case':<16}" + "".join(f"{run.name:>34}" for run in runs))
     for index, (case, num_tokens, *_) in enumerate(reference.cases):

@@ -4,9 +4,11 @@ from it, so it must not rot; its ISA cap reaches the worker."""
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 
+from service import wire
 from tests.support.processes import ROOT
 
 
@@ -33,3 +35,17 @@ def test_bench_worker_times_each_case_on_the_capped_instruction_set(bench_worker
         assert parts["attention"] > 0 and parts["linear matmuls"] > 0
         assert parts["attention"] + parts["linear matmuls"] + parts["sampling"] < seconds
     assert run.weight_bytes > 0
+
+
+def test_bench_worker_requests_sample_as_asked(bench_worker):
+    """--temperature/--top-p/--top-k reach every request, and a run with them times its draw."""
+    top_p = wire.SamplingParams(temperature=0.8, top_p=0.9, max_tokens=bench_worker.GREEDY.max_tokens)
+    asked = bench_worker.Workload(SimpleNamespace(block_size=16), top_p).new_requests(3, 5, room=2)
+    default = bench_worker.Workload(SimpleNamespace(block_size=16)).new_requests(2, 5, room=2)
+    assert [request.sampling for request in asked] == [top_p] * 3
+    assert [request.sampling for request in default] == [bench_worker.GREEDY] * 2
+
+    run = bench_worker.run_precision("custom:float32:none", steps=2, op_by_op=False, sampling=top_p)
+
+    for _, _, seconds, parts in run.cases:
+        assert 0 < parts["sampling"] < seconds

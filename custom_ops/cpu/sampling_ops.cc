@@ -1,10 +1,10 @@
 // bs_sample_rows: each row's draw from softmax(logits / temperature), with min_p, top_k and top_p, as
 // gpu_worker/token_draw.py draws it in Paddle ops (the reference). Paddle's CPU ops for that draw run on one
-// thread: 12-36 ms for 64 rows of SmolLM2's 49152 logits at temperature 1 (the model's step is ~35 ms), and
-// with top_p alone (a sort of every row) 210 ms (2-core EPYC). Here the masses are one vectorised pass of exp
-// per row (KernelSet::draw_masses), the rows in parallel, and a truncated row bins its masses and sorts only
-// the bins its walks stop in (benchmarks/bench_sampling.py, 64 rows: temperature 1 ~1 ms, top_k 50 ~2 ms,
-// top_p 0.9 ~4 ms, top_p 0.9 at temperature 2.5 (flat rows) ~5 ms).
+// thread: 37-41 ms for 64 rows of SmolLM2's 49152 logits at temperature 1 (the model's step is ~35 ms), and
+// with top_p alone (a sort of every row) 215-270 ms (2-core EPYC Zen 5). Here the masses are one vectorised
+// pass of exp per row (KernelSet::draw_masses), the rows in parallel, and a truncated row bins its masses and
+// sorts only the bins its walks stop in (benchmarks/bench_sampling.py, 64 rows: temperature 1 ~1 ms, top_k 50
+// ~2 ms, top_p 0.9 ~4 ms, top_p 0.9 at temperature 2.5 (flat rows) ~5 ms).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -113,6 +113,18 @@ struct Candidates {
   float at_least;
 
   int64_t num_binned = 0;  // groups in s.binned_groups
+  int64_t gathered = 0;    // entries in s.order
+
+  // f(j) for each entry j of the binned groups whose sum reaches `floor` (the others hold no entry that does).
+  template <class F>
+  void each_entry_from(const Scratch& s, float floor, F f) const {
+    for (int64_t i = 0; i < num_binned; ++i) {
+      const int64_t g = s.binned_groups[i];
+      if (s.group_sums[g] < floor) continue;
+      const int64_t end = std::min(width, (g + 1) * bs::kDrawGroup);
+      for (int64_t j = g * bs::kDrawGroup; j < end; ++j) f(j);
+    }
+  }
 
   // Each candidate's bin, and each bin's count and mass.
   void bin(Scratch& s) {
@@ -137,39 +149,28 @@ struct Candidates {
 
   // Every segment's entries gathered into `order`, in the segments' order (s.segments: every bin from kTopBin
   // down to `lowest` that has candidates, `first` of each set).
-  void gather_all(Scratch& s, int lowest) const {
+  void gather_all(Scratch& s, int lowest) {
     for (Segment& segment : s.segments) {
       s.cursor[segment.bin] = segment.begin = segment.first;
       segment.end = segment.first + segment.count;
       segment.gathered = true;
     }
-    const float floor = bin_floor(lowest);
-    for (int64_t i = 0; i < num_binned; ++i) {
-      const int64_t g = s.binned_groups[i];
-      if (s.group_sums[g] < floor) continue;  // no entry of the group is in a bin needed
-      const int64_t end = std::min(width, (g + 1) * bs::kDrawGroup);
-      for (int64_t j = g * bs::kDrawGroup; j < end; ++j) {
-        const int b = s.bins[j];
-        if (b >= lowest && b <= kTopBin) s.order[s.cursor[b]++] = static_cast<int32_t>(j);
-      }
-    }
+    each_entry_from(s, bin_floor(lowest), [&s, lowest](int64_t j) {
+      const int b = s.bins[j];
+      if (b >= lowest) s.order[s.cursor[b]++] = static_cast<int32_t>(j);
+    });
+    gathered = s.segments.empty() ? 0 : s.segments.back().end;
   }
 
   // The segment's entries gathered into `order` (after those gathered before) unless they are, and sorted.
-  void gather(Scratch& s, Segment& segment, int64_t& gathered) const {
+  void gather(Scratch& s, Segment& segment) {
     if (segment.sorted) return;
     if (!segment.gathered) {
-      const float floor = bin_floor(segment.bin);
       const uint16_t bin = static_cast<uint16_t>(segment.bin);
       segment.begin = gathered;
-      for (int64_t i = 0; i < num_binned; ++i) {
-        const int64_t g = s.binned_groups[i];
-        if (s.group_sums[g] < floor) continue;  // no entry of the group is in the bin
-        const int64_t end = std::min(width, (g + 1) * bs::kDrawGroup);
-        for (int64_t j = g * bs::kDrawGroup; j < end; ++j) {
-          if (s.bins[j] == bin) s.order[gathered++] = static_cast<int32_t>(j);
-        }
-      }
+      each_entry_from(s, bin_floor(segment.bin), [&s, bin, this](int64_t j) {
+        if (s.bins[j] == bin) s.order[gathered++] = static_cast<int32_t>(j);
+      });
       segment.end = gathered;
       segment.gathered = true;
     }
@@ -191,7 +192,9 @@ int64_t draw_truncated(const float* x, Scratch& s, int64_t width, double total, 
   // mass >= 2^-8 would cost about as much, and rarely hold its top_p (they usually hold a top_k).
   constexpr float kFirstAtLeast = 1.0f / 256.0f;
   int64_t heavy_groups = 0;
-  for (int64_t g = 0; p.top_k == 0 && g < num_groups; ++g) heavy_groups += s.group_sums[g] >= kFirstAtLeast;
+  if (p.top_k == 0) {
+    for (int64_t g = 0; g < num_groups; ++g) heavy_groups += s.group_sums[g] >= kFirstAtLeast;
+  }
   Candidates candidates{x, width, num_groups, heavy_groups * 4 > num_groups ? bs::kMinDrawnMass : kFirstAtLeast};
   int lowest = kTopBin;  // the lowest bin needed
   for (;; candidates.at_least = bs::kMinDrawnMass) {  // draw_masses' masses are 0 or at least kMinDrawnMass
@@ -216,7 +219,7 @@ int64_t draw_truncated(const float* x, Scratch& s, int64_t width, double total, 
     if (enough || candidates.at_least == bs::kMinDrawnMass) break;
   }
   s.segments.clear();
-  int64_t first = 0, gathered = 0;
+  int64_t first = 0;
   for (int b = kTopBin; b >= lowest; --b) {
     if (s.bin_counts[b] == 0) continue;
     Segment segment;
@@ -239,7 +242,7 @@ int64_t draw_truncated(const float* x, Scratch& s, int64_t width, double total, 
     for (size_t i = 0; i < s.segments.size(); ++i) {
       Segment& segment = s.segments[i];
       if (segment.first + segment.count > p.top_k) {
-        candidates.gather(s, segment, gathered);
+        candidates.gather(s, segment);
         cut_to(segment, p.top_k - segment.first);
         s.segments.resize(i + 1);
       }
@@ -257,7 +260,7 @@ int64_t draw_truncated(const float* x, Scratch& s, int64_t width, double total, 
       before += segment.mass;
       continue;
     }
-    candidates.gather(s, segment, gathered);
+    candidates.gather(s, segment);
     int64_t end = segment.begin;
     double kept = 0.0;
     for (; end < segment.end && (before + kept < cut || (i == 0 && end == segment.begin)); ++end) kept += s.masses[s.order[end]];
@@ -276,7 +279,7 @@ int64_t draw_truncated(const float* x, Scratch& s, int64_t width, double total, 
       cumulative += segment.mass;
       continue;
     }
-    candidates.gather(s, segment, gathered);
+    candidates.gather(s, segment);
     for (int64_t e = segment.begin; e < segment.end; ++e) {
       cumulative += s.masses[s.order[e]];
       if (cumulative > target) return s.order[e];

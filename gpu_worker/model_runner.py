@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import paddle
@@ -12,6 +13,7 @@ from gpu_worker.cpu_memory import keep_freed_memory
 from gpu_worker.custom_attention import CustomPagedAttention
 from gpu_worker.device import activation_bytes, choose_device, kv_cache_budget
 from gpu_worker.device_model import move_model, on_host
+from gpu_worker.huge_pages import collapse
 from gpu_worker.kernels import CPU_ISA_CAPS, select_kernels
 from gpu_worker.kv_cache import KVCache, num_blocks_for
 from gpu_worker.model_loader import load_model
@@ -98,6 +100,7 @@ class ModelRunner:
             config, self.block_size, budget.num_bytes, settings.num_kv_blocks, precision.kv_cache_dtype
         )
         self.kv_cache = KVCache(config, self.num_kv_blocks, self.block_size, precision.kv_cache_dtype)
+        self.kernels["huge_pages_mib"] = self._move_to_huge_pages(settings) if self.device == "cpu" else "-"
         self.attention = choice.kernels.attention(config, self.block_size, self.model.rotary)
         if choice.kernels.name == "cuda" and isinstance(self.attention, CustomPagedAttention):
             max_blocks = -(-self.model_info.max_model_len // self.block_size)
@@ -119,6 +122,23 @@ class ModelRunner:
             self.kv_cache.num_bytes / 2**20,
             budget.reason if settings.num_kv_blocks is None else "BLOCKSERVE_NUM_KV_BLOCKS",
         )
+
+    def _move_to_huge_pages(self, settings: Settings) -> str:
+        """The weights and the KV cache into 2 MiB pages (gpu_worker/huge_pages.py) unless BLOCKSERVE_HUGE_PAGES=0;
+        the MiB moved, as reported."""
+        if not settings.huge_pages:
+            log.info("huge pages: off (BLOCKSERVE_HUGE_PAGES=0)")
+            return "0.0"
+        started = time.perf_counter()
+        moved = collapse(self.model.weight_tensors() + self.kv_cache.key_caches + self.kv_cache.value_caches)
+        log.info(
+            "huge pages: %.1f of the weights' and KV cache's %.1f MiB in 2 MiB pages, in %.2f s%s",
+            moved.collapsed_bytes / 2**20,
+            moved.tensor_bytes / 2**20,
+            time.perf_counter() - started,
+            f"; the kernel refused the rest ({moved.refused})" if moved.refused else "",
+        )
+        return f"{moved.collapsed_bytes / 2**20:.1f}"
 
     def execute(self, step: wire.SchedulerOutput) -> wire.StepResult:
         """Run one step; a failure becomes StepResult(error=...) rather than an exception."""

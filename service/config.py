@@ -78,6 +78,11 @@ class Settings(BaseSettings):
         description="Worker weights: int8 per output channel (quantized at load), gguf = a GGUF file's own blocks "
         "(Q8_0, Q4_0, Q4_1; Q4_K regrouped into Q4_1)",
     )
+    huge_pages: bool = Field(
+        default=True,
+        description="Worker on a CPU: move the weights and the KV cache into 2 MiB pages after loading (Linux 6.1+); "
+        "0 = leave them on the allocator's 4 KiB pages",
+    )
     gpu_memory_utilization: float = Field(
         default=0.9,
         gt=0.0,

@@ -73,14 +73,17 @@ class LlamaForCausalLM:
             down=linear("mlp.down_proj"),
         )
 
-    def weight_bytes(self) -> int:
-        """Bytes of the weights the model holds (packed matrices, embedding, norms, biases)."""
+    def weight_tensors(self) -> list[paddle.Tensor]:
+        """The tensors of the weights the model holds (packed matrices, embedding, norms, biases), each once."""
         tensors = [self.norm, *self.embed_tokens.tensors(), *self.lm_head.tensors()]
         for layer in self.layers:
             tensors += [layer.input_norm, layer.post_attention_norm]
             tensors += [tensor for linear in layer.linears for tensor in linear.tensors()]
-        unique = {id(tensor): tensor for tensor in tensors}.values()  # a tied table counts once
-        return sum(int(tensor.numel()) * tensor.element_size() for tensor in unique)
+        return list({id(tensor): tensor for tensor in tensors}.values())  # a tied table counts once
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights the model holds."""
+        return sum(int(tensor.numel()) * tensor.element_size() for tensor in self.weight_tensors())
 
     def _norm(self, x: paddle.Tensor, weight: paddle.Tensor, residual: paddle.Tensor | None = None):
         """(rms_norm(x + residual) * weight, x + residual)."""

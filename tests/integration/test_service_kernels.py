@@ -1,6 +1,6 @@
 """The whole service (`blockserve serve`: real processes, the real model, the openai client) on the
 custom kernels in float32 (their AVX2 path, BLOCKSERVE_CPU_ISA=avx2) and on pure Paddle: the same greedy text, and the metrics say which kernels,
-dtype and quantization ran."""
+dtype and quantization ran, and how much of the worker's memory is in huge pages (none with BLOCKSERVE_HUGE_PAGES=0)."""
 
 from __future__ import annotations
 
@@ -44,10 +44,13 @@ def greedy_texts(kernels: str, logs, **settings: str) -> tuple[list[str], dict[s
 def test_service_on_custom_kernels_generates_the_greedy_text_of_pure_paddle(tmp_path):
     # BLOCKSERVE_CPU_ISA=avx2: the AVX2 path a CPU without AVX-512 runs, on any CPU.
     custom_texts, custom_info = greedy_texts("custom", tmp_path, BLOCKSERVE_DTYPE="float32", BLOCKSERVE_CPU_ISA="avx2")
-    paddle_texts, paddle_info = greedy_texts("paddle", tmp_path)
+    paddle_texts, paddle_info = greedy_texts("paddle", tmp_path, BLOCKSERVE_HUGE_PAGES="0")
 
     assert custom_texts == paddle_texts and all(custom_texts)
     assert (custom_info["worker_kernels"], custom_info["worker_kernels_isa"]) == ("custom", "avx2")
     assert (custom_info["worker_dtype"], custom_info["worker_quantization"]) == ("float32", "none")
     assert paddle_info["worker_kernels"] == "paddle" and paddle_info["worker_dtype"] == "float32"
     assert "avx2" in custom_info["worker_cpu_features"]
+    # Huge pages by default (tests/integration/test_huge_pages.py checks them in smaps); off when set to 0.
+    assert float(custom_info["worker_huge_pages_mib"]) > 0.5 * float(custom_info["worker_weights_mib"])
+    assert paddle_info["worker_huge_pages_mib"] == "0.0"

@@ -17,6 +17,7 @@ import ctypes
 import errno
 import logging
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -70,6 +71,8 @@ def collapse(tensors: Iterable) -> HugePages:
         if size > 0:
             spans.append((tensor.data_ptr(), tensor.data_ptr() + size))
     tensor_bytes = sum(end - start for start, end in spans)
+    if not sys.platform.startswith("linux"):  # the advice numbers are Linux's
+        return HugePages(tensor_bytes, 0, f"not Linux ({sys.platform})")
     madvise = _madvise()
     collapsed, refused = 0, ""
     for start, end in aligned_runs(spans):

@@ -1,6 +1,8 @@
 """Which ranges the worker moves into 2 MiB pages: only whole 2 MiB pages inside runs of its tensors."""
 
-from gpu_worker.huge_pages import HUGE_PAGE_BYTES, MAX_GAP_BYTES, aligned_runs
+import sys
+
+from gpu_worker.huge_pages import HUGE_PAGE_BYTES, MAX_GAP_BYTES, aligned_runs, collapse
 
 MIB = 1 << 20
 
@@ -35,3 +37,23 @@ def test_every_range_is_page_aligned_and_inside_the_spans():
     assert ranges == [(8 * MIB, 22 * MIB), (40 * MIB, 48 * MIB)]
     for start, end in ranges:
         assert start % HUGE_PAGE_BYTES == 0 and end % HUGE_PAGE_BYTES == 0
+
+
+class Span:
+    def __init__(self, start: int, size: int):
+        self.start, self.size = start, size
+
+    def data_ptr(self) -> int:
+        return self.start
+
+    def numel(self) -> int:
+        return self.size
+
+    def element_size(self) -> int:
+        return 1
+
+
+def test_off_linux_nothing_is_advised(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "darwin")
+    moved = collapse([Span(4 * MIB, 8 * MIB)])  # an address nothing maps: advising it would fail
+    assert (moved.tensor_bytes, moved.collapsed_bytes, moved.refused) == (8 * MIB, 0, "not Linux (darwin)")

@@ -49,10 +49,10 @@ struct AttentionTile {
 };
 
 // Scratch of a tile of `queries` queries over `tile_kv_heads` kv heads: each head's scores of a span, its rows' queries,
-// accumulators and softmax state.
+// accumulators and softmax state; then a span's keys in lanes (32-bit words, head_dim / 2 per key).
 inline int64_t attention_scratch_floats(int64_t queries, int64_t tile_kv_heads, int64_t group, int64_t head_dim) {
   const int64_t rows = queries * group;  // per kv head
-  return tile_kv_heads * rows * kKeySpan + tile_kv_heads * rows * (2 * head_dim + 2);
+  return tile_kv_heads * rows * kKeySpan + tile_kv_heads * rows * (2 * head_dim + 2) + kKeySpan * head_dim / 2;
 }
 
 // Entries of a drawn row this far below the largest in probability are never drawn (e^-69; the clamped

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 HUGE_PAGE_BYTES = 2 << 20
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
+COLLAPSE_TRIES = 4  # asks per run while the kernel answers EAGAIN
 # Tensors this close are one run: what lies between is an allocator header inside pages they both fill.
 MAX_GAP_BYTES = 4096
 
@@ -62,6 +63,18 @@ def _madvise():
     return madvise
 
 
+def _advise(madvise, start: int, end: int, advice: int) -> int:
+    """0, or the errno of the advice on [start, end); a collapse the kernel calls transient (EAGAIN: a page
+    locked or referenced elsewhere for the moment) is asked for again, a few times."""
+    for _ in range(COLLAPSE_TRIES):
+        if madvise(start, end - start, advice) == 0:
+            return 0
+        code = ctypes.get_errno()
+        if code != errno.EAGAIN:
+            return code
+    return code
+
+
 def collapse(tensors: Iterable) -> HugePages:
     """Moves the aligned runs of `tensors`' memory (Paddle CPU tensors, each counted once) into 2 MiB pages."""
     unique = {id(tensor): tensor for tensor in tensors}.values()
@@ -77,8 +90,8 @@ def collapse(tensors: Iterable) -> HugePages:
     collapsed, refused = 0, ""
     for start, end in aligned_runs(spans):
         for advice, name in ((MADV_HUGEPAGE, "MADV_HUGEPAGE"), (MADV_COLLAPSE, "MADV_COLLAPSE")):
-            if madvise(start, end - start, advice) != 0:
-                code = ctypes.get_errno()
+            code = _advise(madvise, start, end, advice)
+            if code != 0:
                 refused = f"{name}: {errno.errorcode.get(code, code)} ({os.strerror(code)})"
                 break
         else:

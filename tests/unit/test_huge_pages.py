@@ -1,7 +1,10 @@
 """Which ranges the worker moves into 2 MiB pages: only whole 2 MiB pages inside runs of its tensors."""
 
+import ctypes
+import errno
 import sys
 
+from gpu_worker import huge_pages
 from gpu_worker.huge_pages import HUGE_PAGE_BYTES, MAX_GAP_BYTES, aligned_runs, collapse
 
 MIB = 1 << 20
@@ -57,3 +60,44 @@ def test_off_linux_nothing_is_advised(monkeypatch):
     monkeypatch.setattr(sys, "platform", "darwin")
     moved = collapse([Span(4 * MIB, 8 * MIB)])  # an address nothing maps: advising it would fail
     assert (moved.tensor_bytes, moved.collapsed_bytes, moved.refused) == (8 * MIB, 0, "not Linux (darwin)")
+
+
+class ScriptedMadvise:
+    """madvise answering MADV_COLLAPSE with the errnos given, in turn, then 0; it records every call."""
+
+    def __init__(self, collapse_errnos):
+        self.collapse_errnos = list(collapse_errnos)
+        self.calls = []
+
+    def __call__(self, start, length, advice):
+        self.calls.append((start, length, advice))
+        if advice == huge_pages.MADV_COLLAPSE and self.collapse_errnos:
+            ctypes.set_errno(self.collapse_errnos.pop(0))
+            return -1
+        return 0
+
+
+def collapse_with(monkeypatch, madvise):
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: madvise)
+    return collapse([Span(4 * MIB, 8 * MIB)])
+
+
+def test_a_collapse_the_kernel_calls_transient_is_asked_for_again(monkeypatch):
+    madvise = ScriptedMadvise([errno.EAGAIN, errno.EAGAIN])
+    moved = collapse_with(monkeypatch, madvise)
+    assert (moved.collapsed_bytes, moved.refused) == (8 * MIB, "")
+    assert [advice for _, _, advice in madvise.calls] == [huge_pages.MADV_HUGEPAGE] + [huge_pages.MADV_COLLAPSE] * 3
+    assert {(start, length) for start, length, _ in madvise.calls} == {(4 * MIB, 8 * MIB)}
+
+
+def test_a_collapse_refused_for_good_or_too_often_is_given_up_and_said(monkeypatch):
+    madvise = ScriptedMadvise([errno.EINVAL])
+    moved = collapse_with(monkeypatch, madvise)
+    assert (moved.collapsed_bytes, moved.refused) == (0, "MADV_COLLAPSE: EINVAL (Invalid argument)")
+    assert len(madvise.calls) == 2  # advised once, asked once
+
+    madvise = ScriptedMadvise([errno.EAGAIN] * huge_pages.COLLAPSE_TRIES)
+    moved = collapse_with(monkeypatch, madvise)
+    assert moved.collapsed_bytes == 0 and moved.refused.startswith("MADV_COLLAPSE: EAGAIN")
+    assert len(madvise.calls) == 1 + huge_pages.COLLAPSE_TRIES

@@ -167,9 +167,15 @@ std::vector<paddle::Tensor> DecoderStack(
     clock.lap(kO);
     bs::rms_norm_rows(kernels, o_out, residual, layer.post_norm, normed, post_summed, tokens, width, eps);
     clock.lap(kNorms);
-    apply(isa, layer.gate_up, normed, tokens, gate_up_out);
-    clock.lap(kGateUp);
-    bs::silu_and_mul_rows(kernels, gate_up_out, activated, tokens, intermediate_size);
+    const Projection& gate_up = layer.gate_up;
+    if (bs::linear::gemm_silu_and_mul(isa, gate_up.format, normed, tokens, gate_up.k, gate_up.packed, gate_up.n,
+                                      gate_up.bias, activated)) {
+      clock.lap(kGateUp);  // the SiLU inside
+    } else {
+      apply(isa, gate_up, normed, tokens, gate_up_out);
+      clock.lap(kGateUp);
+      bs::silu_and_mul_rows(kernels, gate_up_out, activated, tokens, intermediate_size);
+    }
     clock.lap(kSilu);
     apply(isa, layer.down, activated, tokens, down_out);
     clock.lap(kDown);

@@ -6,21 +6,7 @@
 using reg = Vec::reg;
 constexpr int W = Vec::W;
 
-// Cephes-style expf: |relative error| ~ 2e-7 on [-88, 88]; large negative inputs give 0.
-static inline reg vexp(reg x) {
-  x = Vec::min(Vec::max(x, Vec::set1(-88.3762626647949f)), Vec::set1(88.3762626647949f));
-  reg n = Vec::floor(Vec::fmadd(x, Vec::set1(1.44269504088896341f), Vec::set1(0.5f)));
-  x = Vec::fmadd(n, Vec::set1(-0.693359375f), x);
-  x = Vec::fmadd(n, Vec::set1(2.12194440e-4f), x);
-  reg y = Vec::set1(1.9875691500e-4f);
-  y = Vec::fmadd(y, x, Vec::set1(1.3981999507e-3f));
-  y = Vec::fmadd(y, x, Vec::set1(8.3334519073e-3f));
-  y = Vec::fmadd(y, x, Vec::set1(4.1665795894e-2f));
-  y = Vec::fmadd(y, x, Vec::set1(1.6666665459e-1f));
-  y = Vec::fmadd(y, x, Vec::set1(5.0000001201e-1f));
-  y = Vec::add(Vec::fmadd(y, Vec::mul(x, x), x), Vec::set1(1.0f));
-  return Vec::mul(y, Vec::pow2(n));
-}
+#include "vector_exp.h"  // vexp, silu_times
 
 static inline float sexp(float x) { return __builtin_expf(x); }
 
@@ -70,11 +56,8 @@ static void rms_norm_row(const float* x, const float* residual, const float* wei
 
 static void silu_and_mul_row(const float* gate_up, float* out, int64_t width) {
   const int64_t full = width - width % W;
-  const reg one = Vec::set1(1.0f);
   for (int64_t i = 0; i < full; i += W) {
-    reg gate = Vec::load(gate_up + i);
-    reg silu = Vec::div(gate, Vec::add(one, vexp(Vec::sub(Vec::zero(), gate))));
-    Vec::store(out + i, Vec::mul(silu, Vec::load(gate_up + width + i)));
+    Vec::store(out + i, silu_times(Vec::load(gate_up + i), Vec::load(gate_up + width + i)));
   }
   for (int64_t i = full; i < width; ++i) {
     const float gate = gate_up[i];

@@ -12,13 +12,19 @@ constexpr int kMaxRows = 12;  // 12 rows x 2 panels: 24 accumulators of the 32 z
 constexpr int64_t kTwoPanelRows = 16;
 
 #include "bf16_pairs.h"  // to_bf16_pairs: x as 32-bit words, one per block of W
+#include "simd_avx512.h"  // Vec, for vector_exp.h
+using reg = Vec::reg;
+#include "vector_exp.h"  // silu_times: the fused SiLU-and-multiply computes what silu_and_mul_row does
 
 // y[rows, kPanels panels] = start + the rows' words . the panels' blocks: one broadcast word feeds every
 // panel's block, and every panel but the last has all 16 columns (`cols` of the last).
-template <int kRows, int kPanels>
+// kSiluMul (two panels: a gate panel, then the up panel of the same 16 features): y[rows, 16] = silu(gate) * up
+// instead, as silu_and_mul_row computes it from the two products.
+template <int kRows, int kPanels, bool kSiluMul = false>
 static inline __attribute__((flatten)) void tile(const uint32_t* words, int64_t num_words, const uint8_t* panel,
                                                  int64_t panel_bytes, const float* start, float* y, int64_t ldy,
                                                  int cols) {
+  static_assert(!kSiluMul || kPanels == 2, "a SiLU tile pairs a gate panel with an up panel");
   constexpr int kSplit = kRows * kPanels >= 8 ? 1 : 8 / (kRows * kPanels);  // sums to cover the latency
   __m512 acc[kSplit][kPanels][kRows];
   for (int s = 0; s < kSplit; ++s) {
@@ -50,6 +56,18 @@ static inline __attribute__((flatten)) void tile(const uint32_t* words, int64_t 
         acc[0][p][r] = _mm512_dpbf16_ps(acc[0][p][r], reinterpret_cast<__m512bh>(pair), weights);
       }
     }
+  }
+  if constexpr (kSiluMul) {
+    for (int r = 0; r < kRows; ++r) {
+      for (int s = 1; s < kSplit; ++s) {
+        acc[0][0][r] = _mm512_add_ps(acc[0][0][r], acc[s][0][r]);
+        acc[0][1][r] = _mm512_add_ps(acc[0][1][r], acc[s][1][r]);
+      }
+      const __m512 gate = _mm512_add_ps(acc[0][0][r], _mm512_loadu_ps(start));
+      const __m512 up = _mm512_add_ps(acc[0][1][r], _mm512_loadu_ps(start + kPanelWidth));
+      _mm512_storeu_ps(y + r * ldy, silu_times(gate, up));
+    }
+    return;
   }
   for (int p = 0; p < kPanels; ++p) {
     const __mmask16 columns = p + 1 < kPanels ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << cols) - 1);
@@ -99,6 +117,36 @@ static void gemm(const float* x, int64_t m, int64_t k, const uint8_t* packed, in
             } else {
               tile<kRows, 1>(row_words, num_words, packed + p * bytes, bytes, start, out, n, cols);
             }
+          });
+        }
+      }
+    }
+  }
+}
+
+// out[m, n / 2] = silu(x @ W[:, :n / 2]) * (x @ W[:, n / 2:]) for a gate|up weight without bias (n / 2 a multiple of
+// 16, m >= kTwoPanelRows): each tile pairs gate panel g with up panel n / 32 + g and applies silu_and_mul_row's
+// arithmetic to its accumulators, so the [m, n] product is never written and read back. `words` is scratch.
+static void gemm_silu_and_mul(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, float* out,
+                              uint32_t* words) {
+  const int64_t half = n / 2, half_panels = half / kPanelWidth, bytes = panel_bytes(Format::kBF16, k);
+  const int64_t num_words = num_blocks(Format::kBF16, k);
+  const int64_t fitting_rows = kBlockBytes / (num_words * 4) / kMaxRows * kMaxRows;
+  const int64_t block_rows = fitting_rows > kMaxRows ? fitting_rows : kMaxRows;
+  const float no_bias[2 * kPanelWidth] = {};
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; ++r) to_bf16_pairs(x + r * k, k, words + r * num_words);
+    for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
+      const int64_t m_end = m < m0 + block_rows ? m : m0 + block_rows;
+#pragma omp for schedule(static) nowait
+      for (int64_t g = 0; g < half_panels; ++g) {
+        for (int64_t r0 = m0; r0 < m_end; r0 += kMaxRows) {
+          with_rows<kMaxRows>(static_cast<int>(m_end - r0 < kMaxRows ? m_end - r0 : kMaxRows), [&](auto rows) {
+            constexpr int kRows = decltype(rows)::value;
+            tile<kRows, 2, true>(words + r0 * num_words, num_words, packed + g * bytes, half_panels * bytes, no_bias,
+                                 out + r0 * half + g * kPanelWidth, half, kPanelWidth);
           });
         }
       }

@@ -57,6 +57,17 @@ namespace avx512_vnni {
 
 }  // namespace
 
+bool gemm_silu_and_mul(const Isa& isa, Format format, const float* x, int64_t m, int64_t k, const uint8_t* packed,
+                       int64_t n, const float* bias, float* out) {
+  if (format != Format::kBF16 || !isa.bf16 || bias != nullptr || m < avx512_bf16::kTwoPanelRows ||
+      n % (2 * kPanelWidth) != 0) {
+    return false;
+  }
+  std::vector<uint32_t> words(m * num_blocks(format, k));
+  avx512_bf16::gemm_silu_and_mul(x, m, k, packed, n, out, words.data());
+  return true;
+}
+
 void gemm(const Isa& isa, Format format, const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n,
           const float* bias, float* y) {
   // Scratch for x prepared as words is allocated here: no library code is instantiated inside the ISA regions.

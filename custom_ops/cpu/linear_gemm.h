@@ -14,4 +14,10 @@ namespace bs::linear {
 void gemm(const Isa& isa, Format format, const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n,
           const float* bias, float* y);
 
+// out[m, n / 2] = silu(gate) * up of y = x @ W for a gate|up weight (gate: y's first n / 2 columns), computed from
+// the GEMM's registers without writing y, where the kernel has that: BF16 on AVX512-BF16, no bias, n / 2 a multiple
+// of 16, m >= 16 (where the product is too large for the cache). Otherwise false, and nothing is written.
+bool gemm_silu_and_mul(const Isa& isa, Format format, const float* x, int64_t m, int64_t k, const uint8_t* packed,
+                       int64_t n, const float* bias, float* out);
+
 }  // namespace bs::linear

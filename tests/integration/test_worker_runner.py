@@ -196,17 +196,19 @@ def test_a_failed_sample_in_one_step_ends_only_its_requests_in_the_step_prepared
     runner.execute(wire.SchedulerOutput(step_id=42, finished_request_ids=["early", "late"]))
 
 
+@pytest.mark.parametrize("chunk_size", [7, 24])
 @pytest.mark.parametrize("precision", ["float32:none", "bfloat16:none", "auto:int8", "auto:gguf"])
-def test_the_fused_decoder_stack_computes_exactly_what_its_single_ops_compute(smollm_path, precision):
+def test_the_fused_decoder_stack_computes_exactly_what_its_single_ops_compute(smollm_path, precision, chunk_size):
     """bs_decoder_stack runs the kernels of the single ops in their order: prompt chunks and one-token steps
-    give the same logits to the bit, in every weight format."""
+    give the same logits to the bit, in every weight format. From 16 tokens a bf16 step on AVX512-BF16 applies
+    the SiLU-and-multiply inside the gate|up GEMM (chunks of 24), with silu_and_mul_row's arithmetic."""
     runner = load_runner(smollm_path, precision)
-    token_ids = encode(runner, ENGLISH_TEXT)[:57]  # 8 chunks of 7, then one token
+    token_ids = encode(runner, ENGLISH_TEXT)[:57]  # 8 chunks of 7 and one token, or 24, 24 and 9
     assert runner.model.kernels.fused_stack(runner.attention, runner.model.config) is not None
 
-    fused = paged_logits(runner, token_ids, chunk_size=7)
+    fused = paged_logits(runner, token_ids, chunk_size=chunk_size)
     runner.model.kernels.fuse_layers = False
-    single_ops = paged_logits(runner, token_ids, chunk_size=7)
+    single_ops = paged_logits(runner, token_ids, chunk_size=chunk_size)
 
     np.testing.assert_array_equal(fused, single_ops)
 

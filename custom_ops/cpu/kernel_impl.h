@@ -337,23 +337,17 @@ static inline void score_block_in_lanes(const uint32_t* words, int64_t row_words
   if (num_keys - j >= 16) score_rows_in_lanes<ROWS, 1>(words, row_words, kt, j, scores, ahead);
 }
 
-// The scores of rows [first_row, rows) of one kv head (its queries as bf16 words, dim / 2 per row) for num_keys keys in lanes (a
-// multiple of 16), 6 rows at a time: 24 accumulators, each 16-key load of kt feeding 6 vdpbf16ps.
+// The scores of rows [first_row, rows) of one kv head (its queries as bf16 words, dim / 2 per row) for num_keys
+// keys in lanes (a multiple of 16), 6 rows at a time: 24 accumulators, each 16-key load of kt feeding 6 vdpbf16ps.
 template <class Ahead>
 static inline void score_span_in_lanes(const uint32_t* words, int64_t first_row, int64_t rows, int64_t dim,
                                        const uint32_t* kt, int64_t num_keys, float* scores, Ahead& ahead) {
   const int64_t row_words = dim / 2;
   for (int64_t r = first_row; r < rows; r += 6) {
-    const uint32_t* row = words + r * row_words;
-    float* row_scores = scores + r * kKeySpan;
-    switch (rows - r < 6 ? rows - r : 6) {
-      case 1: score_block_in_lanes<1>(row, row_words, kt, num_keys, row_scores, ahead); break;
-      case 2: score_block_in_lanes<2>(row, row_words, kt, num_keys, row_scores, ahead); break;
-      case 3: score_block_in_lanes<3>(row, row_words, kt, num_keys, row_scores, ahead); break;
-      case 4: score_block_in_lanes<4>(row, row_words, kt, num_keys, row_scores, ahead); break;
-      case 5: score_block_in_lanes<5>(row, row_words, kt, num_keys, row_scores, ahead); break;
-      default: score_block_in_lanes<6>(row, row_words, kt, num_keys, row_scores, ahead); break;
-    }
+    with_rows<6>(static_cast<int>(rows - r < 6 ? rows - r : 6), [&](auto count) {
+      score_block_in_lanes<decltype(count)::value>(words + r * row_words, row_words, kt, num_keys,
+                                                   scores + r * kKeySpan, ahead);
+    });
   }
 }
 
@@ -500,8 +494,9 @@ static inline int64_t visible_keys(const AttentionTile<Cache>& t, int64_t r, int
 }
 
 // Softmax and values of one span for ROWS consecutive rows (from row r) of one kv head, and their scores
-// unless by_slot (score_span_by_slot scored them) or `scored` (score_span_in_lanes did). Values: with kDot && by_slot, values_span_by_slot sums
-// them; other by_slot tiles ask while summing, one-head tiles (prefills, long contexts) only while scoring.
+// unless by_slot (score_span_by_slot scored them) or `scored` (score_span_in_lanes did). Values: with kDot &&
+// by_slot, values_span_by_slot sums them; other by_slot tiles ask while summing, one-head tiles (prefills, long
+// contexts) only while scoring.
 template <int ROWS, bool kDot, bool by_slot, class Cache, class Ahead>
 static inline void attend_rows(const AttentionTile<Cache>& t, const HeadRows& head, int64_t r, int64_t span,
                                int64_t span_keys, int64_t padded_keys, const Cache* const* keys,

@@ -3,6 +3,9 @@
 // reports AVX512-BF16 and the op's isa bits allow it.
 #include <immintrin.h>
 
+#include <type_traits>
+#include <utility>
+
 #include "kernel_set.h"
 
 #pragma GCC push_options
@@ -10,6 +13,7 @@
 namespace bs {
 namespace avx512_bf16 {
 #define BS_BF16_DOT 1
+#include "unroll.h"  // with_rows: score_span_in_lanes' row blocks
 #include "simd_avx512.h"
 #include "kernel_impl.h"
 #undef BS_BF16_DOT

@@ -418,18 +418,23 @@ static inline void accumulate_values(float* acc, const float* probs, const Cache
 }
 
 // One online-softmax update of row `scores[0..visible)`: scores become probabilities (zero from `visible`
-// to `padded`), the running max, sum and the row's accumulator are rescaled when the max grows.
+// to `padded`), the running max, sum and the row's accumulator are rescaled when the max grows. A row's last
+// partial vector is computed whole (scores has room: a row is kKeySpan floats) with its lanes from `visible`
+// masked, so that a causal diagonal's rows do not take up to W - 1 scalar exps each.
+static_assert(kKeySpan % W == 0, "a row of scores is whole vectors");
 static inline void softmax_update(float* scores, int64_t visible, int64_t padded, float* running_max,
                                   float* running_sum, float* acc, int64_t head_dim) {
   const int64_t full = visible - visible % W;
+  const int tail = static_cast<int>(visible - full);
   float new_max = *running_max;
-  if (full > 0) {
-    reg maxes = Vec::load(scores);
-    for (int64_t j = W; j < full; j += W) maxes = Vec::max(maxes, Vec::load(scores + j));
+  if (visible > 0) {
+    const reg lowest = Vec::set1(-__builtin_inff());
+    reg maxes = lowest;
+    for (int64_t j = 0; j < full; j += W) maxes = Vec::max(maxes, Vec::load(scores + j));
+    if (tail > 0) maxes = Vec::max(maxes, Vec::first_lanes(Vec::load(scores + full), tail, lowest));
     const float vector_max = Vec::reduce_max(maxes);
     new_max = vector_max > new_max ? vector_max : new_max;
   }
-  for (int64_t j = full; j < visible; ++j) new_max = scores[j] > new_max ? scores[j] : new_max;
   const reg shift = Vec::set1(new_max);
   reg sums = Vec::zero();
   for (int64_t j = 0; j < full; j += W) {
@@ -437,12 +442,15 @@ static inline void softmax_update(float* scores, int64_t visible, int64_t padded
     Vec::store(scores + j, p);
     sums = Vec::add(sums, p);
   }
-  float sum = Vec::reduce_add(sums);
-  for (int64_t j = full; j < visible; ++j) {
-    scores[j] = sexp(scores[j] - new_max);
-    sum += scores[j];
+  int64_t zero_from = full;
+  if (tail > 0) {
+    reg p = Vec::first_lanes(vexp(Vec::sub(Vec::load(scores + full), shift)), tail, Vec::zero());
+    Vec::store(scores + full, p);
+    sums = Vec::add(sums, p);
+    zero_from = full + W;
   }
-  for (int64_t j = visible; j < padded; ++j) scores[j] = 0.0f;
+  const float sum = Vec::reduce_add(sums);
+  for (int64_t j = zero_from; j < padded; ++j) scores[j] = 0.0f;
   if (new_max > *running_max) {
     const float correction = sexp(*running_max - new_max);  // 0 on the first span (max = -inf)
     const reg c = Vec::set1(correction);

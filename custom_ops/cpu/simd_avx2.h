@@ -31,6 +31,11 @@ struct Vec {
   static inline reg floor(reg a) { return _mm256_floor_ps(a); }
   // v where v >= at_least, else 0 (a NaN lane: 0)
   static inline reg keep_at_least(reg v, reg at_least) { return _mm256_and_ps(v, _mm256_cmp_ps(v, at_least, _CMP_GE_OQ)); }
+  // v's first n lanes (0 <= n <= W), the others those of `fill`
+  static inline reg first_lanes(reg v, int n, reg fill) {
+    const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_blendv_ps(fill, v, _mm256_castsi256_ps(below));
+  }
   // 2^n for integral n in [-127, 127] held in a float vector
   static inline reg pow2(reg n) {
     __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);

@@ -30,6 +30,10 @@ struct Vec {
   static inline reg floor(reg a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
   // v where v >= at_least, else 0 (a NaN lane: 0)
   static inline reg keep_at_least(reg v, reg at_least) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, at_least, _CMP_GE_OQ), v); }
+  // v's first n lanes (0 <= n <= W), the others those of `fill`
+  static inline reg first_lanes(reg v, int n, reg fill) {
+    return _mm512_mask_mov_ps(fill, static_cast<__mmask16>((1u << n) - 1), v);
+  }
   static inline reg pow2(reg n) {
     __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_castsi512_ps(bits);

@@ -27,6 +27,23 @@ def huge_bytes_in(start: int, end: int) -> int:
     return total
 
 
+def mappings_of(start: int, end: int) -> str:
+    """The address range, AnonHugePages and THPeligible of each mapping that overlaps [start, end): what a failed
+    check shows, to tell a page never collapsed from one split afterwards."""
+    shown, inside = [], False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and ":" not in first:
+                low, high = (int(part, 16) for part in first.split("-"))
+                inside = low < end and high > start
+                if inside:
+                    shown.append(first)
+            elif inside and line.startswith(("AnonHugePages:", "THPeligible:")):
+                shown.append("  " + " ".join(line.split()))
+    return f"run {start:#x}-{end:#x}: " + "; ".join(shown)
+
+
 def spans(tensors):
     return [(t.data_ptr(), t.data_ptr() + int(t.numel()) * t.element_size()) for t in tensors]
 
@@ -63,7 +80,7 @@ def test_collapse_moves_the_whole_pages_of_fresh_memory_into_huge_pages_without_
     assert moved.tensor_bytes == 2 * (9 * HUGE_PAGE_BYTES + 12345)
     assert moved.collapsed_bytes == sum(end - start for start, end in runs)
     for start, end in runs:
-        assert huge_bytes_in(start, end) >= end - start
+        assert huge_bytes_in(start, end) >= end - start, mappings_of(start, end)
     assert abs(resident_anonymous_bytes() - before) < HUGE_PAGE_BYTES  # no page became resident
     size = buffers[0].numel()
     assert np.array_equal(buffers[0].array, np.arange(size, dtype=np.uint64).astype(np.uint8))  # the same bytes
@@ -81,7 +98,7 @@ def test_collapse_moves_paddle_tensors_and_they_compute_as_before():
     runs = aligned_runs(spans(tensors))
     assert moved.collapsed_bytes == sum(end - start for start, end in runs) >= 3 * 10 * (1 << 20)
     for start, end in runs:
-        assert huge_bytes_in(start, end) >= end - start
+        assert huge_bytes_in(start, end) >= end - start, mappings_of(start, end)
     assert float(tensors[0].sum()) == 1.5 * (3 << 20) and float(tensors[3].astype("float32").sum()) == 5 << 20
     tensors[1].fill_(2.0)
     assert float(tensors[1].mean()) == 2.0

@@ -16,6 +16,12 @@ constexpr int64_t kTwoPanelRows = 16;
 using reg = Vec::reg;
 #include "vector_exp.h"  // silu_times: the fused SiLU-and-multiply computes what silu_and_mul_row does
 
+// Rows of x (num_words words each) a block holds: whole tiles, at least one, within kBlockBytes.
+static inline int64_t rows_per_block(int64_t num_words) {
+  const int64_t fitting_rows = kBlockBytes / (num_words * 4) / kMaxRows * kMaxRows;
+  return fitting_rows > kMaxRows ? fitting_rows : kMaxRows;
+}
+
 // y[rows, kPanels panels] = start + the rows' words . the panels' blocks: one broadcast word feeds every
 // panel's block, and every panel but the last has all 16 columns (`cols` of the last).
 // kSiluMul (two panels: a gate panel, then the up panel of the same 16 features): y[rows, 16] = silu(gate) * up
@@ -84,8 +90,7 @@ static void gemm(const float* x, int64_t m, int64_t k, const uint8_t* packed, in
                  uint32_t* words) {
   const int64_t panels = num_panels(n), bytes = panel_bytes(Format::kBF16, k);
   const int64_t num_words = num_blocks(Format::kBF16, k);
-  const int64_t fitting_rows = kBlockBytes / (num_words * 4) / kMaxRows * kMaxRows;
-  const int64_t block_rows = fitting_rows > kMaxRows ? fitting_rows : kMaxRows;
+  const int64_t block_rows = rows_per_block(num_words);
   const bool rows_in_parallel = m > kMaxRows;  // a tile's worth of rows is prepared faster than a barrier
   const int64_t group_panels = m >= kTwoPanelRows ? 2 : 1;
   if (!rows_in_parallel) {
@@ -131,8 +136,7 @@ static void gemm_silu_and_mul(const float* x, int64_t m, int64_t k, const uint8_
                               uint32_t* words) {
   const int64_t half = n / 2, half_panels = half / kPanelWidth, bytes = panel_bytes(Format::kBF16, k);
   const int64_t num_words = num_blocks(Format::kBF16, k);
-  const int64_t fitting_rows = kBlockBytes / (num_words * 4) / kMaxRows * kMaxRows;
-  const int64_t block_rows = fitting_rows > kMaxRows ? fitting_rows : kMaxRows;
+  const int64_t block_rows = rows_per_block(num_words);
   const float no_bias[2 * kPanelWidth] = {};
 #pragma omp parallel
   {

@@ -13,24 +13,9 @@ from gpu_worker.cpu_memory import resident_anonymous_bytes
 from gpu_worker.huge_pages import HUGE_PAGE_BYTES, aligned_runs, collapse
 
 
-def huge_bytes_in(start: int, end: int) -> int:
-    """AnonHugePages of the mappings that overlap [start, end), from /proc/self/smaps."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            first = line.split()[0]
-            if "-" in first and ":" not in first:
-                low, high = (int(part, 16) for part in first.split("-"))
-                inside = low < end and high > start
-            elif inside and line.startswith("AnonHugePages:"):
-                total += int(line.split()[1]) * 1024
-    return total
-
-
-def mappings_of(start: int, end: int) -> str:
-    """The address range, AnonHugePages and THPeligible of each mapping that overlaps [start, end): what a failed
-    check shows, to tell a page never collapsed from one split afterwards."""
-    shown, inside = [], False
+def mappings_overlapping(start: int, end: int, fields: tuple[str, ...]) -> list[tuple[str, dict[str, str]]]:
+    """(address range, {field: value}) of each mapping in /proc/self/smaps that overlaps [start, end)."""
+    found, inside = [], False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             first = line.split()[0]
@@ -38,9 +23,23 @@ def mappings_of(start: int, end: int) -> str:
                 low, high = (int(part, 16) for part in first.split("-"))
                 inside = low < end and high > start
                 if inside:
-                    shown.append(first)
-            elif inside and line.startswith(("AnonHugePages:", "THPeligible:")):
-                shown.append("  " + " ".join(line.split()))
+                    found.append((first, {}))
+            elif inside and first.rstrip(":") in fields:
+                found[-1][1][first.rstrip(":")] = " ".join(line.split()[1:])
+    return found
+
+
+def huge_bytes_in(start: int, end: int) -> int:
+    """AnonHugePages of the mappings that overlap [start, end)."""
+    mappings = mappings_overlapping(start, end, ("AnonHugePages",))
+    return sum(int(values["AnonHugePages"].split()[0]) * 1024 for _, values in mappings)
+
+
+def mappings_of(start: int, end: int) -> str:
+    """The address range, AnonHugePages and THPeligible of each mapping that overlaps [start, end): what a failed
+    check shows, to tell a page never collapsed from one split afterwards."""
+    mappings = mappings_overlapping(start, end, ("AnonHugePages", "THPeligible"))
+    shown = [f"{span} " + ", ".join(f"{name} {value}" for name, value in values.items()) for span, values in mappings]
     return f"run {start:#x}-{end:#x}: " + "; ".join(shown)
 
 

@@ -104,8 +104,7 @@ static void gemm(const float* x, int64_t m, int64_t k, const uint8_t* packed, in
     }
     for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
       const int64_t m_end = m < m0 + block_rows ? m : m0 + block_rows;
-#pragma omp for schedule(static) nowait
-      for (int64_t group = 0; group < (panels + group_panels - 1) / group_panels; ++group) {
+      for_each_panel((panels + group_panels - 1) / group_panels, !rows_in_parallel, [&](int64_t group) {
         const int64_t p = group * group_panels, tile_panels = panels - p < group_panels ? panels - p : group_panels;
         const int64_t remaining = n - p * kPanelWidth;
         const int64_t tile_cols = remaining < tile_panels * kPanelWidth ? remaining : tile_panels * kPanelWidth;
@@ -124,7 +123,7 @@ static void gemm(const float* x, int64_t m, int64_t k, const uint8_t* packed, in
             }
           });
         }
-      }
+      });
     }
   }
 }

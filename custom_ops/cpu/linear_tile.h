@@ -206,8 +206,7 @@ static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed,
 #pragma omp parallel
   for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
     const int64_t m_end = m < m0 + block_rows ? m : m0 + block_rows;
-#pragma omp for schedule(static) nowait
-    for (int64_t p = 0; p < panels; ++p) {
+    for_each_panel(panels, m <= kTileRows, [&](int64_t p) {
       const int64_t remaining = n - p * kPanelWidth;
       const int cols = static_cast<int>(remaining < kPanelWidth ? remaining : kPanelWidth);
       float start[kPanelWidth] = {};
@@ -219,7 +218,7 @@ static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed,
                                                     y + r0 * n + p * kPanelWidth, n, cols);
         });
       }
-    }
+    });
   }
 }
 

@@ -17,7 +17,7 @@ def bench_worker(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_worker
 
-    monkeypatch.setattr(bench_worker, "DECODE_BATCHES", (2,))
+    monkeypatch.setattr(bench_worker, "DECODE_BATCHES", (1, 2))
     monkeypatch.setattr(bench_worker, "PREFILLS", ((1, 20),))
     yield bench_worker
     sys.modules.pop("bench_worker", None)
@@ -25,10 +25,13 @@ def bench_worker(monkeypatch):
 
 @pytest.mark.parametrize("op_by_op", [False, True])
 def test_bench_worker_times_each_case_on_the_capped_instruction_set(bench_worker, op_by_op):
-    run = bench_worker.run_precision("custom:bfloat16:none:avx2", steps=2, op_by_op=op_by_op)
+    probe = bench_worker.ReadProbe()
+    run = bench_worker.run_precision("custom:bfloat16:none:avx2", steps=2, op_by_op=op_by_op, probe=probe)
 
     assert run.described["kernels_isa"] == "avx2" and run.described["dtype"] == "bfloat16"
-    assert [case[:2] for case in run.cases] == [("decode B=2", 2), ("prefill 1x20", 20)]
+    assert [case[:2] for case in run.cases] == [("decode B=1", 1), ("decode B=2", 2), ("prefill 1x20", 20)]
+    # The read bandwidth the B=1 step is held against: one read before each of its timed steps, no others.
+    assert len(run.read_bandwidths) == 2 and all(bandwidth > 0 for bandwidth in run.read_bandwidths)
     for _, _, seconds, parts in run.cases:
         assert seconds > 0 and parts["sampling"] > 0
         # Fused, the stack's own stage clock times its matmuls and attention, as the timers do op by op.
@@ -45,7 +48,9 @@ def test_bench_worker_requests_sample_as_asked(bench_worker):
     assert [request.sampling for request in asked] == [top_p] * 3
     assert [request.sampling for request in default] == [bench_worker.GREEDY] * 2
 
-    run = bench_worker.run_precision("custom:float32:none", steps=2, op_by_op=False, sampling=top_p)
+    run = bench_worker.run_precision(
+        "custom:float32:none", steps=2, op_by_op=False, probe=bench_worker.ReadProbe(), sampling=top_p
+    )
 
     for _, _, seconds, parts in run.cases:
         assert 0 < parts["sampling"] < seconds

@@ -12,9 +12,9 @@ Every precision (default: the custom kernels in float32, bfloat16, int8 and gguf
 float32) runs every case in the same run; "vs f32" divides by the custom float32 step of the case.
 For decode B=1, "read ms" is the time to read the weights' actual bytes (what the model holds in that
 precision) once at the read bandwidth measured in this run: torch's sum over a 1 GiB array, once before
-each timed B=1 step of that precision, so that the read and the steps see the same moments of a shared
-host; the ratio uses the median of those reads, as the step is the median step, and the line also gives
-the ratio at the fastest read. The
+each timed B=1 step of that precision (and an untimed step between the two, as the read leaves the caches
+cold), so that the read and the steps see the same moments of a shared host; the ratio uses the median of
+those reads, as the step is the median step, and the line also gives the ratio at the fastest read. The
 breakdown times the parts of the median step with wall-clock timers (Paddle on CPU runs ops
 synchronously); inside the fused decoder stack (the default), the op clocks its own stages (time_stages),
 so the linear matmuls and the attention are the same parts in both modes. ISA_CAP (avx2, avx512; default all: BLOCKSERVE_CPU_ISA) keeps the custom ops below what the
@@ -184,12 +184,20 @@ def median_step(run_step, steps: int, timers: Timers, before_each=None) -> tuple
     return sorted(records, key=lambda record: record[0])[len(records) // 2]
 
 
-def time_decode(workload: Workload, batch: int, steps: int, timers: Timers, before_each=None):
-    requests = workload.new_requests(batch, CONTEXT_LEN, room=steps + 2)
+def time_decode(workload: Workload, batch: int, steps: int, timers: Timers, probe: ReadProbe | None = None):
+    """The median decode step; with `probe`, a read before each timed step, then an untimed step (the read
+    leaves every cache cold: the timed step follows a step, as in a run without reads)."""
+    requests = workload.new_requests(batch, CONTEXT_LEN, room=2 * steps + 2)
     for first in range(0, batch, 8):  # prefill a few at a time, untimed
         workload.step(new_requests=requests[first : first + 8])
     decode = [wire.RunningRequest(r.request_id, [], 1) for r in requests]
     workload.step(running_requests=decode)
+
+    def read_then_step():
+        probe.measure()
+        workload.step(running_requests=decode)
+
+    before_each = read_then_step if probe is not None else None
     record = median_step(lambda: workload.step(running_requests=decode), steps, timers, before_each)
     workload.step(finished_request_ids=[r.request_id for r in requests])
     return record
@@ -238,8 +246,8 @@ def run_precision(
     cases = []
     probe.bandwidths = []
     for batch in DECODE_BATCHES:
-        before_each = probe.measure if batch == 1 else None
-        cases.append((f"decode B={batch}", batch, *time_decode(workload, batch, steps, timers, before_each)))
+        batch_probe = probe if batch == 1 else None
+        cases.append((f"decode B={batch}", batch, *time_decode(workload, batch, steps, timers, batch_probe)))
     for count, prompt_len in PREFILLS:
         record = time_prefill(workload, count, prompt_len, max(3, steps // 3), timers)
         cases.append((f"prefill {count}x{prompt_len}", count * prompt_len, *record))

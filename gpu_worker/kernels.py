@@ -10,6 +10,7 @@ path is the reference and the fallback wherever the custom ops cannot run.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -108,48 +109,60 @@ class CustomKernels:
             return None
         stack = self._stack
         if stack is None or stack.attention is not attention or stack.config is not config:
-            stack = self._stack = FusedDecoderStack(self.ops, attention, config)  # one per model: it keeps the inputs
+            if stack is not None:
+                stack.release()
+            stack = self._stack = FusedDecoderStack(self.ops, attention, config)  # one per model: it holds the inputs
         return stack
 
 
 class FusedDecoderStack:
     """`(layers, hidden, key_caches, value_caches, metadata) -> hidden + residual after the last layer` through
-    bs_decoder_stack: the same kernels as the single ops, one Paddle op call per step."""
+    bs_decoder_stack: the same kernels as the single ops, one Paddle op call per step. The op holds the layers'
+    norms, weights and caches (bs_decoder_stack_hold) under a handle, taken again when the model's list holds
+    another layer or the cache another tensor, and let go (bs_decoder_stack_release) then, on release(), and
+    when the stack is dropped."""
 
     def __init__(self, ops: ModuleType, attention: CustomPagedAttention, config: ModelConfig):
         self.ops = ops
         self.attention = attention
         self.config = config
-        self._layers: list = []  # the layers that _inputs were taken from
-        self._inputs: tuple[list, list[int]] = ([], [])
+        self._held_for: list = []  # the layers and caches the op holds, by identity
+        self.handle: paddle.Tensor | None = None  # what the op holds them under (None: nothing yet)
+        self._release: weakref.finalize | None = None
         # Off in the service. On, each call adds the wall time of each of its stages (STACK_STAGES order, summed
         # over the layers) to stage_seconds: where a benchmark's fused step goes.
         self.time_stages = False
         self.stage_seconds = np.zeros(len(STACK_STAGES))
 
-    def _layer_inputs(self, layers: list) -> tuple[list, list[int]]:
-        """The norms, packed weights and biases (None: no layer has them) of `layers` in the op's order, and
-        each layer's four weight formats (a GGUF file may store a projection in other formats in some layers);
-        kept while the model holds the same layers."""
-        if len(layers) != len(self._layers) or any(a is not b for a, b in zip(layers, self._layers)):
-            per_kind = [[layer.input_norm for layer in layers], [layer.post_attention_norm for layer in layers]]
-            per_kind += [[layer.linears[i].packed for layer in layers] for i in range(4)]
-            for i in range(4):
-                biases = [layer.linears[i].bias for layer in layers]
-                if any(bias is None for bias in biases) and any(bias is not None for bias in biases):
-                    raise ValueError("a projection has a bias in some layers only")
-                per_kind.append(None if biases[0] is None else biases)
-            formats = [int(linear.format) for layer in layers for linear in layer.linears]
-            self._layers, self._inputs = list(layers), (per_kind, formats)
-        return self._inputs
+    def hold(self, layers: list, key_caches: list, value_caches: list) -> paddle.Tensor:
+        """The handle under which the op holds `layers` and these caches."""
+        held_for = [*layers, *key_caches, *value_caches]
+        if len(held_for) != len(self._held_for) or any(a is not b for a, b in zip(held_for, self._held_for)):
+            self.release()
+            self.handle = self.ops.bs_decoder_stack_hold(
+                *layer_inputs(layers),
+                key_caches,
+                value_caches,
+                [int(linear.format) for layer in layers for linear in layer.linears],
+                self.config.num_heads,
+                self.config.num_kv_heads,
+                self.config.intermediate_size,
+            )
+            self._release = weakref.finalize(self, self.ops.bs_decoder_stack_release, self.handle)
+            self._release.atexit = False  # at exit the process lets go of everything
+            self._held_for = held_for
+        return self.handle
+
+    def release(self) -> None:
+        """Let go of the layers and caches the op holds (the next call takes them again)."""
+        if self._release is not None:
+            self._release()
+        self._held_for, self.handle, self._release = [], None, None
 
     def __call__(self, layers: list, hidden, key_caches: list, value_caches: list, metadata: CustomAttentionMetadata):
-        weights, formats = self._layer_inputs(layers)
-        hidden, _, _, stage_seconds = self.ops.bs_decoder_stack(
+        hidden, stage_seconds = self.ops.bs_decoder_stack(
             hidden,
-            *weights,
-            key_caches,
-            value_caches,
+            self.hold(layers, key_caches, value_caches),
             metadata.positions,
             metadata.slot_mapping,
             metadata.query_start,
@@ -157,10 +170,6 @@ class FusedDecoderStack:
             metadata.block_table,
             self.attention.rotary.cos,
             self.attention.rotary.sin,
-            formats,
-            self.config.num_heads,
-            self.config.num_kv_heads,
-            self.config.intermediate_size,
             self.config.rms_norm_eps,
             self.attention.query_tile,
             self.attention.isa,
@@ -169,6 +178,19 @@ class FusedDecoderStack:
         if self.time_stages:
             self.stage_seconds += stage_seconds.numpy()
         return hidden
+
+
+def layer_inputs(layers: list) -> list:
+    """The norms, packed weights and biases (None: no layer has them) of `layers`, in bs_decoder_stack_hold's
+    order. A GGUF file may store a projection in other formats in some layers: the op takes each one's."""
+    per_kind = [[layer.input_norm for layer in layers], [layer.post_attention_norm for layer in layers]]
+    per_kind += [[layer.linears[i].packed for layer in layers] for i in range(4)]
+    for i in range(4):
+        biases = [layer.linears[i].bias for layer in layers]
+        if any(bias is None for bias in biases) and any(bias is not None for bias in biases):
+            raise ValueError("a projection has a bias in some layers only")
+        per_kind.append(None if biases[0] is None else biases)
+    return per_kind
 
 
 Kernels = PaddleKernels | CustomKernels

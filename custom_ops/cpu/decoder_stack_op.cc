@@ -3,12 +3,16 @@
 // add + RMSNorm, gate|up, SiLU-and-multiply and down, through the same kernels as the single ops; at the end
 // the last layer's output plus its residual. A Paddle custom-op call costs ~12 us with a layer's 21 inputs,
 // and each of a layer's 11 outputs and intermediates another ~0.6 us to allocate: one call per layer spent
-// ~0.55 ms of a one-sequence decode step (~4 ms) on these, one call for the stack ~0.1 ms (its ~240
-// tensors) plus the step's buffers once.
+// ~0.55 ms of a one-sequence decode step (~4 ms) on these. The layers' norms, weights and caches (~250
+// tensors) are checked and held once (bs_decoder_stack_hold, until bs_decoder_stack_release), so that a
+// step's call passes a handle, the step's inputs and nothing per layer.
 // With time_stages, the op also clocks each stage of every layer (StageSeconds: seconds per stage, summed over
 // the layers; zeros without it), so that a benchmark sees where the fused step goes.
 #include <chrono>
 #include <initializer_list>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "cpu_isa.h"
@@ -75,20 +79,45 @@ float* buffer(std::vector<paddle::Tensor>& owned, int64_t rows, int64_t width, c
   return owned.back().data<float>();
 }
 
-std::vector<paddle::Tensor> DecoderStack(
-    const paddle::Tensor& hidden, const Tensors& input_norms, const Tensors& post_norms, const Tensors& qkv_weights,
-    const Tensors& o_weights, const Tensors& gate_up_weights, const Tensors& down_weights,
-    const OptionalTensors& qkv_biases, const OptionalTensors& o_biases, const OptionalTensors& gate_up_biases,
-    const OptionalTensors& down_biases, Tensors& key_caches, Tensors& value_caches, const paddle::Tensor& positions,
-    const paddle::Tensor& slot_mapping, const paddle::Tensor& query_start, const paddle::Tensor& context_lens,
-    const paddle::Tensor& block_table, const paddle::Tensor& cos, const paddle::Tensor& sin,
-    const std::vector<int>& formats, int num_heads, int num_kv_heads, int64_t intermediate_size, float eps,
-    int query_tile, int isa_bits, bool time_stages) {
-  const bs::Isa isa = bs::resolve_isa(isa_bits);
-  const auto& kernels = bs::kernels_for(isa);
-  PD_CHECK(hidden.is_cpu() && hidden.dtype() == paddle::DataType::FLOAT32 && hidden.shape().size() == 2,
-           "hidden must be a 2-d float32 CPU tensor");
-  const int64_t tokens = hidden.shape()[0], width = hidden.shape()[1];
+// A model's decoder layers as the stack reads them: norms, packed weights, biases and KV caches, checked once
+// (bs_decoder_stack_hold) and held until bs_decoder_stack_release. `tensors` keeps every pointer in `layers`
+// valid; the caches are written in place, as bs_rope_write_kv writes them.
+struct Layer {
+  const float *input_norm, *post_norm;
+  Projection qkv, o, gate_up, down;
+  bs::KvCaches caches;
+};
+struct HeldStack {
+  std::vector<paddle::Tensor> tensors;
+  std::vector<Layer> layers;
+  int64_t width, head_dim, attention_width, qkv_width, intermediate_size;
+  int num_heads, num_kv_heads;
+};
+
+// Held stacks by handle. A step's call names its stack by handle instead of passing ~250 tensors: Paddle's
+// dispatch of those cost ~20 us per layer (0.6-0.7 ms of a one-sequence decode step; 0.05-0.1 ms for one layer).
+std::mutex held_mutex;
+std::unordered_map<int64_t, std::shared_ptr<HeldStack>> held_stacks;
+int64_t next_handle = 1;
+
+paddle::Tensor handle_tensor(int64_t handle) {
+  auto tensor = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
+  tensor.data<int64_t>()[0] = handle;
+  return tensor;
+}
+
+int64_t handle_of(const paddle::Tensor& handle) {
+  PD_CHECK(handle.is_cpu() && handle.dtype() == paddle::DataType::INT64 && handle.numel() == 1,
+           "a decoder stack handle is one int64 on the CPU");
+  return handle.data<int64_t>()[0];
+}
+
+std::vector<paddle::Tensor> HoldDecoderStack(
+    const Tensors& input_norms, const Tensors& post_norms, const Tensors& qkv_weights, const Tensors& o_weights,
+    const Tensors& gate_up_weights, const Tensors& down_weights, const OptionalTensors& qkv_biases,
+    const OptionalTensors& o_biases, const OptionalTensors& gate_up_biases, const OptionalTensors& down_biases,
+    const Tensors& key_caches, const Tensors& value_caches, const std::vector<int>& formats, int num_heads,
+    int num_kv_heads, int64_t intermediate_size) {
   const size_t num_layers = input_norms.size();
   PD_CHECK(num_layers > 0, "no layers");
   for (const Tensors* per_layer : std::initializer_list<const Tensors*>{&post_norms, &qkv_weights, &o_weights, &gate_up_weights, &down_weights, &key_caches,
@@ -99,32 +128,76 @@ std::vector<paddle::Tensor> DecoderStack(
     PD_CHECK(!*biases || (*biases)->size() == num_layers, "biases of a projection: one per layer or none");
   }
   PD_CHECK(formats.size() == 4 * num_layers, "one weight format per layer and projection: qkv, o, gate_up, down");
-  PD_CHECK(positions.numel() == tokens && slot_mapping.numel() == tokens, "one position and slot per token");
-  const int64_t num_requests = context_lens.numel();
-  PD_CHECK(query_start.numel() == num_requests + 1 && block_table.shape()[0] == num_requests, "one row per request");
-  const int64_t head_dim = key_caches[0].shape().size() == 4 ? key_caches[0].shape()[3] : 0;
-  PD_CHECK(cos.shape()[1] == head_dim && sin.shape() == cos.shape(), "cos/sin must be [positions, head_dim]");
-  const int64_t attention_width = num_heads * head_dim, qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
-
-  struct Layer {
-    const float *input_norm, *post_norm;
-    Projection qkv, o, gate_up, down;
-    bs::KvCaches caches;
-  };
-  std::vector<Layer> layers;
-  layers.reserve(num_layers);
+  PD_CHECK(num_heads > 0 && num_kv_heads > 0 && intermediate_size > 0, "bad head counts or intermediate size");
+  auto stack = std::make_shared<HeldStack>();
+  stack->width = input_norms[0].numel();
+  stack->head_dim = key_caches[0].shape().size() == 4 ? key_caches[0].shape()[3] : 0;
+  stack->attention_width = num_heads * stack->head_dim;
+  stack->qkv_width = (num_heads + 2 * num_kv_heads) * stack->head_dim;
+  stack->intermediate_size = intermediate_size;
+  stack->num_heads = num_heads;
+  stack->num_kv_heads = num_kv_heads;
+  const int64_t width = stack->width, head_dim = stack->head_dim;
+  stack->layers.reserve(num_layers);
   for (size_t l = 0; l < num_layers; ++l) {
-    PD_CHECK(input_norms[l].numel() == width && post_norms[l].numel() == width, "one norm weight per hidden feature");
+    PD_CHECK(input_norms[l].dtype() == paddle::DataType::FLOAT32 && post_norms[l].dtype() == paddle::DataType::FLOAT32 &&
+                 input_norms[l].numel() == width && post_norms[l].numel() == width,
+             "one float32 norm weight per hidden feature");
     const bs::KvCaches caches = bs::kv_caches(key_caches[l], value_caches[l]);
     PD_CHECK(caches.num_kv_heads == num_kv_heads && caches.head_dim == head_dim,
              "every layer's caches hold num_kv_heads heads of one head_dim");
-    layers.push_back({input_norms[l].data<float>(), post_norms[l].data<float>(),
-                      projection(qkv_weights[l], qkv_biases, l, formats[4 * l + 0], width, qkv_width, "qkv"),
-                      projection(o_weights[l], o_biases, l, formats[4 * l + 1], attention_width, width, "o"),
-                      projection(gate_up_weights[l], gate_up_biases, l, formats[4 * l + 2], width, 2 * intermediate_size, "gate_up"),
-                      projection(down_weights[l], down_biases, l, formats[4 * l + 3], intermediate_size, width, "down"),
-                      caches});
+    stack->layers.push_back(
+        {input_norms[l].data<float>(), post_norms[l].data<float>(),
+         projection(qkv_weights[l], qkv_biases, l, formats[4 * l + 0], width, stack->qkv_width, "qkv"),
+         projection(o_weights[l], o_biases, l, formats[4 * l + 1], stack->attention_width, width, "o"),
+         projection(gate_up_weights[l], gate_up_biases, l, formats[4 * l + 2], width, 2 * intermediate_size, "gate_up"),
+         projection(down_weights[l], down_biases, l, formats[4 * l + 3], intermediate_size, width, "down"), caches});
   }
+  for (const Tensors* per_layer : {&input_norms, &post_norms, &qkv_weights, &o_weights, &gate_up_weights, &down_weights,
+                                   &key_caches, &value_caches}) {
+    stack->tensors.insert(stack->tensors.end(), per_layer->begin(), per_layer->end());
+  }
+  for (const OptionalTensors* biases : {&qkv_biases, &o_biases, &gate_up_biases, &down_biases}) {
+    if (*biases) stack->tensors.insert(stack->tensors.end(), (*biases)->begin(), (*biases)->end());
+  }
+  std::lock_guard<std::mutex> lock(held_mutex);
+  const int64_t handle = next_handle++;
+  held_stacks.emplace(handle, std::move(stack));
+  return {handle_tensor(handle)};
+}
+
+// Lets go of a held stack's tensors; Released is 1, or 0 where the handle held nothing (already released).
+std::vector<paddle::Tensor> ReleaseDecoderStack(const paddle::Tensor& handle) {
+  std::lock_guard<std::mutex> lock(held_mutex);
+  return {handle_tensor(static_cast<int64_t>(held_stacks.erase(handle_of(handle))))};
+}
+
+std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& hidden, const paddle::Tensor& handle,
+                                         const paddle::Tensor& positions, const paddle::Tensor& slot_mapping,
+                                         const paddle::Tensor& query_start, const paddle::Tensor& context_lens,
+                                         const paddle::Tensor& block_table, const paddle::Tensor& cos,
+                                         const paddle::Tensor& sin, float eps, int query_tile, int isa_bits,
+                                         bool time_stages) {
+  std::shared_ptr<HeldStack> stack;  // held for the call, even if released meanwhile
+  {
+    std::lock_guard<std::mutex> lock(held_mutex);
+    const auto found = held_stacks.find(handle_of(handle));
+    PD_CHECK(found != held_stacks.end(), "no decoder stack is held under handle ", handle_of(handle));
+    stack = found->second;
+  }
+  const bs::Isa isa = bs::resolve_isa(isa_bits);
+  const auto& kernels = bs::kernels_for(isa);
+  PD_CHECK(hidden.is_cpu() && hidden.dtype() == paddle::DataType::FLOAT32 && hidden.shape().size() == 2 &&
+               hidden.shape()[1] == stack->width,
+           "hidden must be a [tokens, hidden size] float32 CPU tensor");
+  const int64_t tokens = hidden.shape()[0], width = stack->width;
+  PD_CHECK(positions.numel() == tokens && slot_mapping.numel() == tokens, "one position and slot per token");
+  const int64_t num_requests = context_lens.numel();
+  PD_CHECK(query_start.numel() == num_requests + 1 && block_table.shape()[0] == num_requests, "one row per request");
+  PD_CHECK(cos.shape()[1] == stack->head_dim && sin.shape() == cos.shape(), "cos/sin must be [positions, head_dim]");
+  const int64_t attention_width = stack->attention_width, qkv_width = stack->qkv_width;
+  const int64_t intermediate_size = stack->intermediate_size;
+  const int num_heads = stack->num_heads;
 
   const auto place = hidden.place();
   auto out = paddle::empty({tokens, width}, paddle::DataType::FLOAT32, place);
@@ -145,8 +218,8 @@ std::vector<paddle::Tensor> DecoderStack(
   const bs::StepRequests requests{query_start.data<int64_t>(), context_lens.data<int64_t>(), num_requests,
                                   block_table.data<int64_t>(), block_table.shape()[1]};
 
-  for (size_t l = 0; l < num_layers; ++l) {
-    Layer& layer = layers[l];
+  for (size_t l = 0; l < stack->layers.size(); ++l) {
+    Layer& layer = stack->layers[l];
     // Layer 0's residual is its input; a later layer's is the one before's post-attention sum.
     const float* residual = hidden.data<float>();
     if (l == 0) {
@@ -187,16 +260,22 @@ std::vector<paddle::Tensor> DecoderStack(
 
 }  // namespace
 
+PD_BUILD_OP(bs_decoder_stack_hold)
+    .Inputs({paddle::Vec("InputNorms"), paddle::Vec("PostNorms"), paddle::Vec("QkvWeights"), paddle::Vec("OWeights"),
+             paddle::Vec("GateUpWeights"), paddle::Vec("DownWeights"), paddle::Optional(paddle::Vec("QkvBiases")),
+             paddle::Optional(paddle::Vec("OBiases")), paddle::Optional(paddle::Vec("GateUpBiases")),
+             paddle::Optional(paddle::Vec("DownBiases")), paddle::Vec("KeyCaches"), paddle::Vec("ValueCaches")})
+    .Outputs({"Handle"})
+    .Attrs({"formats: std::vector<int>", "num_heads: int", "num_kv_heads: int", "intermediate_size: int64_t"})
+    .SetKernelFn(PD_KERNEL(HoldDecoderStack));
+
+PD_BUILD_OP(bs_decoder_stack_release)
+    .Inputs({"Handle"})
+    .Outputs({"Released"})
+    .SetKernelFn(PD_KERNEL(ReleaseDecoderStack));
+
 PD_BUILD_OP(bs_decoder_stack)
-    .Inputs({"Hidden", paddle::Vec("InputNorms"), paddle::Vec("PostNorms"), paddle::Vec("QkvWeights"),
-             paddle::Vec("OWeights"), paddle::Vec("GateUpWeights"), paddle::Vec("DownWeights"),
-             paddle::Optional(paddle::Vec("QkvBiases")), paddle::Optional(paddle::Vec("OBiases")),
-             paddle::Optional(paddle::Vec("GateUpBiases")), paddle::Optional(paddle::Vec("DownBiases")),
-             paddle::Vec("KeyCaches"), paddle::Vec("ValueCaches"), "Positions", "SlotMapping", "QueryStart",
-             "ContextLens", "BlockTable", "Cos", "Sin"})
-    .Outputs({"HiddenOut", paddle::Vec("KeyCachesOut"), paddle::Vec("ValueCachesOut"), "StageSeconds"})
-    .SetInplaceMap({{paddle::Vec("KeyCaches"), paddle::Vec("KeyCachesOut")},
-                    {paddle::Vec("ValueCaches"), paddle::Vec("ValueCachesOut")}})
-    .Attrs({"formats: std::vector<int>", "num_heads: int", "num_kv_heads: int", "intermediate_size: int64_t",
-            "eps: float", "query_tile: int", "isa: int", "time_stages: bool"})
+    .Inputs({"Hidden", "Handle", "Positions", "SlotMapping", "QueryStart", "ContextLens", "BlockTable", "Cos", "Sin"})
+    .Outputs({"HiddenOut", "StageSeconds"})
+    .Attrs({"eps: float", "query_tile: int", "isa: int", "time_stages: bool"})
     .SetKernelFn(PD_KERNEL(DecoderStack));

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import time
 
 import numpy as np
 import pytest
 
-from gpu_worker.kernels import STACK_STAGES
+from gpu_worker.kernels import STACK_STAGES, FusedDecoderStack
 from gpu_worker.kv_cache import block_bytes, num_blocks_for
 from gpu_worker.linear import linear
 from gpu_worker.model_runner import ModelRunner
@@ -230,6 +231,43 @@ def test_the_fused_decoder_stack_clocks_its_stages_only_when_asked_and_computes_
     np.testing.assert_array_equal(timed, untimed)
     assert len(stack.stage_seconds) == len(STACK_STAGES)
     assert (stack.stage_seconds > 0).all() and stack.stage_seconds.sum() < elapsed
+
+
+def test_the_fused_decoder_stack_lets_go_of_what_the_op_holds(smollm_path):
+    """The op holds the layers' norms, weights and caches under a handle from the first call. release() lets go of
+    them (a second release finds nothing) and the next call takes them again and computes the same; a call with
+    a released handle is a clear error, not a read of freed memory; a stack that is dropped or replaced lets go."""
+    runner = load_runner(smollm_path, "auto:gguf")
+    model, ops = runner.model, runner.model.kernels.ops
+    token_ids = encode(runner, ENGLISH_TEXT)[:23]
+    stack = model.kernels.fused_stack(runner.attention, model.config)
+    held = paged_logits(runner, token_ids, chunk_size=7)
+    handle = stack.handle
+    assert handle is not None
+
+    stack.release()
+    assert stack.handle is None and ops.bs_decoder_stack_release(handle).item() == 0
+    held_again = paged_logits(runner, token_ids, chunk_size=7)
+    np.testing.assert_array_equal(held_again, held)
+    assert stack.handle.item() != handle.item()
+
+    stack.hold = lambda *_: handle  # the released one
+    with pytest.raises(Exception, match=f"no decoder stack is held under handle {handle.item()}"):
+        paged_logits(runner, token_ids, chunk_size=7)
+    del stack.hold
+
+    replaced = stack.handle
+    assert model.kernels.fused_stack(runner.attention, dataclasses.replace(model.config)) is not stack
+    assert ops.bs_decoder_stack_release(replaced).item() == 0
+
+    dropped = FusedDecoderStack(ops, runner.attention, model.config)
+    dropped_handle = dropped.hold(model.layers, runner.kv_cache.key_caches, runner.kv_cache.value_caches)
+    kept = FusedDecoderStack(ops, runner.attention, model.config)
+    kept_handle = kept.hold(model.layers, runner.kv_cache.key_caches, runner.kv_cache.value_caches)
+    del dropped
+    gc.collect()
+    assert ops.bs_decoder_stack_release(dropped_handle).item() == 0
+    assert ops.bs_decoder_stack_release(kept_handle).item() == 1
 
 
 def test_the_fused_decoder_stack_takes_each_layers_own_weight_formats(smollm_path):

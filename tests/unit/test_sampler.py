@@ -83,6 +83,45 @@ def test_temperature_zero_is_argmax_of_the_penalised_logits():
     assert token.token_id == 4
 
 
+def test_a_greedy_batch_draws_each_rows_argmax_in_one_copy_to_the_host(monkeypatch):
+    logits = random_logits(5)
+    copies = []
+    to_host = paddle.Tensor.numpy
+    monkeypatch.setattr(paddle.Tensor, "numpy", lambda tensor: copies.append(tensor.shape) or to_host(tensor))
+
+    sampled = sample(logits, [request(str(i), temperature=0.0, top_k=3, top_p=0.5) for i in range(5)])
+
+    assert [t.token_id for t in sampled] == list(logits.argmax(axis=-1)) and len(copies) == 1
+    assert all(t.logprob is None and t.top_logprobs is None for t in sampled)
+
+
+@pytest.mark.parametrize(
+    "asks",
+    [
+        {"repetition_penalty": 2.0},
+        {"presence_penalty": 5.0},
+        {"frequency_penalty": 5.0},
+        {"logit_bias": {4: 10.0}},
+        {"logprobs": 1},
+    ],
+    ids=lambda asks: next(iter(asks)),
+)
+def test_one_greedy_row_asking_for_more_gets_it_beside_plain_greedy_rows(asks):
+    """A batch of plain greedy rows draws the argmax alone; a row with a penalty, a logit_bias or logprobs takes
+    the batch through the general path, and gets what it asked while the others get their argmax."""
+    logits = random_logits(3)
+    logits[2, 3], logits[2, 4] = 50.0, 49.0  # row 2: token 3 first, token 4 a close second
+    asking = request("asks", token_ids=[3], num_prompt_tokens=0, temperature=0.0, **asks)  # 3 seen, as output
+
+    sampled = sample(logits, [request("a", temperature=0.0), request("b", temperature=0.0), asking])
+
+    assert [t.token_id for t in sampled[:2]] == list(logits[:2].argmax(axis=-1))
+    if "logprobs" in asks:
+        assert sampled[2].token_id == 3 and sampled[2].logprob is not None and len(sampled[2].top_logprobs) == 1
+    else:
+        assert sampled[2].token_id == 4  # the penalty or bias moved the argmax
+
+
 def test_temperature_sampling_follows_the_softmax():
     logits_row = np.array([1.0, 0.5, 0.0, -0.5, -1.0, 2.0], dtype=np.float32)
     counts = draw_counts(logits_row, 20000, temperature=0.7)

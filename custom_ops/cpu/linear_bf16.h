@@ -23,13 +23,14 @@ static inline int64_t rows_per_block(int64_t num_words) {
 }
 
 // y[rows, kPanels panels] = start + the rows' words . the panels' blocks: one broadcast word feeds every
-// panel's block, and every panel but the last has all 16 columns (`cols` of the last).
+// panel's block, and every panel but the last has all 16 columns (`cols` of the last). `ahead` (or null): the
+// next tile's kPanels panels, asked for a line each per word (asks_ahead).
 // kSiluMul (two panels: a gate panel, then the up panel of the same 16 features): y[rows, 16] = silu(gate) * up
 // instead, as silu_and_mul_row computes it from the two products.
 template <int kRows, int kPanels, bool kSiluMul = false>
 static inline __attribute__((flatten)) void tile(const uint32_t* words, int64_t num_words, const uint8_t* panel,
                                                  int64_t panel_bytes, const float* start, float* y, int64_t ldy,
-                                                 int cols) {
+                                                 int cols, const uint8_t* ahead) {
   static_assert(!kSiluMul || kPanels == 2, "a SiLU tile pairs a gate panel with an up panel");
   constexpr int kSplit = kRows * kPanels >= 8 ? 1 : 8 / (kRows * kPanels);  // sums to cover the latency
   __m512 acc[kSplit][kPanels][kRows];
@@ -40,6 +41,11 @@ static inline __attribute__((flatten)) void tile(const uint32_t* words, int64_t 
   }
   int64_t w = 0;
   for (; w + kSplit <= num_words; w += kSplit) {
+    if (ahead != nullptr) {
+      for (int p = 0; p < kPanels; ++p) {
+        for (int s = 0; s < kSplit; ++s) __builtin_prefetch(ahead + p * panel_bytes + (w + s) * 64, 0, 2);
+      }
+    }
     static_for<kSplit>([&](auto s) {
       __m512bh weights[kPanels];
       for (int p = 0; p < kPanels; ++p) {
@@ -116,10 +122,13 @@ static void gemm(const float* x, int64_t m, int64_t k, const uint8_t* packed, in
             constexpr int kRows = decltype(rows)::value;
             const uint32_t* row_words = words + r0 * num_words;
             float* out = y + r0 * n + p * kPanelWidth;
+            const bool next_whole = p + tile_panels + group_panels <= panels;  // the next tile's panels
+            const uint8_t* ahead =
+                asks_ahead(m, kMaxRows, r0) && next_whole ? packed + (p + tile_panels) * bytes : nullptr;
             if (tile_panels == 2) {
-              tile<kRows, 2>(row_words, num_words, packed + p * bytes, bytes, start, out, n, cols);
+              tile<kRows, 2>(row_words, num_words, packed + p * bytes, bytes, start, out, n, cols, ahead);
             } else {
-              tile<kRows, 1>(row_words, num_words, packed + p * bytes, bytes, start, out, n, cols);
+              tile<kRows, 1>(row_words, num_words, packed + p * bytes, bytes, start, out, n, cols, ahead);
             }
           });
         }
@@ -148,8 +157,10 @@ static void gemm_silu_and_mul(const float* x, int64_t m, int64_t k, const uint8_
         for (int64_t r0 = m0; r0 < m_end; r0 += kMaxRows) {
           with_rows<kMaxRows>(static_cast<int>(m_end - r0 < kMaxRows ? m_end - r0 : kMaxRows), [&](auto rows) {
             constexpr int kRows = decltype(rows)::value;
+            const uint8_t* ahead =
+                asks_ahead(m, kMaxRows, r0) && g + 1 < half_panels ? packed + (g + 1) * bytes : nullptr;
             tile<kRows, 2, true>(words + r0 * num_words, num_words, packed + g * bytes, half_panels * bytes, no_bias,
-                                 out + r0 * half + g * kPanelWidth, half, kPanelWidth);
+                                 out + r0 * half + g * kPanelWidth, half, kPanelWidth, ahead);
           });
         }
       }

@@ -144,11 +144,11 @@ static inline void multiply_add(Row (&acc)[kRows], const Row& w, const float* x,
 }
 
 // y[rows, 0:cols] = start + x[rows, 0:depth] @ W[0:depth, panel's 16 columns]; `start` holds the bias (or
-// zeros) of the panel's columns.
+// zeros) of the panel's columns. `ahead` (or null): the next panel, asked for block by block (asks_ahead).
 // flatten: every decoder and lambda inlined, so the accumulators stay in registers.
 template <Format kFormat, int kRows>
 static inline __attribute__((flatten)) void tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t depth, const float* start, float* y,
-                        int64_t ldy, int cols) {
+                        int64_t ldy, int cols, const uint8_t* ahead) {
   using D = Decoder<kFormat>;
   constexpr Geometry kGeometry = geometry(kFormat);
   constexpr int kBlockK = static_cast<int>(kGeometry.block_k);
@@ -161,6 +161,10 @@ static inline __attribute__((flatten)) void tile(const float* x, int64_t ldx, co
   const int64_t full_blocks = depth / kBlockK;
   int64_t b = 0;
   for (; b + kUnroll <= full_blocks; b += kUnroll) {
+    if (ahead != nullptr) {
+      const uint8_t* next = ahead + kGeometry.header_bytes + b * kGeometry.block_bytes;
+      for (int64_t line = 0; line < kUnroll * kGeometry.block_bytes; line += 64) __builtin_prefetch(next + line, 0, 2);
+    }
     static_for<kUnroll>([&](auto u) {
       constexpr int kFirst = decltype(u)::value * kBlockK;
       D::decode(blocks + (b + decltype(u)::value) * kGeometry.block_bytes, [&](auto kk, const Row& w) {
@@ -214,8 +218,9 @@ static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed,
       for (int64_t r0 = m0; r0 < m_end; r0 += kTileRows) {
         const int rows = static_cast<int>(m_end - r0 < kTileRows ? m_end - r0 : kTileRows);
         with_rows<kTileRows>(rows, [&](auto tile_rows) {
+          const uint8_t* ahead = asks_ahead(m, kTileRows, r0) && p + 1 < panels ? packed + (p + 1) * bytes : nullptr;
           tile<kFormat, decltype(tile_rows)::value>(x + r0 * k, k, packed + p * bytes, k, start,
-                                                    y + r0 * n + p * kPanelWidth, n, cols);
+                                                    y + r0 * n + p * kPanelWidth, n, cols, ahead);
         });
       }
     });

@@ -92,13 +92,15 @@ struct PreparedRows {
   int64_t num_words, num_groups;
 };
 
-// A 4-bit panel takes more instructions per byte than the loads alone: with few rows the loop issues its
-// loads too slowly to keep enough misses in flight, so a tile asks for the next panel (`ahead`, or null), each
-// group's bytes as it reaches the same group of its own. Measured on one sequence's decode of the default
-// model (gguf, AMD EPYC Zen 5, 2 threads, the decoder stack timed per GEMM, runs alternated): the 30 layers'
-// gate_up 578 us a step without (mean of 8 runs), 481 with (10 runs), down 328 and 296; whole steps moved
-// less than the host's noise. Asking for INT8 and BF16 panels too measured no faster (int8 steps 3.63 ms
-// without, 3.69 with; bf16 6.4 and 6.8).
+// A tile asks for the next panel (`ahead`, or null), each group's bytes as it reaches the same group of its
+// own: in a GEMM of several tiles of rows, the first tile (asks_ahead); in a GEMM of one tile (a decode of up
+// to 12 sequences), only a 4-bit panel's tile (kAsksAhead). A 4-bit panel takes more instructions per byte
+// than the loads alone: with few rows the loop issues its loads too slowly to keep enough misses in flight.
+// Measured on one sequence's decode of the default model (gguf, AMD EPYC Zen 5, 2 threads, the decoder stack
+// timed per GEMM, runs alternated): the 30 layers' gate_up 578 us a step without (mean of 8 runs), 481 with
+// (10 runs), down 328 and 296; whole steps moved less than the host's noise. At one tile, asking for INT8 and
+// BF16 panels too measured no faster (int8 steps 3.63 ms without, 3.69 with; bf16 6.4 and 6.8), and for Q8_0
+// slower (gguf steps 1.04x, paired).
 template <Format kFormat>
 constexpr bool kAsksAhead = kFormat == Format::kQ4_0 || kFormat == Format::kQ4_1;
 
@@ -114,10 +116,11 @@ static inline __attribute__((flatten)) void tile(const PreparedRows& x, const ui
     for (int s = 0; s < kSplit; ++s) {
       for (int r = 0; r < kRows; ++r) sums[s][r] = _mm512_setzero_si512();
     }
-    if (kAsksAhead<kFormat> && ahead != nullptr) {
+    if (ahead != nullptr) {
       constexpr Geometry kGeometry = geometry(kFormat);
-      const uint8_t* group = ahead + kGeometry.header_bytes + g * kGeometry.block_bytes;
-      for (int64_t line = 0; line < kGeometry.block_bytes; line += 64) __builtin_prefetch(group + line, 0, 2);
+      constexpr int64_t kGroupBytes = kGeometry.block_bytes * (kGroup / kGeometry.block_k);  // INT8: 8 blocks
+      const uint8_t* group = ahead + kGeometry.header_bytes + g * kGroupBytes;
+      for (int64_t line = 0; line < kGroupBytes; line += 64) __builtin_prefetch(group + line, 0, 2);
     }
     __m512 d, offset;
     Group<kFormat>::words(blocks, g, x.num_words, d, offset, [&](auto w, __m512i weights) {
@@ -176,7 +179,8 @@ static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed,
           const PreparedRows rows{words + r0 * num_words, scales + r0 * num_groups, scaled_sums + r0 * num_groups,
                                   num_words, num_groups};
           with_rows<kMaxRows>(static_cast<int>(m_end - r0 < kMaxRows ? m_end - r0 : kMaxRows), [&](auto tile_rows) {
-            const uint8_t* ahead = m <= kMaxRows && p + 1 < panels ? packed + (p + 1) * bytes : nullptr;
+            const bool asks = (m <= kMaxRows && kAsksAhead<kFormat>) || asks_ahead(m, kMaxRows, r0);
+            const uint8_t* ahead = asks && p + 1 < panels ? packed + (p + 1) * bytes : nullptr;
             tile<kFormat, decltype(tile_rows)::value>(rows, packed + p * bytes, start, y + r0 * n + p * kPanelWidth, n,
                                                       cols, ahead);
           });

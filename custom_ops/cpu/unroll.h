@@ -40,3 +40,12 @@ static inline __attribute__((always_inline)) void for_each_panel(int64_t count, 
     for (int64_t p = 0; p < count; ++p) body(p);
   }
 }
+
+// Whether the tile of rows starting at r0 asks for the panel after its own (prefetch into L2) as it computes.
+// A GEMM of more rows than one tile (tile_rows) reads each panel from memory in its first tile of rows and from
+// cache in the later ones, so the first tile waits on memory while the rest compute: asking one panel ahead
+// there lets the next panel arrive while this one computes (decode steps paired in one process, every other
+// step without: B=16 0.77-0.85x of the step without, B=64 0.90-0.95x, fp32, bf16, int8 and gguf; prefill of
+// 512 unchanged, 0.95-1.00x per GEMM). Only the first block of rows asks: asking in every block measured
+// slower for k=1536 at 512 rows (1.02-1.04x). One tile of rows (m <= tile_rows) is decided per format.
+static inline bool asks_ahead(int64_t m, int64_t tile_rows, int64_t r0) { return m > tile_rows && r0 == 0; }

@@ -124,7 +124,7 @@ static void gemm(const float* x, int64_t m, int64_t k, const uint8_t* packed, in
             float* out = y + r0 * n + p * kPanelWidth;
             const bool next_whole = p + tile_panels + group_panels <= panels;  // the next tile's panels
             const uint8_t* ahead =
-                asks_ahead(m, kMaxRows, r0) && next_whole ? packed + (p + tile_panels) * bytes : nullptr;
+                asks_ahead(m, r0) && next_whole ? packed + (p + tile_panels) * bytes : nullptr;
             if (tile_panels == 2) {
               tile<kRows, 2>(row_words, num_words, packed + p * bytes, bytes, start, out, n, cols, ahead);
             } else {
@@ -158,7 +158,7 @@ static void gemm_silu_and_mul(const float* x, int64_t m, int64_t k, const uint8_
           with_rows<kMaxRows>(static_cast<int>(m_end - r0 < kMaxRows ? m_end - r0 : kMaxRows), [&](auto rows) {
             constexpr int kRows = decltype(rows)::value;
             const uint8_t* ahead =
-                asks_ahead(m, kMaxRows, r0) && g + 1 < half_panels ? packed + (g + 1) * bytes : nullptr;
+                asks_ahead(m, r0) && g + 1 < half_panels ? packed + (g + 1) * bytes : nullptr;
             tile<kRows, 2, true>(words + r0 * num_words, num_words, packed + g * bytes, half_panels * bytes, no_bias,
                                  out + r0 * half + g * kPanelWidth, half, kPanelWidth, ahead);
           });

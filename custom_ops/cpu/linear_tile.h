@@ -218,7 +218,7 @@ static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed,
       for (int64_t r0 = m0; r0 < m_end; r0 += kTileRows) {
         const int rows = static_cast<int>(m_end - r0 < kTileRows ? m_end - r0 : kTileRows);
         with_rows<kTileRows>(rows, [&](auto tile_rows) {
-          const uint8_t* ahead = asks_ahead(m, kTileRows, r0) && p + 1 < panels ? packed + (p + 1) * bytes : nullptr;
+          const uint8_t* ahead = asks_ahead(m, r0) && p + 1 < panels ? packed + (p + 1) * bytes : nullptr;
           tile<kFormat, decltype(tile_rows)::value>(x + r0 * k, k, packed + p * bytes, k, start,
                                                     y + r0 * n + p * kPanelWidth, n, cols, ahead);
         });

@@ -93,14 +93,13 @@ struct PreparedRows {
 };
 
 // A tile asks for the next panel (`ahead`, or null), each group's bytes as it reaches the same group of its
-// own: in a GEMM of several tiles of rows, the first tile (asks_ahead); in a GEMM of one tile (a decode of up
-// to 12 sequences), only a 4-bit panel's tile (kAsksAhead). A 4-bit panel takes more instructions per byte
-// than the loads alone: with few rows the loop issues its loads too slowly to keep enough misses in flight.
-// Measured on one sequence's decode of the default model (gguf, AMD EPYC Zen 5, 2 threads, the decoder stack
-// timed per GEMM, runs alternated): the 30 layers' gate_up 578 us a step without (mean of 8 runs), 481 with
-// (10 runs), down 328 and 296; whole steps moved less than the host's noise. At one tile, asking for INT8 and
-// BF16 panels too measured no faster (int8 steps 3.63 ms without, 3.69 with; bf16 6.4 and 6.8), and for Q8_0
-// slower (gguf steps 1.04x, paired).
+// own: the first tile of rows, from kAskingRows rows (asks_ahead), and a 4-bit panel's from one row
+// (kAsksAhead). A 4-bit panel takes more instructions per byte than the loads alone, so even one row's loop
+// issues its loads too slowly to keep enough misses in flight. Measured on one sequence's decode of the
+// default model (gguf, AMD EPYC Zen 5, 2 threads, the decoder stack timed per GEMM, runs alternated): the 30
+// layers' gate_up 578 us a step without (mean of 8 runs), 481 with (10 runs), down 328 and 296; whole steps
+// moved less than the host's noise. At one row, asking for INT8 and BF16 panels too measured no faster (int8
+// steps 3.63 ms without, 3.69 with; bf16 6.4 and 6.8), and for Q8_0 slower (gguf steps 1.04x, paired).
 template <Format kFormat>
 constexpr bool kAsksAhead = kFormat == Format::kQ4_0 || kFormat == Format::kQ4_1;
 
@@ -179,7 +178,7 @@ static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed,
           const PreparedRows rows{words + r0 * num_words, scales + r0 * num_groups, scaled_sums + r0 * num_groups,
                                   num_words, num_groups};
           with_rows<kMaxRows>(static_cast<int>(m_end - r0 < kMaxRows ? m_end - r0 : kMaxRows), [&](auto tile_rows) {
-            const bool asks = (m <= kMaxRows && kAsksAhead<kFormat>) || asks_ahead(m, kMaxRows, r0);
+            const bool asks = (kAsksAhead<kFormat> && r0 == 0) || asks_ahead(m, r0);
             const uint8_t* ahead = asks && p + 1 < panels ? packed + (p + 1) * bytes : nullptr;
             tile<kFormat, decltype(tile_rows)::value>(rows, packed + p * bytes, start, y + r0 * n + p * kPanelWidth, n,
                                                       cols, ahead);

@@ -41,11 +41,14 @@ static inline __attribute__((always_inline)) void for_each_panel(int64_t count, 
   }
 }
 
-// Whether the tile of rows starting at r0 asks for the panel after its own (prefetch into L2) as it computes.
-// A GEMM of more rows than one tile (tile_rows) reads each panel from memory in its first tile of rows and from
-// cache in the later ones, so the first tile waits on memory while the rest compute: asking one panel ahead
-// there lets the next panel arrive while this one computes (decode steps paired in one process, every other
-// step without: B=16 0.77-0.85x of the step without, B=64 0.90-0.95x, fp32, bf16, int8 and gguf; prefill of
-// 512 unchanged, 0.95-1.00x per GEMM). Only the first block of rows asks: asking in every block measured
-// slower for k=1536 at 512 rows (1.02-1.04x). One tile of rows (m <= tile_rows) is decided per format.
-static inline bool asks_ahead(int64_t m, int64_t tile_rows, int64_t r0) { return m > tile_rows && r0 == 0; }
+// Whether the tile of rows starting at r0 asks for the panel after its own (prefetch into L2) as it computes:
+// the first tile of a GEMM of kAskingRows rows or more. That tile reads each panel from memory (the later tiles
+// of rows find it in cache), and with a few rows or more it issues its loads too slowly to keep enough misses
+// in flight: asking one panel ahead lets the next panel arrive while this one computes. Paired in one process
+// on AMD EPYC Zen 5 (2 threads, every other step without): decode B=8 steps 0.80-0.84x of the steps without
+// for fp32, bf16 and int8 (gguf 0.93x: its 4-bit panels already asked), B=16 0.77-0.85x, B=64 0.90-0.95x;
+// prefill of 512 unchanged (0.95-1.00x per GEMM). Per GEMM, one row measured no faster (0.9-1.12x by shape;
+// the lm_head slower) and two rows mixed (0.83-1.03x). Only the first block of rows asks: asking in every block
+// measured slower for k=1536 at 512 rows (1.02-1.04x).
+constexpr int64_t kAskingRows = 4;
+static inline bool asks_ahead(int64_t m, int64_t r0) { return m >= kAskingRows && r0 == 0; }

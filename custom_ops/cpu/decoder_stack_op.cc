@@ -210,7 +210,7 @@ std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& hidden, const pad
   float* qkv_out = buffer(owned, tokens, qkv_width, place);
   float* query = buffer(owned, tokens, attention_width, place);
   float* attended = buffer(owned, tokens, attention_width, place);
-  float* gate_up_out = buffer(owned, tokens, 2 * intermediate_size, place);
+  float* gate_up_out = nullptr;  // the gate|up product, allocated where a layer's SiLU is not fused into its GEMM
   float* activated = buffer(owned, tokens, intermediate_size, place);
   auto stage_seconds = paddle::full({kNumStages}, 0.0, paddle::DataType::FLOAT64, place);
   StageClock clock(time_stages ? stage_seconds.data<double>() : nullptr);
@@ -245,6 +245,7 @@ std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& hidden, const pad
                                       gate_up.bias, activated)) {
       clock.lap(kGateUp);  // the SiLU inside
     } else {
+      if (gate_up_out == nullptr) gate_up_out = buffer(owned, tokens, 2 * intermediate_size, place);
       apply(isa, gate_up, normed, tokens, gate_up_out);
       clock.lap(kGateUp);
       bs::silu_and_mul_rows(kernels, gate_up_out, activated, tokens, intermediate_size);

@@ -48,6 +48,13 @@ class StepInputs:
 
 def build_step_inputs(scheduled: list[tuple[RequestState, int]], block_size: int, num_blocks: int) -> StepInputs:
     """Inputs for computing `num_scheduled` tokens of each request after its computed ones."""
+    if all(count == 1 for _, count in scheduled):
+        return one_token_step_inputs([state for state, _ in scheduled], block_size, num_blocks)
+    return any_step_inputs(scheduled, block_size, num_blocks)
+
+
+def any_step_inputs(scheduled: list[tuple[RequestState, int]], block_size: int, num_blocks: int) -> StepInputs:
+    """build_step_inputs for any numbers of tokens, in whole-array steps."""
     states = [state for state, _ in scheduled]
     query_lens = np.array([count for _, count in scheduled], dtype=np.int64)
     num_computed = np.array([state.num_computed_tokens for state in states], dtype=np.int64)
@@ -85,6 +92,50 @@ def build_step_inputs(scheduled: list[tuple[RequestState, int]], block_size: int
         logits_indices=query_start[samples + 1] - 1,
         sampling_requests=[states[i] for i in samples],
         pending_tokens=[(int(i), states[request_of_token[i]], int(positions[i])) for i in pending],
+    )
+
+
+def one_token_step_inputs(states: list[RequestState], block_size: int, num_blocks: int) -> StepInputs:
+    """build_step_inputs where every request computes one token (a step of decodes, the usual step): the same
+    inputs from per-request Python values, without the general path's ~20 whole-array operations, which cost
+    more than the arrays' few entries (0.15-0.2 ms of a 4-6 ms one-sequence step, its caches cold)."""
+    num_requests = len(states)
+    positions = [state.num_computed_tokens for state in states]
+    width = max(len(state.block_ids) for state in states)
+    block_table = np.zeros((num_requests, width), dtype=np.int64)
+    for row, state in enumerate(states):
+        block_table[row, : len(state.block_ids)] = state.block_ids
+    # The general path's checks, in its order (every request for one problem before the next problem).
+    for state, position in zip(states, positions):
+        if position + 1 > len(state.token_ids) + state.awaiting_token:
+            raise StepError(f"request {state.request_id} schedules more tokens than it has")
+    for state, position in zip(states, positions):
+        if position + 1 > len(state.block_ids) * block_size:
+            raise StepError(f"request {state.request_id} has too few blocks for its tokens")
+    if num_blocks <= block_table.max() or block_table.min() < 0:
+        bad = (block_table >= num_blocks).any(axis=1) | (block_table < 0).any(axis=1)
+        raise StepError(f"request {states[int(np.argmax(bad))].request_id} has a block id outside the cache")
+    input_ids, pending, sampled = [], [], []
+    for row, (state, position) in enumerate(zip(states, positions)):
+        if position < len(state.token_ids):
+            input_ids.append(state.token_ids[position])
+        else:
+            input_ids.append(PENDING_TOKEN)
+            pending.append((row, state, position))
+        if position + 1 == len(state.token_ids) + state.awaiting_token:
+            sampled.append(row)
+    slots = [state.block_ids[p // block_size] * block_size + p % block_size for state, p in zip(states, positions)]
+    context_lens = np.array(positions, dtype=np.int64) + 1
+    return StepInputs(
+        input_ids=np.array(input_ids, dtype=np.int64),
+        positions=np.array(positions, dtype=np.int64),
+        slot_mapping=np.array(slots, dtype=np.int64),
+        query_start=np.arange(num_requests + 1, dtype=np.int64),
+        context_lens=context_lens,
+        block_table=block_table,
+        logits_indices=np.array(sampled, dtype=np.int64),
+        sampling_requests=[states[row] for row in sampled],
+        pending_tokens=pending,
     )
 
 

@@ -22,14 +22,22 @@ NUM_BLOCKS = 24
 
 @st.composite
 def one_token_requests(draw, block_size: int):
-    """A request computing one token: mostly a decode (its last token, or one the step in flight samples), at
-    times a prompt token short of the last, a token past its tokens, too few blocks or a block outside the cache."""
+    """A request computing one token: a decode (of its last token, or of one the step in flight samples) or a
+    prompt token short of the last; one in ~7 is refused for a token past its tokens, too few blocks or a block
+    outside the cache."""
     num_tokens = draw(st.integers(1, 40))
     awaiting = draw(st.booleans())
-    computed = draw(st.integers(max(0, num_tokens - 3), num_tokens + 1))
+    computed = draw(st.integers(max(0, num_tokens - 3), num_tokens - 1 + awaiting))
+    fault = draw(st.sampled_from(["none"] * 18 + ["past its tokens", "too few blocks", "block outside"]))
+    if fault == "past its tokens":
+        computed = num_tokens + awaiting
     needed_blocks = -(-(computed + 1) // block_size)
-    num_block_ids = draw(st.integers(max(0, needed_blocks - 1), needed_blocks + 2))
-    block_ids = draw(st.lists(st.integers(-1, NUM_BLOCKS), min_size=num_block_ids, max_size=num_block_ids))
+    num_block_ids = (
+        needed_blocks - 1 if fault == "too few blocks" else draw(st.integers(needed_blocks, needed_blocks + 2))
+    )
+    block_ids = draw(st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=num_block_ids, max_size=num_block_ids))
+    if fault == "block outside" and block_ids:
+        block_ids[draw(st.integers(0, len(block_ids) - 1))] = draw(st.sampled_from([-1, NUM_BLOCKS]))
     return dict(num_tokens=num_tokens, awaiting=awaiting, computed=computed, block_ids=block_ids)
 
 
@@ -88,7 +96,7 @@ def test_a_step_of_one_token_each_gets_what_the_general_path_builds(data, block_
         assert_same_inputs(fast, general)
 
 
-def test_build_step_inputs_answers_a_step_of_decodes_as_the_general_path_does():
+def test_a_decode_awaiting_its_token_beside_a_prompt_token_gets_its_slots_pending_token_and_sample():
     decoding = request_states([dict(num_tokens=6, awaiting=True, computed=6, block_ids=[3, 5])])[0]
     prompt_tail = request_states([dict(num_tokens=9, awaiting=False, computed=4, block_ids=[7, 2, 9])])[0]
     inputs = build_step_inputs([(decoding, 1), (prompt_tail, 1)], 4, NUM_BLOCKS)

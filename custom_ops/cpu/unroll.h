@@ -43,12 +43,13 @@ static inline __attribute__((always_inline)) void for_each_panel(int64_t count, 
 
 // Whether the tile of rows starting at r0 asks for the panel after its own (prefetch into L2) as it computes:
 // the first tile of a GEMM of kAskingRows rows or more. That tile reads each panel from memory (the later tiles
-// of rows find it in cache), and with a few rows or more it issues its loads too slowly to keep enough misses
-// in flight: asking one panel ahead lets the next panel arrive while this one computes. Paired in one process
-// on AMD EPYC Zen 5 (2 threads, every other step without): decode B=8 steps 0.80-0.84x of the steps without
-// for fp32, bf16 and int8 (gguf 0.93x: its 4-bit panels already asked), B=16 0.77-0.85x, B=64 0.90-0.95x;
-// prefill of 512 unchanged (0.95-1.00x per GEMM). Per GEMM, one row measured no faster (0.9-1.12x by shape;
-// the lm_head slower) and two rows mixed (0.83-1.03x). Only the first block of rows asks: asking in every block
-// measured slower for k=1536 at 512 rows (1.02-1.04x).
-constexpr int64_t kAskingRows = 4;
+// of rows find it in cache), and with several rows it issues its loads too slowly to keep enough misses in
+// flight: asking one panel ahead lets the next panel arrive while this one computes. Decode steps paired in one
+// process (2 threads, every other step without; median per-pair ratio):
+// - AMD EPYC Zen 4: B=8 bf16 0.936, int8 0.889, fp32 0.976, gguf 0.982 (its 4-bit panels already ask); B=4
+//   slower (bf16 1.043 and 1.065, fp32 1.035, int8 1.017), B=6 bf16 1.016; hence 8 rows, not 4;
+// - AMD EPYC Zen 5: B=8 0.80-0.84 (fp32, bf16, int8), B=16 0.77-0.85, B=64 0.90-0.95; prefill of 512
+//   unchanged (0.95-1.00 per GEMM).
+// Only the first block of rows asks: asking in every block measured slower for k=1536 at 512 rows (1.02-1.04x).
+constexpr int64_t kAskingRows = 8;
 static inline bool asks_ahead(int64_t m, int64_t r0) { return m >= kAskingRows && r0 == 0; }

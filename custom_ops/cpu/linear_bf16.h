@@ -113,17 +113,6 @@ static inline __attribute__((flatten)) void tile(const uint32_t* words, int64_t 
   }
 }
 
-// body(r0, rows) for the tiles of rows [m0, m_end): as few as kMaxRows allows, their sizes within one of each
-// other (64 rows: 11, 11, 11, 11, 10, 10, not 5 x 12 and a tile of 4, which keeps 8 of its 24 sums busy).
-template <class F>
-static inline __attribute__((always_inline)) void for_each_row_tile(int64_t m0, int64_t m_end, F&& body) {
-  const int64_t rows = m_end - m0, tiles = (rows + kMaxRows - 1) / kMaxRows;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t r0 = m0 + rows * t / tiles;
-    body(r0, static_cast<int>(m0 + rows * (t + 1) / tiles - r0));
-  }
-}
-
 // y[m, n] = x[m, k] @ W (+ bias); `words` (m * num_blocks(k) of them) is scratch.
 static void gemm(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, const float* bias, float* y,
                  uint32_t* words) {
@@ -150,7 +139,7 @@ static void gemm(const float* x, int64_t m, int64_t k, const uint8_t* packed, in
         const int cols = static_cast<int>(tile_cols - (tile_panels - 1) * kPanelWidth);  // of the last panel
         float start[2 * kPanelWidth] = {};
         if (bias != nullptr) __builtin_memcpy(start, bias + p * kPanelWidth, tile_cols * sizeof(float));
-        for_each_row_tile(m0, m_end, [&](int64_t r0, int tile_rows) {
+        for_each_row_tile<kMaxRows>(m0, m_end, [&](int64_t r0, int tile_rows) {
           with_rows<kMaxRows>(tile_rows, [&](auto rows) {
             constexpr int kRows = decltype(rows)::value;
             const uint32_t* row_words = words + r0 * num_words;
@@ -187,7 +176,7 @@ static void gemm_silu_and_mul(const float* x, int64_t m, int64_t k, const uint8_
       const int64_t m_end = m < m0 + block_rows ? m : m0 + block_rows;
 #pragma omp for schedule(static) nowait
       for (int64_t g = 0; g < half_panels; ++g) {
-        for_each_row_tile(m0, m_end, [&](int64_t r0, int tile_rows) {
+        for_each_row_tile<kMaxRows>(m0, m_end, [&](int64_t r0, int tile_rows) {
           with_rows<kMaxRows>(tile_rows, [&](auto rows) {
             constexpr int kRows = decltype(rows)::value;
             const uint8_t* ahead =

@@ -174,16 +174,16 @@ static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed,
         const int cols = static_cast<int>(remaining < kPanelWidth ? remaining : kPanelWidth);
         float start[kPanelWidth] = {};
         if (bias != nullptr) __builtin_memcpy(start, bias + p * kPanelWidth, cols * sizeof(float));
-        for (int64_t r0 = m0; r0 < m_end; r0 += kMaxRows) {
+        for_each_row_tile<kMaxRows>(m0, m_end, [&](int64_t r0, int count) {
           const PreparedRows rows{words + r0 * num_words, scales + r0 * num_groups, scaled_sums + r0 * num_groups,
                                   num_words, num_groups};
-          with_rows<kMaxRows>(static_cast<int>(m_end - r0 < kMaxRows ? m_end - r0 : kMaxRows), [&](auto tile_rows) {
+          with_rows<kMaxRows>(count, [&](auto tile_rows) {
             const bool asks = (kAsksAhead<kFormat> && r0 == 0) || asks_ahead(m, r0);
             const uint8_t* ahead = asks && p + 1 < panels ? packed + (p + 1) * bytes : nullptr;
             tile<kFormat, decltype(tile_rows)::value>(rows, packed + p * bytes, start, y + r0 * n + p * kPanelWidth, n,
                                                       cols, ahead);
           });
-        }
+        });
       });
     }
   }

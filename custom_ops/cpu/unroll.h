@@ -24,6 +24,18 @@ static inline __attribute__((always_inline)) void with_rows(int rows, F&& f) {
   with_rows_of(rows, f, std::make_integer_sequence<int, N>{});
 }
 
+// body(r0, rows) for the register tiles of rows [m0, m_end), at most kMaxRows rows each: as few tiles as that
+// allows, their sizes within one of each other (64 rows of 12-row tiles: 11, 11, 11, 11, 10, 10, not 5 x 12 and
+// a tile of 4, which keeps a third of its sums busy for a whole pass over the panels).
+template <int kMaxRows, class F>
+static inline __attribute__((always_inline)) void for_each_row_tile(int64_t m0, int64_t m_end, F&& body) {
+  const int64_t rows = m_end - m0, tiles = (rows + kMaxRows - 1) / kMaxRows;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t r0 = m0 + rows * t / tiles;
+    body(r0, static_cast<int>(m0 + rows * (t + 1) / tiles - r0));
+  }
+}
+
 // body(p) for every p in [0, count), shared among the threads of the enclosing parallel region, with no
 // barrier at the end. A GEMM of one tile of rows (a decode) streams its panels from memory once, and two
 // vCPUs do not stream at the same rate: guided chunks let the faster thread take more panels instead of

@@ -214,6 +214,7 @@ static inline void accumulate_values_dot(float* acc, const float* probs, const b
   const int64_t num_pairs = (num_keys + 1) / 2;
   for (int64_t d = 0; d < head_dim; d += 32) {
     reg a[ROWS][2];
+#pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) a[r][0] = Vec::load(acc + r * head_dim + d), a[r][1] = Vec::load(acc + r * head_dim + d + 16);
     for (int64_t p = 0; p < num_pairs; ++p) {
       if (p % 2 == 0) ahead();
@@ -222,12 +223,13 @@ static inline void accumulate_values_dot(float* acc, const float* probs, const b
       const __m512i x = _mm512_loadu_si512(first + d), y = _mm512_loadu_si512(second + d);
       const __m512bh low = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(x, y));
       const __m512bh high = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(x, y));
+#pragma GCC unroll 16
       for (int r = 0; r < ROWS; ++r) {
-        const __m512bh w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pairs[r][p])));
-        a[r][0] = _mm512_dpbf16_ps(a[r][0], w, low);
-        a[r][1] = _mm512_dpbf16_ps(a[r][1], w, high);
+        a[r][0] = dot_broadcast(a[r][0], low, &pairs[r][p]);
+        a[r][1] = dot_broadcast(a[r][1], high, &pairs[r][p]);
       }
     }
+#pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) Vec::store(acc + r * head_dim + d, a[r][0]), Vec::store(acc + r * head_dim + d + 16, a[r][1]);
   }
 }
@@ -245,25 +247,30 @@ static inline void accumulate_values_by_slot(float* const* accs, const float* co
   const int64_t num_pairs = (num_keys + 1) / 2;
   for (int64_t d = 0; d < head_dim; d += 32) {
     reg a[HEADS][ROWS][2];
+#pragma GCC unroll 4
     for (int h = 0; h < HEADS; ++h)
+#pragma GCC unroll 16
       for (int r = 0; r < ROWS; ++r)
         a[h][r][0] = Vec::load(accs[h] + r * head_dim + d), a[h][r][1] = Vec::load(accs[h] + r * head_dim + d + 16);
     for (int64_t p = 0; p < num_pairs; ++p) {
       if (p % 2 == 0) ahead();
       const bf16* first = head_values + slot_offsets[2 * p] + d;
       const bf16* second = 2 * p + 1 < num_keys ? head_values + slot_offsets[2 * p + 1] + d : first;  // probability 0
+#pragma GCC unroll 4
       for (int h = 0; h < HEADS; ++h) {
         const __m512i x = _mm512_loadu_si512(first + h * head_dim), y = _mm512_loadu_si512(second + h * head_dim);
         const __m512bh low = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(x, y));
         const __m512bh high = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(x, y));
+#pragma GCC unroll 16
         for (int r = 0; r < ROWS; ++r) {
-          const __m512bh w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pairs[h][r][p])));
-          a[h][r][0] = _mm512_dpbf16_ps(a[h][r][0], w, low);
-          a[h][r][1] = _mm512_dpbf16_ps(a[h][r][1], w, high);
+          a[h][r][0] = dot_broadcast(a[h][r][0], low, &pairs[h][r][p]);
+          a[h][r][1] = dot_broadcast(a[h][r][1], high, &pairs[h][r][p]);
         }
       }
     }
+#pragma GCC unroll 4
     for (int h = 0; h < HEADS; ++h)
+#pragma GCC unroll 16
       for (int r = 0; r < ROWS; ++r)
         Vec::store(accs[h] + r * head_dim + d, a[h][r][0]), Vec::store(accs[h] + r * head_dim + d + 16, a[h][r][1]);
   }
@@ -314,17 +321,23 @@ static inline void score_rows_in_lanes(const uint32_t* words, int64_t row_words,
                                        float* scores, Ahead& ahead) {
   for (int i = 0; i < (ROWS + 2) / 3 * 4 * VECS; ++i) ahead();
   __m512 acc[ROWS][VECS];
+#pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
     for (int c = 0; c < VECS; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t w = 0; w < row_words; ++w) {
     __m512bh k[VECS];
+#pragma GCC unroll 4
     for (int c = 0; c < VECS; ++c) k[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kt + w * kKeySpan + j0 + 16 * c));
+#pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
-      const __m512bh q = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(words[r * row_words + w])));
-      for (int c = 0; c < VECS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], q, k[c]);
+#pragma GCC unroll 4
+      for (int c = 0; c < VECS; ++c) acc[r][c] = dot_broadcast(acc[r][c], k[c], &words[r * row_words + w]);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
     for (int c = 0; c < VECS; ++c) Vec::store(scores + r * kKeySpan + j0 + 16 * c, acc[r][c]);
 }
 

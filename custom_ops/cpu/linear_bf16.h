@@ -11,20 +11,10 @@ constexpr int kMaxRows = 12;  // 12 rows x 2 panels: 24 accumulators of the 32 z
 // Zen 4). Fewer rows wait on memory, where one panel per tile measured faster.
 constexpr int64_t kTwoPanelRows = 16;
 
-#include "bf16_pairs.h"  // to_bf16_pairs: x as 32-bit words, one per block of W
+#include "bf16_pairs.h"  // to_bf16_pairs: x as 32-bit words, one per block of W; dot_broadcast
 #include "simd_avx512.h"  // Vec, for vector_exp.h
 using reg = Vec::reg;
 #include "vector_exp.h"  // silu_times: the fused SiLU-and-multiply computes what silu_and_mul_row does
-
-// acc += the products of `weights`' bf16 pairs and the pair at `word`, broadcast by the instruction itself
-// ({1to16}). For _mm512_set1_epi32 GCC emits a separate vpbroadcastd per row and word (it folds broadcasts
-// into vfmadd231ps, not into vdpbf16ps). Without them, on AMD EPYC Zen 4, the 4 GEMMs of the default model
-// took 0.88-0.92x the time (512 and 64 rows, 3 runs alternated): 12 rows x 2 panels at ~215 of a core's ~233
-// bf16 GFLOP/s, up from ~190. The int8 (VNNI) tile measured the same either way and keeps the intrinsic.
-static inline __attribute__((always_inline)) __m512 dot_broadcast(__m512 acc, __m512bh weights, const uint32_t* word) {
-  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(weights), "m"(*word));
-  return acc;
-}
 
 // Rows of x (num_words words each) a block holds: whole tiles, at least one, within kBlockBytes.
 static inline int64_t rows_per_block(int64_t num_words) {

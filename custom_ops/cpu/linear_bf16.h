@@ -6,9 +6,9 @@
 // 64-byte block of a panel feeds all 16 columns.
 
 constexpr int kMaxRows = 12;  // 12 rows x 2 panels: 24 accumulators of the 32 zmm
-// From this many rows of x a tile takes two panels: 24 independent sums per word, and each weight block loaded
-// feeds 12 rows (the 4 GEMMs of the default model at 512 rows: 8.7 ms with two panels, 10.8 with one, AMD EPYC
-// Zen 4). Fewer rows wait on memory, where one panel per tile measured faster.
+// From this many rows of x a tile takes two panels: 24 independent sums per word instead of 12 (the 4 GEMMs of the
+// default model at 512 rows: 8.7 ms with two panels, 10.8 with one, AMD EPYC Zen 4). Fewer rows wait on memory,
+// where one panel per tile measured faster.
 constexpr int64_t kTwoPanelRows = 16;
 
 #include "bf16_pairs.h"  // to_bf16_pairs: x as 32-bit words, one per block of W; dot_broadcast

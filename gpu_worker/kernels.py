@@ -20,7 +20,12 @@ import paddle.nn.functional as F
 
 from gpu_worker import token_draw
 from gpu_worker.attention import PagedAttentionBackend, RotaryPagedAttention
-from gpu_worker.custom_attention import CustomAttentionMetadata, CustomPagedAttention
+from gpu_worker.custom_attention import (
+    CustomAttentionMetadata,
+    CustomPagedAttention,
+    HostAttentionMetadata,
+    step_layout,
+)
 from gpu_worker.custom_ops import REQUIRED_CPU_FEATURES, CustomOpsUnavailable, IsaSet, cpu_features, load_ops
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.rope import RotaryEmbedding
@@ -159,15 +164,18 @@ class FusedDecoderStack:
             self._release()
         self._held_for, self.handle, self._release = [], None, None
 
-    def __call__(self, layers: list, hidden, key_caches: list, value_caches: list, metadata: CustomAttentionMetadata):
+    def __call__(
+        self,
+        layers: list,
+        hidden,
+        key_caches: list,
+        value_caches: list,
+        metadata: CustomAttentionMetadata | HostAttentionMetadata,
+    ):
         hidden, stage_seconds = self.ops.bs_decoder_stack(
             hidden,
             self.hold(layers, key_caches, value_caches),
-            metadata.positions,
-            metadata.slot_mapping,
-            metadata.query_start,
-            metadata.context_lens,
-            metadata.block_table,
+            step_layout(metadata),
             self.attention.rotary.cos,
             self.attention.rotary.sin,
             self.config.rms_norm_eps,

@@ -173,9 +173,7 @@ std::vector<paddle::Tensor> ReleaseDecoderStack(const paddle::Tensor& handle) {
 }
 
 std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& hidden, const paddle::Tensor& handle,
-                                         const paddle::Tensor& positions, const paddle::Tensor& slot_mapping,
-                                         const paddle::Tensor& query_start, const paddle::Tensor& context_lens,
-                                         const paddle::Tensor& block_table, const paddle::Tensor& cos,
+                                         const paddle::Tensor& layout, const paddle::Tensor& cos,
                                          const paddle::Tensor& sin, float eps, int query_tile, int isa_bits,
                                          bool time_stages) {
   std::shared_ptr<HeldStack> stack;  // held for the call, even if released meanwhile
@@ -191,9 +189,8 @@ std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& hidden, const pad
                hidden.shape()[1] == stack->width,
            "hidden must be a [tokens, hidden size] float32 CPU tensor");
   const int64_t tokens = hidden.shape()[0], width = stack->width;
-  PD_CHECK(positions.numel() == tokens && slot_mapping.numel() == tokens, "one position and slot per token");
-  const int64_t num_requests = context_lens.numel();
-  PD_CHECK(query_start.numel() == num_requests + 1 && block_table.shape()[0] == num_requests, "one row per request");
+  const bs::StepLayout step = bs::step_layout(layout);
+  PD_CHECK(step.tokens.count == tokens, "one position and slot per token");
   PD_CHECK(cos.shape()[1] == stack->head_dim && sin.shape() == cos.shape(), "cos/sin must be [positions, head_dim]");
   const int64_t attention_width = stack->attention_width, qkv_width = stack->qkv_width;
   const int64_t intermediate_size = stack->intermediate_size;
@@ -214,9 +211,8 @@ std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& hidden, const pad
   float* activated = buffer(owned, tokens, intermediate_size, place);
   auto stage_seconds = paddle::full({kNumStages}, 0.0, paddle::DataType::FLOAT64, place);
   StageClock clock(time_stages ? stage_seconds.data<double>() : nullptr);
-  const bs::StepTokens step_tokens{positions.data<int64_t>(), slot_mapping.data<int64_t>(), tokens};
-  const bs::StepRequests requests{query_start.data<int64_t>(), context_lens.data<int64_t>(), num_requests,
-                                  block_table.data<int64_t>(), block_table.shape()[1]};
+  const bs::StepTokens& step_tokens = step.tokens;
+  const bs::StepRequests& requests = step.requests;
 
   for (size_t l = 0; l < stack->layers.size(); ++l) {
     Layer& layer = stack->layers[l];
@@ -276,7 +272,7 @@ PD_BUILD_OP(bs_decoder_stack_release)
     .SetKernelFn(PD_KERNEL(ReleaseDecoderStack));
 
 PD_BUILD_OP(bs_decoder_stack)
-    .Inputs({"Hidden", "Handle", "Positions", "SlotMapping", "QueryStart", "ContextLens", "BlockTable", "Cos", "Sin"})
+    .Inputs({"Hidden", "Handle", "StepLayout", "Cos", "Sin"})
     .Outputs({"HiddenOut", "StageSeconds"})
     .Attrs({"eps: float", "query_tile: int", "isa: int", "time_stages: bool"})
     .SetKernelFn(PD_KERNEL(DecoderStack));

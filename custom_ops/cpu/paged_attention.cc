@@ -155,6 +155,23 @@ KvCaches kv_caches(const paddle::Tensor& key_cache, const paddle::Tensor& value_
           shape[3], key_cache.dtype() == paddle::DataType::BFLOAT16};
 }
 
+StepLayout step_layout(const paddle::Tensor& layout) {
+  PD_CHECK(layout.is_cpu() && layout.dtype() == paddle::DataType::INT64 && layout.shape().size() == 1 &&
+               layout.numel() >= 3,
+           "a step layout is a 1-D int64 CPU tensor that begins with its numbers of tokens, requests and blocks per request");
+  const int64_t* at = layout.data<int64_t>();
+  const int64_t tokens = at[0], requests = at[1], width = at[2];
+  PD_CHECK(tokens >= 0 && requests >= 0 && width >= 0 && tokens <= layout.numel() && requests <= layout.numel() &&
+               (requests == 0 || width <= layout.numel() / requests) &&
+               layout.numel() == 3 + 2 * tokens + 2 * requests + 1 + requests * width,
+           "a step layout of ", tokens, " tokens and ", requests, " requests of ", width, " blocks holds ",
+           layout.numel(), " numbers");
+  const int64_t* positions = at + 3;
+  const int64_t* query_start = positions + 2 * tokens;
+  return {{positions, positions + tokens, tokens},
+          {query_start, query_start + requests + 1, requests, query_start + 2 * requests + 1, width}};
+}
+
 void rope_write_kv(const KernelSet& kernels, const float* qkv, const StepTokens& tokens, const float* cos,
                    const float* sin, int64_t max_position, int64_t num_heads, KvCaches& caches, float* query) {
   const int64_t num_slots = caches.num_blocks * caches.block_size;

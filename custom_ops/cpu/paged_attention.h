@@ -38,6 +38,16 @@ struct StepRequests {
   int64_t table_width;
 };
 
+// A step's tokens and requests read from one int64 CPU tensor (bs_decoder_stack's StepLayout, made by
+// gpu_worker/custom_attention.py's HostAttentionMetadata.layout): the numbers of tokens and requests and the block
+// table's width, then positions[tokens], slots[tokens], query_start[requests + 1], context_lens[requests] and the
+// block table's rows. Checks the sizes add up; the values are checked where they are used.
+struct StepLayout {
+  StepTokens tokens;
+  StepRequests requests;
+};
+StepLayout step_layout(const paddle::Tensor& layout);
+
 // Rotates q and k of the fused qkv [tokens, (heads + 2 * kv_heads) * head_dim] by each token's position
 // (cos/sin: [max_position, head_dim]), stores k and v at the token's slot (rounded to bf16 in a bf16
 // cache) and the rotated q in query [tokens, heads, head_dim].

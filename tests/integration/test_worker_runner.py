@@ -8,13 +8,16 @@ import os
 import time
 
 import numpy as np
+import paddle
 import pytest
 
+from gpu_worker.custom_attention import HostAttentionMetadata, step_layout
 from gpu_worker.kernels import STACK_STAGES, FusedDecoderStack
 from gpu_worker.kv_cache import block_bytes, num_blocks_for
 from gpu_worker.linear import linear
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.precision import Precision
+from gpu_worker.step_inputs import RequestState, build_step_inputs
 from service import wire
 from service.config import load_settings
 from tests.support.accuracy import ENGLISH_TEXT, encode, load_runner, paged_logits
@@ -268,6 +271,49 @@ def test_the_fused_decoder_stack_lets_go_of_what_the_op_holds(smollm_path):
     gc.collect()
     assert ops.bs_decoder_stack_release(dropped_handle).item() == 0
     assert ops.bs_decoder_stack_release(kept_handle).item() == 1
+
+
+def test_the_fused_decoder_stack_reads_the_step_from_one_layout_tensor(smollm_path):
+    """On the host the step's positions, slots, query starts, context lengths and block table reach the op as one
+    int64 tensor (one Paddle call per step instead of five). Five tensors (the single ops' metadata) packed into it
+    give the same hidden states to the bit, and a layout whose sizes do not add up, or of another dtype, is a
+    clear error, not a read past its end."""
+    runner = load_runner(smollm_path, "auto:gguf")
+    model, ops = runner.model, runner.model.kernels.ops
+    token_ids = encode(runner, ENGLISH_TEXT)
+    states = [
+        RequestState(f"r{i}", token_ids[i * 20 : i * 20 + 19 + i], 19 + i, wire.SamplingParams(), [2 * i, 2 * i + 1], 0)
+        for i in range(3)
+    ]
+    inputs = build_step_inputs([(s, len(s.token_ids)) for s in states], runner.block_size, runner.num_kv_blocks)
+    host = runner.attention.prepare(inputs)
+    assert isinstance(host, HostAttentionMetadata)
+    stack = model.kernels.fused_stack(runner.attention, model.config)
+    hidden = model.embed_tokens(paddle.to_tensor(inputs.input_ids))
+    caches = (runner.kv_cache.key_caches, runner.kv_cache.value_caches)
+
+    from_layout = stack(model.layers, hidden, *caches, host).numpy()
+    from_five = stack(model.layers, hidden, *caches, host.split).numpy()
+
+    np.testing.assert_array_equal(step_layout(host.split).numpy(), host.layout.numpy())
+    np.testing.assert_array_equal(from_five, from_layout)
+    layout = host.layout.numpy()
+    too_many_tokens = layout.copy()
+    too_many_tokens[0] = 2**62
+    for bad in (layout[:-1], np.append(layout, 0), too_many_tokens, layout.astype(np.int32)):
+        with pytest.raises(Exception, match="step layout"):
+            ops.bs_decoder_stack(
+                hidden,
+                stack.handle,
+                paddle.to_tensor(bad),
+                runner.attention.rotary.cos,
+                runner.attention.rotary.sin,
+                model.config.rms_norm_eps,
+                runner.attention.query_tile,
+                runner.attention.isa,
+                False,
+            )
+    np.testing.assert_array_equal(stack(model.layers, hidden, *caches, host).numpy(), from_layout)  # still serving
 
 
 def test_the_fused_decoder_stack_takes_each_layers_own_weight_formats(smollm_path):

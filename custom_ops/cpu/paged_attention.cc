@@ -10,14 +10,30 @@
 namespace bs {
 namespace {
 
+// Each token asks for the cache lines of the token this many after it (its K and V slots, for writing) before it
+// computes its own. A slot's lines are not in cache, and a store to a missing line waits for it: at 64 decodes the
+// rope + KV write stage took 0.5-1.4 ms of a bf16 step (30 layers, AMD EPYC Zen 4, 2 threads), ~1 us a token
+// for arithmetic that takes ~0.1. In-process pairs (24 steps each way, twice): the stage 0.81 and 0.83x with 4
+// ahead, 0.85 and 0.84x with 12; whole steps 0.987-0.996x.
+constexpr int64_t kWriteAhead = 4;
+
 template <class Cache>
 void rope_write(const KernelSet& kernels, const float* src, const StepTokens& tokens, const float* cos_table,
                 const float* sin_table, float* q_out, Cache* k_cache, Cache* v_cache, int64_t num_heads,
                 int64_t num_kv_heads, int64_t head_dim) {
   const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim, kv_width = num_kv_heads * head_dim;
   const int64_t *pos = tokens.positions, *slots = tokens.slots;
+  const int64_t slot_bytes = kv_width * static_cast<int64_t>(sizeof(Cache));
 #pragma omp parallel for schedule(static) if (tokens.count * row >= kParallelFloats)
   for (int64_t t = 0; t < tokens.count; ++t) {
+    if (t + kWriteAhead < tokens.count) {
+      const char* key_ahead = reinterpret_cast<const char*>(k_cache + slots[t + kWriteAhead] * kv_width);
+      const char* value_ahead = reinterpret_cast<const char*>(v_cache + slots[t + kWriteAhead] * kv_width);
+      for (int64_t line = 0; line < slot_bytes; line += 64) {
+        __builtin_prefetch(key_ahead + line, 1, 3);
+        __builtin_prefetch(value_ahead + line, 1, 3);
+      }
+    }
     const float* token = src + t * row;
     const float *c = cos_table + pos[t] * head_dim, *s = sin_table + pos[t] * head_dim;
     for (int64_t h = 0; h < num_heads; ++h) {

@@ -9,7 +9,10 @@ Prefill: fresh prompts computed in one step (the step samples each request's fir
 Every request samples greedily unless --temperature, --top-p or --top-k say otherwise (the draw is the
 breakdown's "sampling").
 Every precision (default: the custom kernels in float32, bfloat16, int8 and gguf, and pure Paddle in
-float32) runs every case in the same run; "vs f32" divides by the custom float32 step of the case.
+float32) runs every case in the same run, the precisions taking turns step by step, each timed step after
+an untimed one of its own: a shared host's slow and fast minutes then fall on all of them alike, and a
+ratio compares steps of the same minutes (on a 2-vCPU AMD EPYC Zen 4 VM the same bf16 GEMMs measured
+360-410 GFLOP/s, and 190-210 a few minutes later). "vs f32" divides by the custom float32 step of the case.
 For decode B=1, "read ms" is the time to read the weights' actual bytes (what the model holds in that
 precision) once at the read bandwidth measured in this run: torch's sum over a 1 GiB array, once before
 each timed B=1 step of that precision (and an untimed step between the two, as the read leaves the caches
@@ -45,7 +48,6 @@ import torch  # noqa: E402
 import gpu_worker.model_runner as model_runner_module  # noqa: E402
 from gpu_worker.kernels import STACK_STAGES, FusedDecoderStack  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
-from gpu_worker.step_inputs import build_step_inputs  # noqa: E402
 from service import wire  # noqa: E402
 from service.config import load_settings  # noqa: E402
 
@@ -103,8 +105,9 @@ def instrument(runner: ModelRunner, timers: Timers) -> None:
             for layer in model.layers
         ]
         runner.attention.attend_qkv = timers.wrap("attention", runner.attention.attend_qkv)  # rope, KV write, attention
-    runner.attention.prepare = timers.wrap("input building", runner.attention.prepare)
-    model_runner_module.build_step_inputs = timers.wrap("input building", build_step_inputs)
+    # The step's inputs and its attention's metadata; this runner's own (build_step_inputs is the module's, which
+    # every runner of a run shares).
+    runner._prepared = timers.wrap("input building", runner._prepared)
     model.compute_logits = timers.wrap("lm_head", model.compute_logits)
     runner.sampler.draw = timers.wrap("sampling", runner.sampler.draw)
 
@@ -170,53 +173,91 @@ class ReadProbe:
         self.bandwidths.append(self.array.numel() * self.array.element_size() / (time.perf_counter() - started))
 
 
-def median_step(run_step, steps: int, timers: Timers, before_each=None) -> tuple[float, dict[str, float]]:
-    """(seconds, seconds per part) of the step with the median time; the machine is shared and noisy.
-    `before_each` (untimed) runs before every timed step."""
-    records = []
-    for _ in range(steps):
-        if before_each is not None:
-            before_each()
-        timers.seconds.clear()
-        started = time.perf_counter()
-        run_step()
-        records.append((time.perf_counter() - started, dict(timers.seconds)))
+def turns(count: int, rounds: int) -> list[list[int]]:
+    """The order in which `count` precisions take each of `rounds` turns: every one once a round, the first
+    place rotating, so that no precision always follows the same one."""
+    return [[(start + i) % count for i in range(count)] for start in range(rounds)]
+
+
+def median_records(records: list[tuple[float, dict[str, float]]]) -> tuple[float, dict[str, float]]:
+    """The (seconds, seconds per part) record of the median step; the machine is shared and noisy."""
     return sorted(records, key=lambda record: record[0])[len(records) // 2]
 
 
-def time_decode(workload: Workload, batch: int, steps: int, timers: Timers, probe: ReadProbe | None = None):
-    """The median decode step; with `probe`, a read before each timed step, then an untimed step (the read
-    leaves every cache cold: the timed step follows a step, as in a run without reads)."""
-    requests = workload.new_requests(batch, CONTEXT_LEN, room=2 * steps + 2)
-    for first in range(0, batch, 8):  # prefill a few at a time, untimed
-        workload.step(new_requests=requests[first : first + 8])
-    decode = [wire.RunningRequest(r.request_id, [], 1) for r in requests]
-    workload.step(running_requests=decode)
+@dataclasses.dataclass
+class Subject:
+    """One precision under test: its runner, the timers of its parts and the requests it serves."""
 
-    def read_then_step():
-        probe.measure()
-        workload.step(running_requests=decode)
+    name: str  # KERNELS:DTYPE:QUANTIZATION[:ISA_CAP] as asked
+    runner: ModelRunner
+    timers: Timers
+    workload: Workload
+    weight_bytes: int  # what the model's weights hold in this precision
+    read_bandwidths: list[float] = dataclasses.field(default_factory=list)  # one per timed decode B=1 step
 
-    before_each = read_then_step if probe is not None else None
-    record = median_step(lambda: workload.step(running_requests=decode), steps, timers, before_each)
-    workload.step(finished_request_ids=[r.request_id for r in requests])
-    return record
+    def timed(self, run_step) -> tuple[float, dict[str, float]]:
+        self.timers.seconds.clear()
+        started = time.perf_counter()
+        run_step()
+        return time.perf_counter() - started, dict(self.timers.seconds)
 
 
-def time_prefill(workload: Workload, count: int, prompt_len: int, steps: int, timers: Timers):
-    batches = [workload.new_requests(count, prompt_len, room=1) for _ in range(steps + 1)]
-    warm_up = batches.pop()
-    workload.step(new_requests=warm_up)
-    workload.step(finished_request_ids=[r.request_id for r in warm_up])
+def subject_of(name: str, op_by_op: bool, sampling: wire.SamplingParams = GREEDY) -> Subject:
+    kernels, dtype, quantization, *cap = name.split(":")
+    cpu_isa = {"all": "auto"}.get(cap[0], cap[0]) if cap else "auto"  # BLOCKSERVE_CPU_ISA
+    runner = ModelRunner(
+        load_settings(num_kv_blocks=1024, kernels=kernels, cpu_isa=cpu_isa, dtype=dtype, quantization=quantization)
+    )
+    assert runner.kernels["kernels"] == kernels, runner.kernels
+    if op_by_op and kernels == "custom":
+        runner.model.kernels.fuse_layers = False
+    weight_bytes = runner.model.weight_bytes()  # before the timers wrap the layers' linears
+    timers = Timers()
+    instrument(runner, timers)
+    return Subject(name, runner, timers, Workload(runner, sampling), weight_bytes)
 
-    def prefill_and_finish():
-        requests = batches.pop()
-        workload.step(new_requests=requests)
-        with timers.part("untimed"):
-            workload.step(finished_request_ids=[r.request_id for r in requests])
 
-    seconds, parts = median_step(prefill_and_finish, steps, timers)
-    return seconds - parts.pop("untimed"), parts
+def time_decode(subjects: list[Subject], batch: int, steps: int, probe: ReadProbe) -> list[tuple[float, dict]]:
+    """Each subject's median decode step of `batch` requests. The subjects take turns step by step, so that a
+    shared host's slow and fast moments fall on all of them alike; each timed step follows an untimed step of
+    its own subject, as a step follows a step in the service. At B=1 a read (`probe`) comes before that
+    untimed step: the read leaves every cache cold, and its bandwidth is the one the step is held against."""
+    decodes = []
+    for subject in subjects:
+        requests = subject.workload.new_requests(batch, CONTEXT_LEN, room=2 * steps + 2)
+        for first in range(0, batch, 8):  # prefill a few at a time, untimed
+            subject.workload.step(new_requests=requests[first : first + 8])
+        decodes.append([wire.RunningRequest(r.request_id, [], 1) for r in requests])
+    records: list[list] = [[] for _ in subjects]
+    for order in turns(len(subjects), steps):
+        for index in order:
+            subject, decode = subjects[index], decodes[index]
+            if batch == 1:
+                probe.measure()
+                subject.read_bandwidths.append(probe.bandwidths[-1])
+            subject.workload.step(running_requests=decode)
+            records[index].append(subject.timed(lambda: subject.workload.step(running_requests=decode)))
+    for subject, decode in zip(subjects, decodes):
+        subject.workload.step(finished_request_ids=[r.request_id for r in decode])
+    return [median_records(own) for own in records]
+
+
+def time_prefill(subjects: list[Subject], count: int, prompt_len: int, steps: int) -> list[tuple[float, dict]]:
+    """Each subject's median step computing `count` fresh prompts of `prompt_len` tokens, the subjects taking
+    turns; a timed step follows the untimed step that finished the prompts before (another subject's)."""
+    batches = []
+    for subject in subjects:
+        warm_up = subject.workload.new_requests(count, prompt_len, room=1)
+        subject.workload.step(new_requests=warm_up)
+        subject.workload.step(finished_request_ids=[r.request_id for r in warm_up])
+        batches.append([subject.workload.new_requests(count, prompt_len, room=1) for _ in range(steps)])
+    records: list[list] = [[] for _ in subjects]
+    for order in turns(len(subjects), steps):
+        for index in order:
+            subject, requests = subjects[index], batches[index].pop()
+            records[index].append(subject.timed(lambda: subject.workload.step(new_requests=requests)))
+            subject.workload.step(finished_request_ids=[r.request_id for r in requests])
+    return [median_records(own) for own in records]
 
 
 @dataclasses.dataclass
@@ -228,30 +269,28 @@ class PrecisionRun:
     read_bandwidths: list[float]  # bytes per second, read once before each timed decode B=1 step
 
 
-def run_precision(
-    name: str, steps: int, op_by_op: bool, probe: ReadProbe, sampling: wire.SamplingParams = GREEDY
-) -> PrecisionRun:
-    kernels, dtype, quantization, *cap = name.split(":")
-    cpu_isa = {"all": "auto"}.get(cap[0], cap[0]) if cap else "auto"  # BLOCKSERVE_CPU_ISA
-    runner = ModelRunner(
-        load_settings(num_kv_blocks=1024, kernels=kernels, cpu_isa=cpu_isa, dtype=dtype, quantization=quantization)
-    )
-    assert runner.kernels["kernels"] == kernels, runner.kernels
-    if op_by_op and kernels == "custom":
-        runner.model.kernels.fuse_layers = False
-    weight_bytes = runner.model.weight_bytes()
-    timers = Timers()
-    instrument(runner, timers)
-    workload = Workload(runner, sampling)
-    cases = []
-    probe.bandwidths = []
+def run_precisions(
+    names: list[str], steps: int, op_by_op: bool, probe: ReadProbe, sampling: wire.SamplingParams = GREEDY
+) -> list[PrecisionRun]:
+    """Every case for every precision in `names`, the precisions taking turns step by step."""
+    subjects = [subject_of(name, op_by_op, sampling) for name in names]
+    cases: list[list] = [[] for _ in subjects]
     for batch in DECODE_BATCHES:
-        batch_probe = probe if batch == 1 else None
-        cases.append((f"decode B={batch}", batch, *time_decode(workload, batch, steps, timers, batch_probe)))
+        for own, record in zip(cases, time_decode(subjects, batch, steps, probe)):
+            own.append((f"decode B={batch}", batch, *record))
     for count, prompt_len in PREFILLS:
-        record = time_prefill(workload, count, prompt_len, max(3, steps // 3), timers)
-        cases.append((f"prefill {count}x{prompt_len}", count * prompt_len, *record))
-    return PrecisionRun(name, runner.kernels, weight_bytes, cases, probe.bandwidths)
+        for own, record in zip(cases, time_prefill(subjects, count, prompt_len, max(3, steps // 3))):
+            own.append((f"prefill {count}x{prompt_len}", count * prompt_len, *record))
+    return [
+        PrecisionRun(
+            subject.name,
+            subject.runner.kernels,
+            subject.weight_bytes,
+            own,
+            subject.read_bandwidths,
+        )
+        for subject, own in zip(subjects, cases)
+    ]
 
 
 def cpu_name() -> str:
@@ -278,7 +317,7 @@ def main() -> None:
     )
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     probe = ReadProbe()
-    runs = [run_precision(name, args.steps, args.op_by_op, probe, sampling) for name in args.precision or PRECISIONS]
+    runs = run_precisions(args.precision or list(PRECISIONS), args.steps, args.op_by_op, probe, sampling)
     reference = next((run for run in runs if run.name == "custom:float32:none"), runs[0])
     print(
         f"\nSmolLM2-135M on {cpu_name()}, Paddle {paddle.__version__}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "

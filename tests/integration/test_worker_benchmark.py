@@ -4,6 +4,7 @@ from it, so it must not rot; its ISA cap reaches the worker."""
 from __future__ import annotations
 
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +27,7 @@ def bench_worker(monkeypatch):
 @pytest.mark.parametrize("op_by_op", [False, True])
 def test_bench_worker_times_each_case_on_the_capped_instruction_set(bench_worker, op_by_op):
     probe = bench_worker.ReadProbe()
-    run = bench_worker.run_precision("custom:bfloat16:none:avx2", steps=2, op_by_op=op_by_op, probe=probe)
+    [run] = bench_worker.run_precisions(["custom:bfloat16:none:avx2"], steps=2, op_by_op=op_by_op, probe=probe)
 
     assert run.described["kernels_isa"] == "avx2" and run.described["dtype"] == "bfloat16"
     assert [case[:2] for case in run.cases] == [("decode B=1", 1), ("decode B=2", 2), ("prefill 1x20", 20)]
@@ -48,9 +49,66 @@ def test_bench_worker_requests_sample_as_asked(bench_worker):
     assert [request.sampling for request in asked] == [top_p] * 3
     assert [request.sampling for request in default] == [bench_worker.GREEDY] * 2
 
-    run = bench_worker.run_precision(
-        "custom:float32:none", steps=2, op_by_op=False, probe=bench_worker.ReadProbe(), sampling=top_p
+    [run] = bench_worker.run_precisions(
+        ["custom:float32:none"], steps=2, op_by_op=False, probe=bench_worker.ReadProbe(), sampling=top_p
     )
 
     for _, _, seconds, parts in run.cases:
         assert 0 < parts["sampling"] < seconds
+
+
+def test_bench_worker_precisions_take_turns_step_by_step(bench_worker, monkeypatch):
+    """Two precisions in one run: their timed steps alternate (each after an untimed one of its own), each
+    B=1 step gets its own read, and each precision's figures are its own."""
+    timed_by = []
+    timed = bench_worker.Subject.timed
+
+    def recording(subject, run_step):
+        timed_by.append(subject.name)
+        return timed(subject, run_step)
+
+    monkeypatch.setattr(bench_worker.Subject, "timed", recording)
+    import gpu_worker.model_runner as model_runner_module
+
+    building = model_runner_module.build_step_inputs
+
+    def slow_building(*args, **kwargs):  # every runner's step building, at least 2 ms
+        time.sleep(0.002)
+        return building(*args, **kwargs)
+
+    monkeypatch.setattr(model_runner_module, "build_step_inputs", slow_building)
+    monkeypatch.setattr(bench_worker, "DECODE_BATCHES", (1,))
+    probe = bench_worker.ReadProbe()
+    names = ["custom:float32:none", "custom:bfloat16:none:avx2"]
+
+    runs = bench_worker.run_precisions(names, steps=3, op_by_op=False, probe=probe)
+
+    fp32, bf16 = names
+    decode, prefill = timed_by[:6], timed_by[6:]
+    assert decode == [fp32, bf16, bf16, fp32, fp32, bf16]  # the first place rotates every round
+    assert prefill == [fp32, bf16, bf16, fp32, fp32, bf16]  # prefills: max(3, steps // 3) rounds
+    assert [run.name for run in runs] == names
+    assert [run.described["dtype"] for run in runs] == ["float32", "bfloat16"]
+    assert runs[0].weight_bytes > runs[1].weight_bytes
+    assert [len(run.read_bandwidths) for run in runs] == [3, 3]
+    assert probe.bandwidths == [
+        runs[0].read_bandwidths[0],
+        runs[1].read_bandwidths[0],
+        runs[1].read_bandwidths[1],
+        runs[0].read_bandwidths[1],
+        runs[0].read_bandwidths[2],
+        runs[1].read_bandwidths[2],
+    ]
+    for run in runs:
+        assert [case[:2] for case in run.cases] == [("decode B=1", 1), ("prefill 1x20", 20)]
+        # Each precision's parts are timed by its own timers (the runners share the step-building module).
+        for _, _, seconds, parts in run.cases:
+            assert seconds > parts["input building"] >= 0.002 and parts["sampling"] > 0
+
+
+def test_turns_give_every_precision_one_step_a_round_and_rotate_the_first(bench_worker):
+    rounds = bench_worker.turns(3, 4)
+
+    assert [sorted(order) for order in rounds] == [[0, 1, 2]] * 4
+    assert [order[0] for order in rounds] == [0, 1, 2, 0]
+    assert bench_worker.turns(1, 2) == [[0], [0]]

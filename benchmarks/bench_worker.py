@@ -72,6 +72,9 @@ class Timers:
 
     def __init__(self):
         self.seconds = defaultdict(float)
+        # Adds what was clocked elsewhere (the fused stack's own stage clock) to `seconds`: called after a
+        # timed step, outside its time, and before one, to drop what untimed steps clocked.
+        self.settle = lambda: None
 
     @contextmanager
     def part(self, name: str):
@@ -94,8 +97,7 @@ def instrument(runner: ModelRunner, timers: Timers) -> None:
     fused = model.kernels.fused_stack(runner.attention, model.config)
     if fused is not None:
         fused.time_stages = True
-        timed = stack_timed_by_stage(fused, timers)
-        model.kernels.fused_stack = lambda *_: timed
+        timers.settle = stage_settler(fused, timers)
     else:
         linears = ("qkv", "o", "gate_up", "down")
         model.layers = [
@@ -112,18 +114,18 @@ def instrument(runner: ModelRunner, timers: Timers) -> None:
     runner.sampler.draw = timers.wrap("sampling", runner.sampler.draw)
 
 
-def stack_timed_by_stage(stack: FusedDecoderStack, timers: Timers):
-    """`stack`, adding what its stages spent in each call to the linear matmuls and the attention."""
+def stage_settler(stack: FusedDecoderStack, timers: Timers):
+    """Adds what `stack`'s stages spent since the last call to the linear matmuls and the attention."""
+    read = stack.stage_seconds.copy()
 
-    def run(*args):
-        before = stack.stage_seconds.copy()
-        hidden = stack(*args)
-        spent = dict(zip(STACK_STAGES, stack.stage_seconds - before))
+    def settle():
+        nonlocal read
+        spent = dict(zip(STACK_STAGES, stack.stage_seconds - read))
+        read = stack.stage_seconds.copy()
         timers.seconds["linear matmuls"] += sum(spent[stage] for stage in LINEAR_STAGES)
         timers.seconds["attention"] += sum(spent[stage] for stage in ATTENTION_STAGES)
-        return hidden
 
-    return run
+    return settle
 
 
 class Workload:
@@ -196,10 +198,13 @@ class Subject:
     read_bandwidths: list[float] = dataclasses.field(default_factory=list)  # one per timed decode B=1 step
 
     def timed(self, run_step) -> tuple[float, dict[str, float]]:
+        self.timers.settle()
         self.timers.seconds.clear()
         started = time.perf_counter()
         run_step()
-        return time.perf_counter() - started, dict(self.timers.seconds)
+        seconds = time.perf_counter() - started
+        self.timers.settle()
+        return seconds, dict(self.timers.seconds)
 
 
 def subject_of(name: str, op_by_op: bool, sampling: wire.SamplingParams = GREEDY) -> Subject:

@@ -12,15 +12,15 @@ Every precision (default: the custom kernels in float32, bfloat16, int8 and gguf
 float32) runs every case in the same run, the precisions taking turns step by step, each timed step after
 an untimed one of its own: a shared host's slow and fast minutes then fall on all of them alike, and a
 ratio compares steps of the same minutes (on a 2-vCPU AMD EPYC Zen 4 VM the same bf16 GEMMs measured
-360-410 GFLOP/s, and 190-210 a few minutes later). "vs f32" divides by the custom float32 step of the case.
+350-410 GFLOP/s, and 190-215 a few minutes later). "vs f32" divides by the custom float32 step of the case.
 For decode B=1, "read ms" is the time to read the weights' actual bytes (what the model holds in that
 precision) once at the read bandwidth measured in this run: torch's sum over a 1 GiB array, once before
 each timed B=1 step of that precision (and an untimed step between the two, as the read leaves the caches
 cold), so that the read and the steps see the same moments of a shared host; the ratio uses the median of
 those reads, as the step is the median step, and the line also gives the ratio at the fastest read. The
 breakdown times the parts of the median step with wall-clock timers (Paddle on CPU runs ops
-synchronously); inside the fused decoder stack (the default), the op clocks its own stages (time_stages),
-so the linear matmuls and the attention are the same parts in both modes. ISA_CAP (avx2, avx512; default all: BLOCKSERVE_CPU_ISA) keeps the custom ops below what the
+synchronously); inside the fused decoder stack (the default), the op clocks its own stages (time_stages;
+the clocks are read after the timed step's clock stops), so the linear matmuls and the attention are the same parts in both modes. ISA_CAP (avx2, avx512; default all: BLOCKSERVE_CPU_ISA) keeps the custom ops below what the
 CPU has: `custom:float32:none:avx2` and `custom:bfloat16:none:avx2` measure the AVX2 path
 (bf16 storage widened to fp32 in registers) on an AVX-512 machine. The worker's OpenMP settings (gpu_worker/cpu_threads.py) apply, as in the service.
 """

@@ -12,7 +12,7 @@ Every precision (default: the custom kernels in float32, bfloat16, int8 and gguf
 float32) runs every case in the same run, the precisions taking turns step by step, each timed step after
 an untimed one of its own: a shared host's slow and fast minutes then fall on all of them alike, and a
 ratio compares steps of the same minutes (on a 2-vCPU AMD EPYC Zen 4 VM the same bf16 GEMMs measured
-350-410 GFLOP/s, and 190-215 a few minutes later). "vs f32" divides by the custom float32 step of the case.
+330-410 GFLOP/s, and 190-215 a few minutes later). "vs f32" divides by the custom float32 step of the case.
 For decode B=1, "read ms" is the time to read the weights' actual bytes (what the model holds in that
 precision) once at the read bandwidth measured in this run: torch's sum over a 1 GiB array, once before
 each timed B=1 step of that precision (and an untimed step between the two, as the read leaves the caches

@@ -169,10 +169,12 @@ class ReadProbe:
         self.array.sum()
         self.bandwidths: list[float] = []  # bytes per second, one per measure()
 
-    def measure(self) -> None:
+    def measure(self) -> float:
+        """Reads the array once; its bandwidth (bytes per second), also kept in `bandwidths`."""
         started = time.perf_counter()
         self.array.sum()
         self.bandwidths.append(self.array.numel() * self.array.element_size() / (time.perf_counter() - started))
+        return self.bandwidths[-1]
 
 
 def turns(count: int, rounds: int) -> list[list[int]]:
@@ -181,9 +183,15 @@ def turns(count: int, rounds: int) -> list[list[int]]:
     return [[(start + i) % count for i in range(count)] for start in range(rounds)]
 
 
-def median_records(records: list[tuple[float, dict[str, float]]]) -> tuple[float, dict[str, float]]:
-    """The (seconds, seconds per part) record of the median step; the machine is shared and noisy."""
-    return sorted(records, key=lambda record: record[0])[len(records) // 2]
+def median_steps(count: int, rounds: int, timed_turn) -> list[tuple[float, dict[str, float]]]:
+    """For each of `count` subjects, the (seconds, seconds per part) of its median step (the machine is shared
+    and noisy) over `rounds` rounds of turns; `timed_turn(index)` runs subject index's turn and returns the
+    record of its timed step."""
+    records: list[list] = [[] for _ in range(count)]
+    for order in turns(count, rounds):
+        for index in order:
+            records[index].append(timed_turn(index))
+    return [sorted(own, key=lambda record: record[0])[len(own) // 2] for own in records]
 
 
 @dataclasses.dataclass
@@ -233,18 +241,18 @@ def time_decode(subjects: list[Subject], batch: int, steps: int, probe: ReadProb
         for first in range(0, batch, 8):  # prefill a few at a time, untimed
             subject.workload.step(new_requests=requests[first : first + 8])
         decodes.append([wire.RunningRequest(r.request_id, [], 1) for r in requests])
-    records: list[list] = [[] for _ in subjects]
-    for order in turns(len(subjects), steps):
-        for index in order:
-            subject, decode = subjects[index], decodes[index]
-            if batch == 1:
-                probe.measure()
-                subject.read_bandwidths.append(probe.bandwidths[-1])
-            subject.workload.step(running_requests=decode)
-            records[index].append(subject.timed(lambda: subject.workload.step(running_requests=decode)))
+
+    def timed_turn(index: int):
+        subject, decode = subjects[index], decodes[index]
+        if batch == 1:
+            subject.read_bandwidths.append(probe.measure())
+        subject.workload.step(running_requests=decode)
+        return subject.timed(lambda: subject.workload.step(running_requests=decode))
+
+    medians = median_steps(len(subjects), steps, timed_turn)
     for subject, decode in zip(subjects, decodes):
         subject.workload.step(finished_request_ids=[r.request_id for r in decode])
-    return [median_records(own) for own in records]
+    return medians
 
 
 def time_prefill(subjects: list[Subject], count: int, prompt_len: int, steps: int) -> list[tuple[float, dict]]:
@@ -256,13 +264,14 @@ def time_prefill(subjects: list[Subject], count: int, prompt_len: int, steps: in
         subject.workload.step(new_requests=warm_up)
         subject.workload.step(finished_request_ids=[r.request_id for r in warm_up])
         batches.append([subject.workload.new_requests(count, prompt_len, room=1) for _ in range(steps)])
-    records: list[list] = [[] for _ in subjects]
-    for order in turns(len(subjects), steps):
-        for index in order:
-            subject, requests = subjects[index], batches[index].pop()
-            records[index].append(subject.timed(lambda: subject.workload.step(new_requests=requests)))
-            subject.workload.step(finished_request_ids=[r.request_id for r in requests])
-    return [median_records(own) for own in records]
+
+    def timed_turn(index: int):
+        subject, requests = subjects[index], batches[index].pop()
+        record = subject.timed(lambda: subject.workload.step(new_requests=requests))
+        subject.workload.step(finished_request_ids=[r.request_id for r in requests])
+        return record
+
+    return median_steps(len(subjects), steps, timed_turn)
 
 
 @dataclasses.dataclass

@@ -20,12 +20,7 @@ import paddle.nn.functional as F
 
 from gpu_worker import token_draw
 from gpu_worker.attention import PagedAttentionBackend, RotaryPagedAttention
-from gpu_worker.custom_attention import (
-    CustomAttentionMetadata,
-    CustomPagedAttention,
-    HostAttentionMetadata,
-    step_layout,
-)
+from gpu_worker.custom_attention import CustomPagedAttention
 from gpu_worker.custom_ops import REQUIRED_CPU_FEATURES, CustomOpsUnavailable, IsaSet, cpu_features, load_ops
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.rope import RotaryEmbedding
@@ -35,7 +30,7 @@ log = logging.getLogger(__name__)
 KERNEL_MODES = ("auto", "custom", "paddle")  # auto = custom where it builds and the device can run it
 REPORTED_CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 # bs_decoder_stack's stages, in the order of its StageSeconds output.
-STACK_STAGES = ("norms", "qkv", "rope + KV write", "attention", "o", "gate_up", "silu", "down")
+STACK_STAGES = ("embedding", "norms", "qkv", "rope + KV write", "attention", "o", "gate_up", "silu", "down")
 
 
 class PaddleKernels:
@@ -121,11 +116,12 @@ class CustomKernels:
 
 
 class FusedDecoderStack:
-    """`(layers, hidden, key_caches, value_caches, metadata) -> hidden + residual after the last layer` through
-    bs_decoder_stack: the same kernels as the single ops, one Paddle op call per step. The op holds the layers'
-    norms, weights and caches (bs_decoder_stack_hold) under a handle, taken again when the model's list holds
-    another layer or the cache another tensor, and let go (bs_decoder_stack_release) then, on release(), and
-    when the stack is dropped."""
+    """`(model, kv_cache, layout) -> the final norm's output [tokens, hidden]` through bs_decoder_stack: the
+    embedding lookup of the ids in the step's layout, every decoder layer and the final norm, with the same kernels
+    as the single ops, in one Paddle op call per step. The op holds the model's embedding, layers' norms, weights
+    and caches and final norm (bs_decoder_stack_hold) under a handle, taken again when the model holds another
+    of them or the cache another tensor, and let go (bs_decoder_stack_release) then, on release(), and when the
+    stack is dropped."""
 
     def __init__(self, ops: ModuleType, attention: CustomPagedAttention, config: ModelConfig):
         self.ops = ops
@@ -142,12 +138,17 @@ class FusedDecoderStack:
         # reading them (right after a step, a tensor's first .numpy() takes ~0.1 ms: its memory is cold).
         self._unread_clocks: list[paddle.Tensor] = []
 
-    def hold(self, layers: list, key_caches: list, value_caches: list) -> paddle.Tensor:
-        """The handle under which the op holds `layers` and these caches."""
-        held_for = [*layers, *key_caches, *value_caches]
+    def hold(self, model, kv_cache) -> paddle.Tensor:
+        """The handle under which the op holds the model's embedding, layers and final norm and the cache's
+        tensors (model: models/llama.py's LlamaForCausalLM, whose embedding is a PackedEmbedding)."""
+        layers, embedding = model.layers, model.embed_tokens.weight
+        key_caches, value_caches = kv_cache.key_caches, kv_cache.value_caches
+        held_for = [embedding.packed, model.norm, *layers, *key_caches, *value_caches]
         if len(held_for) != len(self._held_for) or any(a is not b for a, b in zip(held_for, self._held_for)):
             self.release()
             self.handle = self.ops.bs_decoder_stack_hold(
+                embedding.packed,
+                model.norm,
                 *layer_inputs(layers),
                 key_caches,
                 value_caches,
@@ -155,6 +156,8 @@ class FusedDecoderStack:
                 self.config.num_heads,
                 self.config.num_kv_heads,
                 self.config.intermediate_size,
+                int(embedding.format),
+                embedding.out_features,
             )
             self._release = weakref.finalize(self, self.ops.bs_decoder_stack_release, self.handle)
             self._release.atexit = False  # at exit the process lets go of everything
@@ -167,18 +170,11 @@ class FusedDecoderStack:
             self._release()
         self._held_for, self.handle, self._release = [], None, None
 
-    def __call__(
-        self,
-        layers: list,
-        hidden,
-        key_caches: list,
-        value_caches: list,
-        metadata: CustomAttentionMetadata | HostAttentionMetadata,
-    ):
+    def __call__(self, model, kv_cache, layout: paddle.Tensor) -> paddle.Tensor:
+        """The final norm's output for the step in `layout` (custom_attention.step_layout)."""
         hidden, stage_seconds = self.ops.bs_decoder_stack(
-            hidden,
-            self.hold(layers, key_caches, value_caches),
-            step_layout(metadata),
+            self.hold(model, kv_cache),
+            layout,
             self.attention.rotary.cos,
             self.attention.rotary.sin,
             self.config.rms_norm_eps,

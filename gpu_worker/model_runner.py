@@ -173,9 +173,7 @@ class ModelRunner:
                     return LaunchedStep(prepared)
             inputs = prepared.inputs
             model_inputs = self.step_inputs.launch(inputs, prepared.attention_metadata, prepared.scheduled)
-            hidden = self.model.forward(
-                model_inputs.input_ids, self.kv_cache, self.attention, model_inputs.attention_metadata
-            )
+            hidden = self.model.forward(model_inputs, self.kv_cache, self.attention)
             for state, num_scheduled in prepared.scheduled:
                 state.num_computed_tokens += num_scheduled
             if not inputs.sampling_requests:
@@ -221,9 +219,9 @@ class ModelRunner:
         return {i: self.refused_requests[i] for i in request_ids if i in self.refused_requests}
 
     def forward(self, inputs: StepInputs) -> paddle.Tensor:
-        """Write the step's KV into the cache; hidden states [tokens, hidden] before the final norm."""
-        metadata = self.attention.prepare(inputs)
-        return self.model.forward(paddle.to_tensor(inputs.input_ids), self.kv_cache, self.attention, metadata)
+        """Write the step's KV into the cache; hidden states [tokens, hidden] after the final norm."""
+        model_inputs = ModelInputs(self.attention.prepare(inputs), host_ids=inputs.input_ids)
+        return self.model.forward(model_inputs, self.kv_cache, self.attention)
 
     def remaining_s(self, launched: LaunchedStep) -> float:
         """How long the device may still compute `launched` (0 on a CPU: the forward has finished when

@@ -1,11 +1,16 @@
-// Every Llama-family decoder layer of a step in one op (bs_decoder_stack). Per layer: residual add + RMSNorm,
-// the fused q|k|v projection, rotary embedding + KV-cache write, paged attention, the o projection, residual
-// add + RMSNorm, gate|up, SiLU-and-multiply and down, through the same kernels as the single ops; at the end
-// the last layer's output plus its residual. A Paddle custom-op call costs ~12 us with a layer's 21 inputs,
+// A Llama-family model's step from token ids to the final norm in one op (bs_decoder_stack): the embedding
+// lookup of the step's ids, then per decoder layer: residual add + RMSNorm, the fused q|k|v projection, rotary
+// embedding + KV-cache write, paged attention, the o projection, residual add + RMSNorm, gate|up,
+// SiLU-and-multiply and down, through the same kernels as the single ops; at the end the final RMSNorm of the
+// last layer's output plus its residual. A Paddle custom-op call costs ~12 us with a layer's 21 inputs,
 // and each of a layer's 11 outputs and intermediates another ~0.6 us to allocate: one call per layer spent
-// ~0.55 ms of a one-sequence decode step (~4 ms) on these. The layers' norms, weights and caches (~250
-// tensors) are checked and held once (bs_decoder_stack_hold, until bs_decoder_stack_release), so that a
-// step's call passes a handle, the step's inputs and nothing per layer.
+// ~0.55 ms of a one-sequence decode step (~4 ms) on these. The embedding, the layers' norms, weights and caches
+// and the final norm (~250 tensors) are checked and held once (bs_decoder_stack_hold, until
+// bs_decoder_stack_release), so that a step's call passes a handle, the step's layout (ids, positions, slots,
+// block tables: one tensor) and nothing per layer. The lookup and the final norm inside the op spare a step
+// three Paddle calls around it (the ids tensor, the embedding and the final norm ops): 0.3-0.4 ms of a
+// one-sequence gguf decode step on a 2-core EPYC, most of it their first touches of memory the weights
+// had just streamed through.
 // With time_stages, the op also clocks each stage of every layer (StageSeconds: seconds per stage, summed over
 // the layers; zeros without it), so that a benchmark sees where the fused step goes.
 #include <chrono>
@@ -21,6 +26,7 @@
 #include "paddle/extension.h"
 #include "paged_attention.h"
 #include "row_ops.h"
+#include "weight_pack.h"
 
 namespace {
 
@@ -53,8 +59,8 @@ void apply(const bs::Isa& isa, const Projection& w, const float* x, int64_t rows
   bs::linear::gemm(isa, w.format, x, rows, w.k, w.packed, w.n, w.bias, y);
 }
 
-// A layer's stages, in StageSeconds' order (the input and post-attention norms are one stage).
-enum Stage { kNorms, kQkv, kRopeWrite, kAttention, kO, kGateUp, kSilu, kDown, kNumStages };
+// A step's stages, in StageSeconds' order (the input, post-attention and final norms are one stage).
+enum Stage { kEmbedding, kNorms, kQkv, kRopeWrite, kAttention, kO, kGateUp, kSilu, kDown, kNumStages };
 
 // Wall time per stage: each lap adds the time since the last to its stage. The stages run one after another on
 // the calling thread (each parallel inside), so the laps are the stages' times. Off: reads no clock.
@@ -89,7 +95,9 @@ struct Layer {
 };
 struct HeldStack {
   std::vector<paddle::Tensor> tensors;
+  Projection embedding;  // the token embedding transposed, [hidden, vocab]: token t's row is column t
   std::vector<Layer> layers;
+  const float* final_norm;
   int64_t width, head_dim, attention_width, qkv_width, intermediate_size;
   int num_heads, num_kv_heads;
 };
@@ -113,11 +121,11 @@ int64_t handle_of(const paddle::Tensor& handle) {
 }
 
 std::vector<paddle::Tensor> HoldDecoderStack(
-    const Tensors& input_norms, const Tensors& post_norms, const Tensors& qkv_weights, const Tensors& o_weights,
+    const paddle::Tensor& embedding, const paddle::Tensor& final_norm, const Tensors& input_norms, const Tensors& post_norms, const Tensors& qkv_weights, const Tensors& o_weights,
     const Tensors& gate_up_weights, const Tensors& down_weights, const OptionalTensors& qkv_biases,
     const OptionalTensors& o_biases, const OptionalTensors& gate_up_biases, const OptionalTensors& down_biases,
     const Tensors& key_caches, const Tensors& value_caches, const std::vector<int>& formats, int num_heads,
-    int num_kv_heads, int64_t intermediate_size) {
+    int num_kv_heads, int64_t intermediate_size, int embedding_format, int64_t vocab_size) {
   const size_t num_layers = input_norms.size();
   PD_CHECK(num_layers > 0, "no layers");
   for (const Tensors* per_layer : std::initializer_list<const Tensors*>{&post_norms, &qkv_weights, &o_weights, &gate_up_weights, &down_weights, &key_caches,
@@ -128,7 +136,8 @@ std::vector<paddle::Tensor> HoldDecoderStack(
     PD_CHECK(!*biases || (*biases)->size() == num_layers, "biases of a projection: one per layer or none");
   }
   PD_CHECK(formats.size() == 4 * num_layers, "one weight format per layer and projection: qkv, o, gate_up, down");
-  PD_CHECK(num_heads > 0 && num_kv_heads > 0 && intermediate_size > 0, "bad head counts or intermediate size");
+  PD_CHECK(num_heads > 0 && num_kv_heads > 0 && intermediate_size > 0 && vocab_size > 0,
+           "bad head counts, intermediate or vocabulary size");
   auto stack = std::make_shared<HeldStack>();
   stack->width = input_norms[0].numel();
   stack->head_dim = key_caches[0].shape().size() == 4 ? key_caches[0].shape()[3] : 0;
@@ -138,6 +147,10 @@ std::vector<paddle::Tensor> HoldDecoderStack(
   stack->num_heads = num_heads;
   stack->num_kv_heads = num_kv_heads;
   const int64_t width = stack->width, head_dim = stack->head_dim;
+  stack->embedding = projection(embedding, OptionalTensors(), 0, embedding_format, width, vocab_size, "the embedding");
+  PD_CHECK(final_norm.dtype() == paddle::DataType::FLOAT32 && final_norm.numel() == width,
+           "the final norm is one float32 weight per hidden feature");
+  stack->final_norm = final_norm.data<float>();
   stack->layers.reserve(num_layers);
   for (size_t l = 0; l < num_layers; ++l) {
     PD_CHECK(input_norms[l].dtype() == paddle::DataType::FLOAT32 && post_norms[l].dtype() == paddle::DataType::FLOAT32 &&
@@ -153,6 +166,7 @@ std::vector<paddle::Tensor> HoldDecoderStack(
          projection(gate_up_weights[l], gate_up_biases, l, formats[4 * l + 2], width, 2 * intermediate_size, "gate_up"),
          projection(down_weights[l], down_biases, l, formats[4 * l + 3], intermediate_size, width, "down"), caches});
   }
+  stack->tensors = {embedding, final_norm};
   for (const Tensors* per_layer : {&input_norms, &post_norms, &qkv_weights, &o_weights, &gate_up_weights, &down_weights,
                                    &key_caches, &value_caches}) {
     stack->tensors.insert(stack->tensors.end(), per_layer->begin(), per_layer->end());
@@ -172,10 +186,9 @@ std::vector<paddle::Tensor> ReleaseDecoderStack(const paddle::Tensor& handle) {
   return {handle_tensor(static_cast<int64_t>(held_stacks.erase(handle_of(handle))))};
 }
 
-std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& hidden, const paddle::Tensor& handle,
-                                         const paddle::Tensor& layout, const paddle::Tensor& cos,
-                                         const paddle::Tensor& sin, float eps, int query_tile, int isa_bits,
-                                         bool time_stages) {
+std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& handle, const paddle::Tensor& layout,
+                                         const paddle::Tensor& cos, const paddle::Tensor& sin, float eps,
+                                         int query_tile, int isa_bits, bool time_stages) {
   std::shared_ptr<HeldStack> stack;  // held for the call, even if released meanwhile
   {
     std::lock_guard<std::mutex> lock(held_mutex);
@@ -185,20 +198,22 @@ std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& hidden, const pad
   }
   const bs::Isa isa = bs::resolve_isa(isa_bits);
   const auto& kernels = bs::kernels_for(isa);
-  PD_CHECK(hidden.is_cpu() && hidden.dtype() == paddle::DataType::FLOAT32 && hidden.shape().size() == 2 &&
-               hidden.shape()[1] == stack->width,
-           "hidden must be a [tokens, hidden size] float32 CPU tensor");
-  const int64_t tokens = hidden.shape()[0], width = stack->width;
   const bs::StepLayout step = bs::step_layout(layout);
-  PD_CHECK(step.tokens.count == tokens, "one position and slot per token");
+  const int64_t tokens = step.tokens.count, width = stack->width;
+  const Projection& embedding = stack->embedding;
+  for (int64_t t = 0; t < tokens; ++t) {
+    PD_CHECK(step.ids[t] >= 0 && step.ids[t] < embedding.n, "token id ", step.ids[t], " outside the vocabulary of ",
+             embedding.n);
+  }
   PD_CHECK(cos.shape()[1] == stack->head_dim && sin.shape() == cos.shape(), "cos/sin must be [positions, head_dim]");
   const int64_t attention_width = stack->attention_width, qkv_width = stack->qkv_width;
   const int64_t intermediate_size = stack->intermediate_size;
   const int num_heads = stack->num_heads;
 
-  const auto place = hidden.place();
+  const auto place = paddle::CPUPlace();
   auto out = paddle::empty({tokens, width}, paddle::DataType::FLOAT32, place);
   std::vector<paddle::Tensor> owned;  // the step's buffers, reused by every layer
+  float* embedded = buffer(owned, tokens, width, place);
   float* normed = buffer(owned, tokens, width, place);
   float* summed = buffer(owned, tokens, width, place);       // the layer's input + residual
   float* post_summed = buffer(owned, tokens, width, place);  // + attention: the residual of the next layer
@@ -214,10 +229,15 @@ std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& hidden, const pad
   const bs::StepTokens& step_tokens = step.tokens;
   const bs::StepRequests& requests = step.requests;
 
+#pragma omp parallel for schedule(static) if (tokens > 16)
+  for (int64_t t = 0; t < tokens; ++t) {
+    bs::linear::unpack_column(embedding.format, embedding.packed, width, step.ids[t], embedded + t * width);
+  }
+  clock.lap(kEmbedding);
   for (size_t l = 0; l < stack->layers.size(); ++l) {
     Layer& layer = stack->layers[l];
     // Layer 0's residual is its input; a later layer's is the one before's post-attention sum.
-    const float* residual = hidden.data<float>();
+    const float* residual = embedded;
     if (l == 0) {
       bs::rms_norm_rows(kernels, residual, nullptr, layer.input_norm, normed, nullptr, tokens, width, eps);
     } else {
@@ -250,20 +270,21 @@ std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& hidden, const pad
     apply(isa, layer.down, activated, tokens, down_out);
     clock.lap(kDown);
   }
-  float* result = out.data<float>();
-  for (int64_t i = 0; i < tokens * width; ++i) result[i] = down_out[i] + post_summed[i];
+  bs::rms_norm_rows(kernels, down_out, post_summed, stack->final_norm, out.data<float>(), summed, tokens, width, eps);
+  clock.lap(kNorms);
   return {out, stage_seconds};
 }
 
 }  // namespace
 
 PD_BUILD_OP(bs_decoder_stack_hold)
-    .Inputs({paddle::Vec("InputNorms"), paddle::Vec("PostNorms"), paddle::Vec("QkvWeights"), paddle::Vec("OWeights"),
+    .Inputs({"Embedding", "FinalNorm", paddle::Vec("InputNorms"), paddle::Vec("PostNorms"), paddle::Vec("QkvWeights"), paddle::Vec("OWeights"),
              paddle::Vec("GateUpWeights"), paddle::Vec("DownWeights"), paddle::Optional(paddle::Vec("QkvBiases")),
              paddle::Optional(paddle::Vec("OBiases")), paddle::Optional(paddle::Vec("GateUpBiases")),
              paddle::Optional(paddle::Vec("DownBiases")), paddle::Vec("KeyCaches"), paddle::Vec("ValueCaches")})
     .Outputs({"Handle"})
-    .Attrs({"formats: std::vector<int>", "num_heads: int", "num_kv_heads: int", "intermediate_size: int64_t"})
+    .Attrs({"formats: std::vector<int>", "num_heads: int", "num_kv_heads: int", "intermediate_size: int64_t",
+            "embedding_format: int", "vocab_size: int64_t"})
     .SetKernelFn(PD_KERNEL(HoldDecoderStack));
 
 PD_BUILD_OP(bs_decoder_stack_release)
@@ -272,7 +293,7 @@ PD_BUILD_OP(bs_decoder_stack_release)
     .SetKernelFn(PD_KERNEL(ReleaseDecoderStack));
 
 PD_BUILD_OP(bs_decoder_stack)
-    .Inputs({"Hidden", "Handle", "StepLayout", "Cos", "Sin"})
+    .Inputs({"Handle", "StepLayout", "Cos", "Sin"})
     .Outputs({"HiddenOut", "StageSeconds"})
     .Attrs({"eps: float", "query_tile: int", "isa: int", "time_stages: bool"})
     .SetKernelFn(PD_KERNEL(DecoderStack));

@@ -179,12 +179,14 @@ StepLayout step_layout(const paddle::Tensor& layout) {
   const int64_t tokens = at[0], requests = at[1], width = at[2];
   PD_CHECK(tokens >= 0 && requests >= 0 && width >= 0 && tokens <= layout.numel() && requests <= layout.numel() &&
                (requests == 0 || width <= layout.numel() / requests) &&
-               layout.numel() == 3 + 2 * tokens + 2 * requests + 1 + requests * width,
+               layout.numel() == 3 + 3 * tokens + 2 * requests + 1 + requests * width,
            "a step layout of ", tokens, " tokens and ", requests, " requests of ", width, " blocks holds ",
            layout.numel(), " numbers");
-  const int64_t* positions = at + 3;
+  const int64_t* ids = at + 3;
+  const int64_t* positions = ids + tokens;
   const int64_t* query_start = positions + 2 * tokens;
-  return {{positions, positions + tokens, tokens},
+  return {ids,
+          {positions, positions + tokens, tokens},
           {query_start, query_start + requests + 1, requests, query_start + 2 * requests + 1, width}};
 }
 

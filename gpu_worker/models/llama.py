@@ -9,15 +9,20 @@ the model's dtype (gpu_worker/device_model.py); every sum is fp32.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import paddle
 
+from gpu_worker.custom_attention import step_layout
 from gpu_worker.kernels import AttentionBackend, Kernels
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.linear import Linear, Weight, embedding_and_lm_head, fused_linear
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.rope import RotaryEmbedding
 from gpu_worker.precision import Precision
+
+if TYPE_CHECKING:
+    from gpu_worker.step_upload import ModelInputs
 
 
 @dataclass(frozen=True)
@@ -90,23 +95,17 @@ class LlamaForCausalLM:
         return self.kernels.add_rms_norm(x, weight, residual, self.config.rms_norm_eps)
 
     @paddle.no_grad()
-    def forward(
-        self,
-        input_ids: paddle.Tensor,
-        kv_cache: KVCache,
-        attention: AttentionBackend,
-        attn_metadata: object,
-    ) -> paddle.Tensor:
-        """Hidden states [tokens, hidden] after the last layer (before the final norm)."""
-        hidden, residual = self.embed_tokens(input_ids), None
+    def forward(self, inputs: ModelInputs, kv_cache: KVCache, attention: AttentionBackend) -> paddle.Tensor:
+        """Hidden states [tokens, hidden] after the last layer and the final norm (compute_logits' input)."""
         fused = self.kernels.fused_stack(attention, self.config)
-        if fused is not None:
-            return fused(self.layers, hidden, kv_cache.key_caches, kv_cache.value_caches, attn_metadata)
+        if fused is not None:  # the embedding lookup, the layers and the final norm in one op
+            return fused(self, kv_cache, step_layout(inputs))
+        hidden, residual = self.embed_tokens(inputs.input_ids), None
         for layer, key_cache, value_cache in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches):
             hidden, residual = self._layer_op_by_op(
-                layer, hidden, residual, key_cache, value_cache, attention, attn_metadata
+                layer, hidden, residual, key_cache, value_cache, attention, inputs.attention_metadata
             )
-        return hidden + residual
+        return self._norm(hidden, self.norm, residual)[0]
 
     def _layer_op_by_op(self, layer: DecoderLayer, hidden, residual, key_cache, value_cache, attention, attn_metadata):
         """One decoder layer op by op: (hidden, residual) after it."""
@@ -119,4 +118,4 @@ class LlamaForCausalLM:
     @paddle.no_grad()
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Logits [rows, vocab] for the given rows of `forward`'s output."""
-        return self.lm_head(self._norm(hidden, self.norm)[0])
+        return self.lm_head(hidden)

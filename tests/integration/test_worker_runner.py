@@ -18,6 +18,7 @@ from gpu_worker.linear import linear
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.precision import Precision
 from gpu_worker.step_inputs import RequestState, build_step_inputs
+from gpu_worker.step_upload import ModelInputs
 from service import wire
 from service.config import load_settings
 from tests.support.accuracy import ENGLISH_TEXT, encode, load_runner, paged_logits
@@ -264,9 +265,9 @@ def test_the_fused_decoder_stack_lets_go_of_what_the_op_holds(smollm_path):
     assert ops.bs_decoder_stack_release(replaced).item() == 0
 
     dropped = FusedDecoderStack(ops, runner.attention, model.config)
-    dropped_handle = dropped.hold(model.layers, runner.kv_cache.key_caches, runner.kv_cache.value_caches)
+    dropped_handle = dropped.hold(model, runner.kv_cache)
     kept = FusedDecoderStack(ops, runner.attention, model.config)
-    kept_handle = kept.hold(model.layers, runner.kv_cache.key_caches, runner.kv_cache.value_caches)
+    kept_handle = kept.hold(model, runner.kv_cache)
     del dropped
     gc.collect()
     assert ops.bs_decoder_stack_release(dropped_handle).item() == 0
@@ -274,10 +275,11 @@ def test_the_fused_decoder_stack_lets_go_of_what_the_op_holds(smollm_path):
 
 
 def test_the_fused_decoder_stack_reads_the_step_from_one_layout_tensor(smollm_path):
-    """On the host the step's positions, slots, query starts, context lengths and block table reach the op as one
-    int64 tensor (one Paddle call per step instead of five). Five tensors (the single ops' metadata) packed into it
-    give the same hidden states to the bit, and a layout whose sizes do not add up, or of another dtype, is a
-    clear error, not a read past its end."""
+    """On the host the step's token ids, positions, slots, query starts, context lengths and block table reach the
+    op as one int64 tensor (one Paddle call per step instead of six), built only when the forward asks for it. The
+    ids tensor and five metadata tensors (the single ops' inputs) packed into it give the same hidden states to the
+    bit; a layout whose sizes do not add up, or of another dtype, or with an id outside the vocabulary, is a clear
+    error, not a read past its end."""
     runner = load_runner(smollm_path, "auto:gguf")
     model, ops = runner.model, runner.model.kernels.ops
     token_ids = encode(runner, ENGLISH_TEXT)
@@ -288,32 +290,37 @@ def test_the_fused_decoder_stack_reads_the_step_from_one_layout_tensor(smollm_pa
     inputs = build_step_inputs([(s, len(s.token_ids)) for s in states], runner.block_size, runner.num_kv_blocks)
     host = runner.attention.prepare(inputs)
     assert isinstance(host, HostAttentionMetadata)
+    from_host = ModelInputs(host, host_ids=inputs.input_ids)
+    from_six = ModelInputs(host.split, uploaded_ids=paddle.to_tensor(inputs.input_ids))
     stack = model.kernels.fused_stack(runner.attention, model.config)
-    hidden = model.embed_tokens(paddle.to_tensor(inputs.input_ids))
-    caches = (runner.kv_cache.key_caches, runner.kv_cache.value_caches)
 
-    from_layout = stack(model.layers, hidden, *caches, host).numpy()
-    from_five = stack(model.layers, hidden, *caches, host.split).numpy()
-
-    np.testing.assert_array_equal(step_layout(host.split).numpy(), host.layout.numpy())
-    np.testing.assert_array_equal(from_five, from_layout)
-    layout = host.layout.numpy()
-    too_many_tokens = layout.copy()
+    from_layout = model.forward(from_host, runner.kv_cache, runner.attention).numpy()
+    assert "input_ids" not in vars(from_host)  # the fused forward made no ids tensor
+    layout = step_layout(from_six).numpy()
+    np.testing.assert_array_equal(layout, host.layout.numpy())
+    np.testing.assert_array_equal(layout[3 : 3 + len(inputs.input_ids)], inputs.input_ids)
+    np.testing.assert_array_equal(stack(model, runner.kv_cache, step_layout(from_six)).numpy(), from_layout)
+    too_many_tokens, unknown_token = layout.copy(), layout.copy()
     too_many_tokens[0] = 2**62
-    for bad in (layout[:-1], np.append(layout, 0), too_many_tokens, layout.astype(np.int32)):
-        with pytest.raises(Exception, match="step layout"):
-            ops.bs_decoder_stack(
-                hidden,
-                stack.handle,
-                paddle.to_tensor(bad),
-                runner.attention.rotary.cos,
-                runner.attention.rotary.sin,
-                model.config.rms_norm_eps,
-                runner.attention.query_tile,
-                runner.attention.isa,
-                False,
-            )
-    np.testing.assert_array_equal(stack(model.layers, hidden, *caches, host).numpy(), from_layout)  # still serving
+    unknown_token[3 + 5] = model.config.vocab_size
+    bad_layouts = {
+        "step layout": (layout[:-1], np.append(layout, 0), too_many_tokens, layout.astype(np.int32)),
+        f"token id {model.config.vocab_size} outside the vocabulary": (unknown_token,),
+    }
+    for error, layouts in bad_layouts.items():
+        for bad in layouts:
+            with pytest.raises(Exception, match=error):
+                ops.bs_decoder_stack(
+                    stack.handle,
+                    paddle.to_tensor(bad),
+                    runner.attention.rotary.cos,
+                    runner.attention.rotary.sin,
+                    model.config.rms_norm_eps,
+                    runner.attention.query_tile,
+                    runner.attention.isa,
+                    False,
+                )
+    np.testing.assert_array_equal(stack(model, runner.kv_cache, host.layout).numpy(), from_layout)  # still serving
 
 
 def test_the_fused_decoder_stack_takes_each_layers_own_weight_formats(smollm_path):

@@ -12,7 +12,6 @@ computes, launch when the step starts, record what it sampled, release a request
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType

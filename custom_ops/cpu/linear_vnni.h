@@ -93,19 +93,31 @@ struct PreparedRows {
 };
 
 // A tile asks for the next panel (`ahead`, or null), each group's bytes as it reaches the same group of its
-// own: the first tile of rows, from kAskingRows rows (asks_ahead), and a 4-bit panel's from one row
+// own: the first tile of rows, from kAskingRows rows (asks_ahead), and a GGUF block panel's from one row
 // (kAsksAhead). A 4-bit panel takes more instructions per byte than the loads alone, so even one row's loop
 // issues its loads too slowly to keep enough misses in flight. Measured on one sequence's decode of the
 // default model (gguf, AMD EPYC Zen 5, 2 threads, the decoder stack timed per GEMM, runs alternated): the 30
 // layers' gate_up 578 us a step without (mean of 8 runs), 481 with (10 runs), down 328 and 296; whole steps
 // moved less than the host's noise. At one row, asking for INT8 and BF16 panels too measured no faster (int8
-// steps 3.63 ms without, 3.69 with; bf16 6.4 and 6.8), and for Q8_0 slower (gguf steps 1.04x, paired).
+// steps 3.63 ms without, 3.69 with; bf16 6.4 and 6.8).
+// Below kAskingRows (a decode of a few sequences streams each panel from memory once a step), the asks are
+// non-temporal (PREFETCHNTA): the panels then pass through the caches without pushing the rest out of the L3,
+// which is what the step's attention (the KV cache) and everything after the lm_head (sampling, Python, the
+// next step's inputs) find there. Q8_0 panels (the default model's tied embedding and lm_head, 29 MiB read last
+// in a step) ask from one row for that: the lm_head itself takes longer (+40-180 us of ~0.75-0.95 ms) but the
+// step less. gguf decode steps of one sequence, AMD EPYC Zen 4 (2 vCPUs, KVM), paired in one process, every
+// step after a 1 GiB read and an untimed step, median pair ratio of 80-200 pairs (asking, non-temporal /
+// before) in 11 runs: 0.864-1.006, median 0.958 (the larger gains when the host's other tenants were quiet;
+// whole runs alternated by process moved less than the host's noise). Q4 asks made non-temporal alone: 0.963,
+// 1.000; Q8_0 asks at locality 2 (no hint): 1.040, as before. Asking non-temporally for BF16 and INT8 panels at one row measured slower (1.111,
+// 1.055): the asks add as many instructions as those loops' loads.
 template <Format kFormat>
-constexpr bool kAsksAhead = kFormat == Format::kQ4_0 || kFormat == Format::kQ4_1;
+constexpr bool kAsksAhead = kFormat == Format::kQ4_0 || kFormat == Format::kQ4_1 || kFormat == Format::kQ8_0;
 
 template <Format kFormat, int kRows>
 static inline __attribute__((flatten)) void tile(const PreparedRows& x, const uint8_t* panel, const float* start,
-                                                 float* y, int64_t ldy, int cols, const uint8_t* ahead) {
+                                                 float* y, int64_t ldy, int cols, const uint8_t* ahead,
+                                                 bool non_temporal) {
   constexpr int kSplit = kRows >= 4 ? 1 : 2;  // a short tile sums even and odd words apart (latency)
   const uint8_t* blocks = panel + geometry(kFormat).header_bytes;
   __m512 acc[kRows];
@@ -119,7 +131,11 @@ static inline __attribute__((flatten)) void tile(const PreparedRows& x, const ui
       constexpr Geometry kGeometry = geometry(kFormat);
       constexpr int64_t kGroupBytes = kGeometry.block_bytes * (kGroup / kGeometry.block_k);  // INT8: 8 blocks
       const uint8_t* group = ahead + kGeometry.header_bytes + g * kGroupBytes;
-      for (int64_t line = 0; line < kGroupBytes; line += 64) __builtin_prefetch(group + line, 0, 2);
+      if (non_temporal) {
+        for (int64_t line = 0; line < kGroupBytes; line += 64) __builtin_prefetch(group + line, 0, 0);
+      } else {
+        for (int64_t line = 0; line < kGroupBytes; line += 64) __builtin_prefetch(group + line, 0, 2);
+      }
     }
     __m512 d, offset;
     Group<kFormat>::words(blocks, g, x.num_words, d, offset, [&](auto w, __m512i weights) {
@@ -181,7 +197,7 @@ static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed,
             const bool asks = (kAsksAhead<kFormat> && r0 == 0) || asks_ahead(m, r0);
             const uint8_t* ahead = asks && p + 1 < panels ? packed + (p + 1) * bytes : nullptr;
             tile<kFormat, decltype(tile_rows)::value>(rows, packed + p * bytes, start, y + r0 * n + p * kPanelWidth, n,
-                                                      cols, ahead);
+                                                      cols, ahead, m < kAskingRows);
           });
         });
       });

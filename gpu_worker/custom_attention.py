@@ -32,9 +32,9 @@ class CustomAttentionMetadata:
 
 class HostAttentionMetadata:
     """A step's attention inputs on the host, made into tensors as the ops ask: bs_decoder_stack takes them and the
-    step's token ids in one int64 tensor (`layout`), the single ops each its own (`split`). A tensor from numpy is a ~15 us Paddle call,
-    and ~60-90 us right after a step of one sequence, whose weights stream through every cache: five of them
-    spent 130-220 us of a 4-5 ms gguf step (AMD EPYC Zen 4, 2 threads)."""
+    step's token ids in one int64 tensor (`layout`), the single ops each its own (`split`). A tensor from numpy is
+    a ~15 us Paddle call, and ~60-90 us right after a step of one sequence, whose weights stream through every
+    cache: five of them spent 130-220 us of a 4-5 ms gguf step (AMD EPYC Zen 4, 2 threads)."""
 
     def __init__(self, inputs: StepInputs):
         self.inputs = inputs

@@ -121,11 +121,12 @@ int64_t handle_of(const paddle::Tensor& handle) {
 }
 
 std::vector<paddle::Tensor> HoldDecoderStack(
-    const paddle::Tensor& embedding, const paddle::Tensor& final_norm, const Tensors& input_norms, const Tensors& post_norms, const Tensors& qkv_weights, const Tensors& o_weights,
-    const Tensors& gate_up_weights, const Tensors& down_weights, const OptionalTensors& qkv_biases,
-    const OptionalTensors& o_biases, const OptionalTensors& gate_up_biases, const OptionalTensors& down_biases,
-    const Tensors& key_caches, const Tensors& value_caches, const std::vector<int>& formats, int num_heads,
-    int num_kv_heads, int64_t intermediate_size, int embedding_format, int64_t vocab_size) {
+    const paddle::Tensor& embedding, const paddle::Tensor& final_norm, const Tensors& input_norms,
+    const Tensors& post_norms, const Tensors& qkv_weights, const Tensors& o_weights, const Tensors& gate_up_weights,
+    const Tensors& down_weights, const OptionalTensors& qkv_biases, const OptionalTensors& o_biases,
+    const OptionalTensors& gate_up_biases, const OptionalTensors& down_biases, const Tensors& key_caches,
+    const Tensors& value_caches, const std::vector<int>& formats, int num_heads, int num_kv_heads,
+    int64_t intermediate_size, int embedding_format, int64_t vocab_size) {
   const size_t num_layers = input_norms.size();
   PD_CHECK(num_layers > 0, "no layers");
   for (const Tensors* per_layer : std::initializer_list<const Tensors*>{&post_norms, &qkv_weights, &o_weights, &gate_up_weights, &down_weights, &key_caches,
@@ -278,10 +279,11 @@ std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& handle, const pad
 }  // namespace
 
 PD_BUILD_OP(bs_decoder_stack_hold)
-    .Inputs({"Embedding", "FinalNorm", paddle::Vec("InputNorms"), paddle::Vec("PostNorms"), paddle::Vec("QkvWeights"), paddle::Vec("OWeights"),
-             paddle::Vec("GateUpWeights"), paddle::Vec("DownWeights"), paddle::Optional(paddle::Vec("QkvBiases")),
-             paddle::Optional(paddle::Vec("OBiases")), paddle::Optional(paddle::Vec("GateUpBiases")),
-             paddle::Optional(paddle::Vec("DownBiases")), paddle::Vec("KeyCaches"), paddle::Vec("ValueCaches")})
+    .Inputs({"Embedding", "FinalNorm", paddle::Vec("InputNorms"), paddle::Vec("PostNorms"), paddle::Vec("QkvWeights"),
+             paddle::Vec("OWeights"), paddle::Vec("GateUpWeights"), paddle::Vec("DownWeights"),
+             paddle::Optional(paddle::Vec("QkvBiases")), paddle::Optional(paddle::Vec("OBiases")),
+             paddle::Optional(paddle::Vec("GateUpBiases")), paddle::Optional(paddle::Vec("DownBiases")),
+             paddle::Vec("KeyCaches"), paddle::Vec("ValueCaches")})
     .Outputs({"Handle"})
     .Attrs({"formats: std::vector<int>", "num_heads: int", "num_kv_heads: int", "intermediate_size: int64_t",
             "embedding_format: int", "vocab_size: int64_t"})

@@ -109,8 +109,8 @@ struct PreparedRows {
 // step after a 1 GiB read and an untimed step, median pair ratio of 80-200 pairs (asking, non-temporal /
 // before) in 11 runs: 0.864-1.006, median 0.958 (the larger gains when the host's other tenants were quiet;
 // whole runs alternated by process moved less than the host's noise). Q4 asks made non-temporal alone: 0.963,
-// 1.000; Q8_0 asks at locality 2 (no hint): 1.040, as before. Asking non-temporally for BF16 and INT8 panels at one row measured slower (1.111,
-// 1.055): the asks add as many instructions as those loops' loads.
+// 1.000; Q8_0 asks at locality 2 (no hint): 1.040, as before. Asking non-temporally for BF16 and INT8 panels at
+// one row measured slower (1.111, 1.055): the asks add as many instructions as those loops' loads.
 template <Format kFormat>
 constexpr bool kAsksAhead = kFormat == Format::kQ4_0 || kFormat == Format::kQ4_1 || kFormat == Format::kQ8_0;
 

@@ -230,10 +230,7 @@ std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& handle, const pad
   const bs::StepTokens& step_tokens = step.tokens;
   const bs::StepRequests& requests = step.requests;
 
-#pragma omp parallel for schedule(static) if (tokens > 16)
-  for (int64_t t = 0; t < tokens; ++t) {
-    bs::linear::unpack_column(embedding.format, embedding.packed, width, step.ids[t], embedded + t * width);
-  }
+  bs::linear::unpack_columns(embedding.format, embedding.packed, width, step.ids, tokens, embedded);
   clock.lap(kEmbedding);
   for (size_t l = 0; l < stack->layers.size(); ++l) {
     Layer& layer = stack->layers[l];

@@ -95,12 +95,7 @@ std::vector<paddle::Tensor> LinearColumns(const paddle::Tensor& packed, const pa
   const int64_t* id = ids.data<int64_t>();
   for (int64_t i = 0; i < count; ++i) PD_CHECK(id[i] >= 0 && id[i] < out_features, "id outside the weight's columns");
   auto out = paddle::empty({count, in_features}, paddle::DataType::FLOAT32, packed.place());
-  const uint8_t* weights = packed.data<uint8_t>();
-  float* rows = out.data<float>();
-#pragma omp parallel for schedule(static) if (count > 16)
-  for (int64_t i = 0; i < count; ++i) {
-    bs::linear::unpack_column(format, weights, in_features, id[i], rows + i * in_features);
-  }
+  bs::linear::unpack_columns(format, packed.data<uint8_t>(), in_features, id, count, out.data<float>());
   return {out};
 }
 

@@ -201,16 +201,12 @@ static inline __attribute__((flatten)) void tile(const float* x, int64_t ldx, co
   }
 }
 
-// GGUF block panels ask for the next panel from one row, non-temporally below kAskingRows, as in linear_vnni.h
-// (whose comment says why). gguf decode steps of one sequence on this code (BLOCKSERVE_CPU_ISA=avx2 and avx512
-// on an AMD EPYC Zen 4, 2 threads), paired in one process as there, median pair ratio asking / before: AVX2
-// 0.970, 0.968, 0.994; AVX-512F 0.983, 0.988.
-template <Format kFormat>
-constexpr bool kAsksFromOneRow = kFormat == Format::kQ4_0 || kFormat == Format::kQ4_1 || kFormat == Format::kQ8_0;
-
 // y[m, n] = x[m, k] @ W (+ bias) with W packed in kFormat. Threads split the weight panels; each panel meets
 // a block of x rows small enough to stay in L2 (block_rows) over the whole depth, so every output tile is
-// summed in registers and written once.
+// summed in registers and written once. GGUF panels ask from one row (kAsksFromOneRow, linear_gemm.h): gguf decode
+// steps of one sequence on this code (BLOCKSERVE_CPU_ISA=avx2 and avx512 on an AMD EPYC Zen 4, 2 threads),
+// paired in one process as in linear_vnni.h, median pair ratio asking / before: AVX2 0.970, 0.968, 0.994;
+// AVX-512F 0.983, 0.988.
 template <Format kFormat>
 static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, const float* bias,
                     float* y) {
@@ -233,7 +229,8 @@ static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed,
           const bool asks = (kAsksFromOneRow<kFormat> && r0 == 0) || asks_ahead(m, r0);
           const uint8_t* ahead = asks && p + 1 < panels ? packed + (p + 1) * bytes : nullptr;
           tile<kFormat, decltype(tile_rows)::value>(x + r0 * k, k, packed + p * bytes, k, start,
-                                                    y + r0 * n + p * kPanelWidth, n, cols, ahead, m < kAskingRows);
+                                                    y + r0 * n + p * kPanelWidth, n, cols, ahead,
+                                                    m < kAskingRows);
         });
       }
     });

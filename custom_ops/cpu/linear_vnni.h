@@ -94,7 +94,7 @@ struct PreparedRows {
 
 // A tile asks for the next panel (`ahead`, or null), each group's bytes as it reaches the same group of its
 // own: the first tile of rows, from kAskingRows rows (asks_ahead), and a GGUF block panel's from one row
-// (kAsksAhead). A 4-bit panel takes more instructions per byte than the loads alone, so even one row's loop
+// (kAsksFromOneRow, linear_gemm.h). A 4-bit panel takes more instructions per byte than the loads alone, so even one row's loop
 // issues its loads too slowly to keep enough misses in flight. Measured on one sequence's decode of the
 // default model (gguf, AMD EPYC Zen 5, 2 threads, the decoder stack timed per GEMM, runs alternated): the 30
 // layers' gate_up 578 us a step without (mean of 8 runs), 481 with (10 runs), down 328 and 296; whole steps
@@ -111,8 +111,6 @@ struct PreparedRows {
 // whole runs alternated by process moved less than the host's noise). Q4 asks made non-temporal alone: 0.963,
 // 1.000; Q8_0 asks at locality 2 (no hint): 1.040, as before. Asking non-temporally for BF16 and INT8 panels at
 // one row measured slower (1.111, 1.055): the asks add as many instructions as those loops' loads.
-template <Format kFormat>
-constexpr bool kAsksAhead = kFormat == Format::kQ4_0 || kFormat == Format::kQ4_1 || kFormat == Format::kQ8_0;
 
 template <Format kFormat, int kRows>
 static inline __attribute__((flatten)) void tile(const PreparedRows& x, const uint8_t* panel, const float* start,
@@ -194,7 +192,7 @@ static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed,
           const PreparedRows rows{words + r0 * num_words, scales + r0 * num_groups, scaled_sums + r0 * num_groups,
                                   num_words, num_groups};
           with_rows<kMaxRows>(count, [&](auto tile_rows) {
-            const bool asks = (kAsksAhead<kFormat> && r0 == 0) || asks_ahead(m, r0);
+            const bool asks = (kAsksFromOneRow<kFormat> && r0 == 0) || asks_ahead(m, r0);
             const uint8_t* ahead = asks && p + 1 < panels ? packed + (p + 1) * bytes : nullptr;
             tile<kFormat, decltype(tile_rows)::value>(rows, packed + p * bytes, start, y + r0 * n + p * kPanelWidth, n,
                                                       cols, ahead, m < kAskingRows);

@@ -186,4 +186,10 @@ void unpack_column(Format format, const uint8_t* packed, int64_t k, int64_t colu
   }
 }
 
+void unpack_columns(Format format, const uint8_t* packed, int64_t k, const int64_t* columns, int64_t count,
+                    float* out) {
+#pragma omp parallel for schedule(static) if (count > 16)
+  for (int64_t i = 0; i < count; ++i) unpack_column(format, packed, k, columns[i], out + i * k);
+}
+
 }  // namespace bs::linear

@@ -23,4 +23,9 @@ int64_t gguf_row_bytes(Format format, int64_t k);
 // out[0..k) = column `column` of W, dequantized.
 void unpack_column(Format format, const uint8_t* packed, int64_t k, int64_t column, float* out);
 
+// out[i * k .. (i + 1) * k) = column columns[i] of W, dequantized, for i < count (an embedding's rows); the
+// columns must be in [0, n).
+void unpack_columns(Format format, const uint8_t* packed, int64_t k, const int64_t* columns, int64_t count,
+                    float* out);
+
 }  // namespace bs::linear

@@ -380,7 +380,7 @@ def print_breakdown(run: PrecisionRun) -> None:
     for case, _, step_s, seconds in run.cases:
         per_step = {part: seconds.get(part, 0.0) for part in PARTS}
         rest = step_s - sum(per_step.values())
-        share = f"{100 * per_step['attention'] / step_s:>12.0f}%" if per_step["attention"] else f"{'-':>13}"
+        share = f"{100 * per_step['attention'] / step_s:>12.1f}%" if per_step["attention"] else f"{'-':>13}"
         print(
             f"{case:<16}" + "".join(f"{per_step[part] * 1e3:>16.1f}" for part in PARTS) + f"{rest * 1e3:>9.1f}{share}"
         )

@@ -233,8 +233,8 @@ std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& handle, const pad
   bs::linear::unpack_columns(embedding.format, embedding.packed, width, step.ids, tokens, embedded);
   clock.lap(kEmbedding);
   // (Asking for a one-sequence decode's cached keys and values when each layer begins, so that its attention
-  // finds them in L2, measured a loss: gguf, 100 pairs in one process, twice: attention 79 and 46 µs less a
-  // step, the asks 111 and 90 µs more; step ratios 1.008 and 1.027.)
+  // finds them in L2, measured a loss: gguf, 100 pairs in one process, twice: attention 79 and 46 us less a
+  // step, the asks 111 and 90 us more; step ratios 1.008 and 1.027.)
   for (size_t l = 0; l < stack->layers.size(); ++l) {
     Layer& layer = stack->layers[l];
     // Layer 0's residual is its input; a later layer's is the one before's post-attention sum.

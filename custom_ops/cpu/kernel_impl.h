@@ -675,7 +675,7 @@ struct SpanPrefetch {
 // the end of the tile at about the pace its keys are used, each span while the span before it computes.
 // A tile of several queries (a prefill's) asks for each later span at once when it begins, as before
 // (spreading them measured no faster there, and the whole-step prefill figures moved the wrong way).
-// The pace matters at 64 decodes (bf16 cache, 30 layers, 2 threads of an AMD EPYC Zen 4; attention stage µs,
+// The pace matters at 64 decodes (bf16 cache, 30 layers, 2 threads of an AMD EPYC Zen 4; attention stage us,
 // paired step by step in one process against this pace): no asks 16145 / 8490; the next tile's first span at
 // once when the tile begins 13500 / 8081; everything at once 14137 / 8519; 2 slots per ask 11475 / 8887, 4 per
 // ask 12189 / 8345; 1 slot every other ask 10117 / 7606; 2 slots every other ask (the same pace) 7531 / 7400.

@@ -221,7 +221,7 @@ void paged_attention(const KernelSet& kernels, const float* query, int64_t num_t
   // slower: 2.3-2.5 ms against 2.1 unsplit for one sequence at 2000 keys, one-head parts 1.7-1.9, both in a
   // version whose later parts asked for the wrong first span; one-head parts after the fix 1.9-2.0. At 128 keys,
   // the decode stack's attention stage over 30 layers, paired step by step in one process against one-head parts:
-  // a part's kv heads in one tile 864 / 591 and 813 / 559 µs (gguf), 894 / 649 (bf16); with one-head parts, the
+  // a part's kv heads in one tile 864 / 591 and 813 / 559 us (gguf), 894 / 649 (bf16); with one-head parts, the
   // tiles' asks made at once when a tile begins 695 / 515, the next tile's at once 633 / 497, none 856 / 555.)
   const int64_t num_threads = omp_get_max_threads();
   const bool few_requests = requests.count < num_threads;

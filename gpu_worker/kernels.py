@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 KERNEL_MODES = ("auto", "custom", "paddle")  # auto = custom where it builds and the device can run it
 REPORTED_CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
-# bs_decoder_stack's stages, in the order of its StageSeconds output.
+# bs_decoder_stack's stages, in the order of its StageSeconds output. In a decode step of at least as many
+# sequences as threads, the attention's tiles rotate and write their own tokens: "attention" holds the rope + KV write.
 STACK_STAGES = ("embedding", "norms", "qkv", "rope + KV write", "attention", "o", "gate_up", "silu", "down")
 
 

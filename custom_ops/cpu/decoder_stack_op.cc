@@ -158,8 +158,10 @@ std::vector<paddle::Tensor> HoldDecoderStack(
                  input_norms[l].numel() == width && post_norms[l].numel() == width,
              "one float32 norm weight per hidden feature");
     const bs::KvCaches caches = bs::kv_caches(key_caches[l], value_caches[l]);
-    PD_CHECK(caches.num_kv_heads == num_kv_heads && caches.head_dim == head_dim,
-             "every layer's caches hold num_kv_heads heads of one head_dim");
+    const bs::KvCaches& first = l == 0 ? caches : stack->layers[0].caches;
+    PD_CHECK(caches.num_kv_heads == num_kv_heads && caches.head_dim == head_dim &&
+                 caches.num_blocks == first.num_blocks && caches.block_size == first.block_size,
+             "every layer's caches hold num_kv_heads heads of one head_dim, in as many blocks of one size");
     stack->layers.push_back(
         {input_norms[l].data<float>(), post_norms[l].data<float>(),
          projection(qkv_weights[l], qkv_biases, l, formats[4 * l + 0], width, stack->qkv_width, "qkv"),
@@ -232,6 +234,14 @@ std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& handle, const pad
 
   bs::linear::unpack_columns(embedding.format, embedding.packed, width, step.ids, tokens, embedded);
   clock.lap(kEmbedding);
+  // The step's tokens and attention tiles, checked and planned once for every layer (their caches have one shape).
+  const bs::KvCaches& shape = stack->layers[0].caches;
+  bs::check_step_tokens(step_tokens, cos.shape()[0], shape.num_blocks * shape.block_size);
+  const bs::AttentionPlan plan = bs::plan_attention(requests, tokens, num_heads, shape, query_tile);
+  // A decode step's tiles rotate and write their own tokens (bs::DecodeRope): its rope + KV write stage is ~0,
+  // the attention stage's time.
+  const bs::DecodeRope decode_rope{&kernels, qkv_out, step_tokens, cos.data<float>(), sin.data<float>(), query};
+  clock.lap(kAttention);
   // (Asking for a one-sequence decode's cached keys and values when each layer begins, so that its attention
   // finds them in L2, measured a loss: gguf, 100 pairs in one process, twice: attention 79 and 46 us less a
   // step, the asks 111 and 90 us more; step ratios 1.008 and 1.027.)
@@ -248,10 +258,12 @@ std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& handle, const pad
     clock.lap(kNorms);
     apply(isa, layer.qkv, normed, tokens, qkv_out);
     clock.lap(kQkv);
-    bs::rope_write_kv(kernels, qkv_out, step_tokens, cos.data<float>(), sin.data<float>(), cos.shape()[0], num_heads,
-                      layer.caches, query);
+    if (!plan.fuses_rope) {
+      bs::rope_write_checked_kv(kernels, qkv_out, step_tokens, cos.data<float>(), sin.data<float>(), num_heads,
+                                layer.caches, query);
+    }
     clock.lap(kRopeWrite);
-    bs::paged_attention(kernels, query, tokens, num_heads, layer.caches, requests, query_tile, attended);
+    bs::paged_attention(kernels, plan, query, layer.caches, requests, attended, plan.fuses_rope ? &decode_rope : nullptr);
     clock.lap(kAttention);
     apply(isa, layer.o, attended, tokens, o_out);
     clock.lap(kO);

@@ -17,50 +17,56 @@ namespace {
 // ahead, 0.85 and 0.84x with 12; whole steps 0.987-0.996x.
 constexpr int64_t kWriteAhead = 4;
 
+// Asks for the cache lines of a slot's K and V (kv_width elements each), to write.
+template <class Cache>
+inline void ask_to_write(const Cache* k_cache, const Cache* v_cache, int64_t slot, int64_t kv_width) {
+  const char* key = reinterpret_cast<const char*>(k_cache + slot * kv_width);
+  const char* value = reinterpret_cast<const char*>(v_cache + slot * kv_width);
+  for (int64_t line = 0; line < kv_width * static_cast<int64_t>(sizeof(Cache)); line += 64) {
+    __builtin_prefetch(key + line, 1, 3);
+    __builtin_prefetch(value + line, 1, 3);
+  }
+}
+
+// One token's rotary embedding and KV write: q_row [heads, head_dim], its K and V at `slot`.
+template <class Cache>
+inline void rope_write_token(const KernelSet& kernels, const float* token, int64_t position, int64_t slot,
+                             const float* cos_table, const float* sin_table, float* q_row, Cache* k_cache,
+                             Cache* v_cache, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t kv_width = num_kv_heads * head_dim;
+  const float *c = cos_table + position * head_dim, *s = sin_table + position * head_dim;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    kernels.rotate_head(token + h * head_dim, c, s, q_row + h * head_dim, head_dim);
+  }
+  const float* key = token + num_heads * head_dim;
+  Cache* key_slot = k_cache + slot * kv_width;
+  Cache* value_slot = v_cache + slot * kv_width;
+  if constexpr (std::is_same_v<Cache, float>) {
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      kernels.rotate_head(key + h * head_dim, c, s, key_slot + h * head_dim, head_dim);
+    }
+    std::copy(key + kv_width, key + 2 * kv_width, value_slot);
+  } else {
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      kernels.rotate_head_bf16(key + h * head_dim, c, s, key_slot + h * head_dim, head_dim);
+    }
+    kernels.store_bf16(key + kv_width, value_slot, kv_width);
+  }
+}
+
 template <class Cache>
 void rope_write(const KernelSet& kernels, const float* src, const StepTokens& tokens, const float* cos_table,
                 const float* sin_table, float* q_out, Cache* k_cache, Cache* v_cache, int64_t num_heads,
                 int64_t num_kv_heads, int64_t head_dim) {
   const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim, kv_width = num_kv_heads * head_dim;
   const int64_t *pos = tokens.positions, *slots = tokens.slots;
-  const int64_t slot_bytes = kv_width * static_cast<int64_t>(sizeof(Cache));
 #pragma omp parallel for schedule(static) if (tokens.count * row >= kParallelFloats)
   for (int64_t t = 0; t < tokens.count; ++t) {
-    if (t + kWriteAhead < tokens.count) {
-      const char* key_ahead = reinterpret_cast<const char*>(k_cache + slots[t + kWriteAhead] * kv_width);
-      const char* value_ahead = reinterpret_cast<const char*>(v_cache + slots[t + kWriteAhead] * kv_width);
-      for (int64_t line = 0; line < slot_bytes; line += 64) {
-        __builtin_prefetch(key_ahead + line, 1, 3);
-        __builtin_prefetch(value_ahead + line, 1, 3);
-      }
-    }
-    const float* token = src + t * row;
-    const float *c = cos_table + pos[t] * head_dim, *s = sin_table + pos[t] * head_dim;
-    for (int64_t h = 0; h < num_heads; ++h) {
-      kernels.rotate_head(token + h * head_dim, c, s, q_out + (t * num_heads + h) * head_dim, head_dim);
-    }
-    const float* key = token + num_heads * head_dim;
-    Cache* key_slot = k_cache + slots[t] * kv_width;
-    Cache* value_slot = v_cache + slots[t] * kv_width;
-    if constexpr (std::is_same_v<Cache, float>) {
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        kernels.rotate_head(key + h * head_dim, c, s, key_slot + h * head_dim, head_dim);
-      }
-      std::copy(key + kv_width, key + 2 * kv_width, value_slot);
-    } else {
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        kernels.rotate_head_bf16(key + h * head_dim, c, s, key_slot + h * head_dim, head_dim);
-      }
-      kernels.store_bf16(key + kv_width, value_slot, kv_width);
-    }
+    if (t + kWriteAhead < tokens.count) ask_to_write(k_cache, v_cache, slots[t + kWriteAhead], kv_width);
+    rope_write_token(kernels, src + t * row, pos[t], slots[t], cos_table, sin_table, q_out + t * num_heads * head_dim,
+                     k_cache, v_cache, num_heads, num_kv_heads, head_dim);
   }
 }
-
-struct TileWork {
-  int64_t request, first_query, num_queries, kv_head, num_kv_heads, cost;
-  int64_t key_begin = 0, key_end = -1;  // key_end -1: all the keys its queries see
-  int64_t partial = -1;                 // a split's offset in the partial results, or -1
-};
 
 // Fewer keys than this per part: a decode's keys are not split (into fewer parts), the merge would cost more.
 constexpr int64_t kMinSplitKeys = 32;
@@ -95,12 +101,6 @@ AttentionTile<Cache> tile_of(const TileWork& item, const float* q, const KvCache
           item.partial >= 0 ? partials + item.partial : nullptr};
 }
 
-// One decode's kv head whose keys `parts` one-head tiles share: part p's results for the head's `group` rows
-// at partials + first + p * group * (head_dim + 2), as attend_tile leaves them.
-struct Split {
-  int64_t request, kv_head, parts, first;
-};
-
 // Each split's rows: the parts' sums of values weighted by exp(part max - max) and divided by the sum so
 // weighted of their softmax sums (every part saw at least one key).
 void merge_splits(const std::vector<Split>& splits, const float* partials, const StepRequests& requests,
@@ -127,11 +127,12 @@ void merge_splits(const std::vector<Split>& splits, const float* partials, const
 }
 
 // Each thread takes the next tile of `work` one ahead of computing it (a shared counter: longest first,
-// the threads end about together), so that its first span is asked for while the tile before computes.
+// the threads end about together), so that its first span is asked for while the tile before computes. With
+// `rope`, a tile first writes its token's q, k and v, and asks for the next tile's slots to write.
 template <class Cache>
 void attend(void (*attend_tile)(const AttentionTile<Cache>&), const std::vector<TileWork>& work, const float* q,
             const KvCaches& caches, const StepRequests& requests, int64_t num_heads, int64_t scratch_floats,
-            float* out, float* partials) {
+            float* out, float* partials, const DecodeRope* rope) {
   const int64_t num_items = static_cast<int64_t>(work.size());
   std::atomic<int64_t> next_item{0};
 #pragma omp parallel if (num_items > 1)
@@ -149,6 +150,17 @@ void attend(void (*attend_tile)(const AttentionTile<Cache>&), const std::vector<
         tile.next = &next_tile;
       }
       tile.first_span_prefetched = prefetched;
+      if (rope != nullptr) {
+        const int64_t t = tile.first_token, head_dim = caches.head_dim, kv_width = caches.num_kv_heads * head_dim;
+        if (following < num_items) {
+          ask_to_write(static_cast<const Cache*>(caches.key), static_cast<const Cache*>(caches.value),
+                       rope->tokens.slots[next_tile.first_token], kv_width);
+        }
+        rope_write_token(*rope->kernels, rope->qkv + t * (num_heads + 2 * caches.num_kv_heads) * head_dim,
+                         rope->tokens.positions[t], rope->tokens.slots[t], rope->cos, rope->sin,
+                         rope->query + t * num_heads * head_dim, static_cast<Cache*>(caches.key),
+                         static_cast<Cache*>(caches.value), num_heads, caches.num_kv_heads, head_dim);
+      }
       attend_tile(tile);
       prefetched = true;
       current = following;
@@ -190,13 +202,15 @@ StepLayout step_layout(const paddle::Tensor& layout) {
           {query_start, query_start + requests + 1, requests, query_start + 2 * requests + 1, width}};
 }
 
-void rope_write_kv(const KernelSet& kernels, const float* qkv, const StepTokens& tokens, const float* cos,
-                   const float* sin, int64_t max_position, int64_t num_heads, KvCaches& caches, float* query) {
-  const int64_t num_slots = caches.num_blocks * caches.block_size;
+void check_step_tokens(const StepTokens& tokens, int64_t max_position, int64_t num_slots) {
   for (int64_t t = 0; t < tokens.count; ++t) {
     PD_CHECK(tokens.positions[t] >= 0 && tokens.positions[t] < max_position, "position outside the rotary table");
     PD_CHECK(tokens.slots[t] >= 0 && tokens.slots[t] < num_slots, "slot outside the cache");
   }
+}
+
+void rope_write_checked_kv(const KernelSet& kernels, const float* qkv, const StepTokens& tokens, const float* cos,
+                           const float* sin, int64_t num_heads, KvCaches& caches, float* query) {
   if (caches.bf16) {
     rope_write(kernels, qkv, tokens, cos, sin, query, static_cast<bf16*>(caches.key), static_cast<bf16*>(caches.value),
                num_heads, caches.num_kv_heads, caches.head_dim);
@@ -206,15 +220,30 @@ void rope_write_kv(const KernelSet& kernels, const float* qkv, const StepTokens&
   }
 }
 
+void rope_write_kv(const KernelSet& kernels, const float* qkv, const StepTokens& tokens, const float* cos,
+                   const float* sin, int64_t max_position, int64_t num_heads, KvCaches& caches, float* query) {
+  check_step_tokens(tokens, max_position, caches.num_blocks * caches.block_size);
+  rope_write_checked_kv(kernels, qkv, tokens, cos, sin, num_heads, caches, query);
+}
+
 void paged_attention(const KernelSet& kernels, const float* query, int64_t num_tokens, int64_t num_heads,
                      const KvCaches& caches, const StepRequests& requests, int query_tile, float* out) {
+  paged_attention(kernels, plan_attention(requests, num_tokens, num_heads, caches, query_tile), query, caches, requests,
+                  out);
+}
+
+AttentionPlan plan_attention(const StepRequests& requests, int64_t num_tokens, int64_t num_heads,
+                             const KvCaches& caches, int query_tile) {
   const int64_t num_kv_heads = caches.num_kv_heads, head_dim = caches.head_dim, block_size = caches.block_size;
   PD_CHECK(num_heads % num_kv_heads == 0 && head_dim % 16 == 0 && query_tile > 0, "unsupported attention shape");
   const int64_t group = num_heads / num_kv_heads, width = requests.table_width;
   const int64_t *starts = requests.query_start, *lens = requests.context_lens, *table = requests.block_table;
-  std::vector<TileWork> work;
-  std::vector<Split> splits;
-  int64_t scratch_floats = 0, num_partial_floats = 0;
+  AttentionPlan plan;
+  plan.num_heads = num_heads;
+  bool all_decodes = true;
+  std::vector<TileWork>& work = plan.work;
+  std::vector<Split>& splits = plan.splits;
+  int64_t &scratch_floats = plan.scratch_floats, &num_partial_floats = plan.num_partial_floats;
   // Fewer requests than threads (a decode of one sequence): a decode's keys are split into parts over the
   // threads, a tile per kv head and part, merged after (flash-decoding); other queries get a tile per kv head.
   // (A part's kv heads in one tile, read slot by slot as a decode tile of many requests reads them, measured
@@ -229,6 +258,7 @@ void paged_attention(const KernelSet& kernels, const float* query, int64_t num_t
   for (int64_t r = 0; r < requests.count; ++r) {
     const int64_t num_queries = starts[r + 1] - starts[r];
     PD_CHECK(num_queries >= 0 && num_queries <= lens[r] && starts[r + 1] <= num_tokens, "bad query_start/context_lens");
+    all_decodes = all_decodes && num_queries == 1;
     PD_CHECK((lens[r] + block_size - 1) / block_size <= width, "block table too narrow for the context");
     for (int64_t b = 0; b < (lens[r] + block_size - 1) / block_size; ++b) {
       PD_CHECK(table[r * width + b] >= 0 && table[r * width + b] < caches.num_blocks, "block id outside the cache");
@@ -262,13 +292,31 @@ void paged_attention(const KernelSet& kernels, const float* query, int64_t num_t
   }
   // Longest tiles first, so the dynamic schedule ends evenly.
   std::stable_sort(work.begin(), work.end(), [](const TileWork& a, const TileWork& b) { return a.cost > b.cost; });
-  std::vector<float> partials(num_partial_floats);
+  plan.fuses_rope = all_decodes && splits.empty();
+  for (const TileWork& item : work) plan.fuses_rope = plan.fuses_rope && item.num_kv_heads == num_kv_heads;
+  plan.block_size = block_size;
+  plan.num_blocks = caches.num_blocks;
+  plan.num_kv_heads = num_kv_heads;
+  plan.head_dim = head_dim;
+  return plan;
+}
+
+void paged_attention(const KernelSet& kernels, const AttentionPlan& plan, const float* query, const KvCaches& caches,
+                     const StepRequests& requests, float* out, const DecodeRope* rope) {
+  PD_CHECK(rope == nullptr || (plan.fuses_rope && rope->query == query),
+           "only a decode step's attention, planned to fuse them, writes its tokens' query and keys");
+  PD_CHECK(caches.num_blocks == plan.num_blocks && caches.block_size == plan.block_size &&
+               caches.num_kv_heads == plan.num_kv_heads && caches.head_dim == plan.head_dim,
+           "the caches are not the ones the attention was planned for");
+  const int64_t num_heads = plan.num_heads, head_dim = caches.head_dim, group = num_heads / caches.num_kv_heads;
+  std::vector<float> partials(plan.num_partial_floats);
   if (caches.bf16) {
-    attend(kernels.attend_tile_bf16, work, query, caches, requests, num_heads, scratch_floats, out, partials.data());
+    attend(kernels.attend_tile_bf16, plan.work, query, caches, requests, num_heads, plan.scratch_floats, out,
+           partials.data(), rope);
   } else {
-    attend(kernels.attend_tile, work, query, caches, requests, num_heads, scratch_floats, out, partials.data());
+    attend(kernels.attend_tile, plan.work, query, caches, requests, num_heads, plan.scratch_floats, out, partials.data(), rope);
   }
-  merge_splits(splits, partials.data(), requests, num_heads, group, head_dim, out);
+  merge_splits(plan.splits, partials.data(), requests, num_heads, group, head_dim, out);
 }
 
 }  // namespace bs

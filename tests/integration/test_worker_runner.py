@@ -218,6 +218,65 @@ def test_the_fused_decoder_stack_computes_exactly_what_its_single_ops_compute(sm
     np.testing.assert_array_equal(fused, single_ops)
 
 
+def batch_step_logits(runner: ModelRunner, scheduled: list[tuple[RequestState, int]]) -> np.ndarray:
+    """Logits of one step of several sequences (each state's next `n` tokens), the states moved past them."""
+    hidden = runner.forward(build_step_inputs(scheduled, runner.block_size, runner.num_kv_blocks))
+    for state, n in scheduled:
+        state.num_computed_tokens += n
+    return runner.model.compute_logits(hidden).numpy()
+
+
+@pytest.mark.parametrize("precision", ["float32:none", "bfloat16:none", "auto:gguf"])
+def test_a_decode_of_many_sequences_writes_its_keys_inside_the_attention_and_computes_what_the_single_ops_do(
+    smollm_path, precision
+):
+    """In a decode step of at least as many sequences as threads, each attention tile rotates its own token's
+    query and key and writes its K and V just before it attends (bs::DecodeRope; the stack's "rope + KV write"
+    stage is left empty): the logits are those of the single ops (rope_write_kv, then the attention) to the bit,
+    and so is every layer's cache. A step of prompts keeps the stage."""
+    runner = load_runner(smollm_path, precision)
+    token_ids = encode(runner, ENGLISH_TEXT)
+    threads = int(os.environ["OMP_NUM_THREADS"])  # tests/conftest.py sets it
+    prompt_lens, decodes = [(9, 17, 30, 41, 3, 25)[i % 6] for i in range(max(6, threads))], 4
+    assert len(token_ids) >= 300 + max(prompt_lens) + decodes
+    blocks_each = -(-(max(prompt_lens) + decodes) // runner.block_size)
+    stack = runner.model.kernels.fused_stack(runner.attention, runner.model.config)
+    stack.time_stages = True
+    caches = runner.kv_cache.key_caches + runner.kv_cache.value_caches
+    rope_stage, attention_stage = STACK_STAGES.index("rope + KV write"), STACK_STAGES.index("attention")
+
+    def run() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The prompts' and decodes' logits, and the decodes' stage seconds (fused) from empty caches."""
+        for cache in caches:
+            cache.zero_()
+        states = [
+            RequestState(
+                f"r{i}",
+                token_ids[i * 60 % 300 : i * 60 % 300 + n + decodes],
+                n,
+                wire.SamplingParams(),
+                list(range(i * blocks_each, (i + 1) * blocks_each)),
+                0,
+            )
+            for i, n in enumerate(prompt_lens)
+        ]
+        logits = [batch_step_logits(runner, [(s, s.num_prompt_tokens) for s in states])]
+        after_prompts = stack.stage_seconds.copy()
+        logits += [batch_step_logits(runner, [(s, 1) for s in states]) for _ in range(decodes)]
+        return np.concatenate(logits), after_prompts, stack.stage_seconds - after_prompts
+
+    fused, prompt_seconds, decode_seconds = run()
+    fused_caches = [c.numpy().copy() for c in caches]
+    runner.model.kernels.fuse_layers = False
+    single_ops, _, _ = run()
+
+    assert prompt_seconds[rope_stage] > 0.01 * prompt_seconds[attention_stage]  # prompts: a stage of its own
+    assert decode_seconds[rope_stage] < 0.01 * decode_seconds[attention_stage]  # decodes: inside the attention
+    np.testing.assert_array_equal(fused, single_ops)
+    for fused_cache, single_ops_cache in zip(fused_caches, caches, strict=True):
+        np.testing.assert_array_equal(fused_cache, single_ops_cache.numpy())
+
+
 def test_the_fused_decoder_stack_clocks_its_stages_only_when_asked_and_computes_the_same(smollm_path):
     """time_stages (bench_worker's breakdown of the fused step) adds each stage's wall time and changes nothing
     it computes; off (the service), nothing is added."""

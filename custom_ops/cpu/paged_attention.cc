@@ -128,7 +128,9 @@ void merge_splits(const std::vector<Split>& splits, const float* partials, const
 
 // Each thread takes the next tile of `work` one ahead of computing it (a shared counter: longest first,
 // the threads end about together), so that its first span is asked for while the tile before computes. With
-// `rope`, a tile first writes its token's q, k and v, and asks for the next tile's slots to write.
+// `rope`, a tile first writes its token's q, k and v, and asks for the next tile's slots to write. (Each thread
+// taking every n-th tile instead, with no shared counter, measured no faster at 64 decodes: bf16 attention 1.034
+// and 0.995 of the counter's, steps paired in one process.)
 template <class Cache>
 void attend(void (*attend_tile)(const AttentionTile<Cache>&), const std::vector<TileWork>& work, const float* q,
             const KvCaches& caches, const StepRequests& requests, int64_t num_heads, int64_t scratch_floats,

@@ -109,9 +109,9 @@ struct DecodeRope {
 };
 
 // out [tokens, heads * head_dim] = causal attention of query [tokens, heads, head_dim] over each request's
-// cache blocks, by `plan` (made for caches of this shape); with `rope` (a plan that fuses_rope), each tile
-// first writes its token's q, k and v. The overload plans the call itself: `query_tile` queries of a request
-// share one pass over its keys.
+// cache blocks, by `plan` (made for these requests and caches of this shape); with `rope` (a plan that
+// fuses_rope), each tile first writes its token's q, k and v. The overload plans the call itself: `query_tile`
+// queries of a request share one pass over its keys.
 void paged_attention(const KernelSet& kernels, const AttentionPlan& plan, const float* query, const KvCaches& caches,
                      const StepRequests& requests, float* out, const DecodeRope* rope = nullptr);
 void paged_attention(const KernelSet& kernels, const float* query, int64_t num_tokens, int64_t num_heads,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from gpu_worker.cpu_memory import release_freed_memory, resident_anonymous_bytes
 from gpu_worker.gguf_checkpoint import GGUFCheckpoint
+from gpu_worker.huge_pages import move_into_one_buffer
 from gpu_worker.kernels import Kernels
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.llama import LlamaForCausalLM
@@ -65,9 +66,10 @@ def model_info(checkpoint: Checkpoint, settings: Settings) -> wire.ModelInfo:
     )
 
 
-def load_model(settings: Settings, kernels: Kernels, precision: Precision) -> LoadedModel:
-    """Read `settings.model_path()` (BLOCKSERVE_MODEL) into Paddle tensors in `precision`; logs the time it
-    took and the memory the weights take."""
+def load_model(settings: Settings, kernels: Kernels, precision: Precision, one_buffer: bool = False) -> LoadedModel:
+    """Read `settings.model_path()` (BLOCKSERVE_MODEL) into Paddle tensors in `precision`, with `one_buffer` all of
+    them in one buffer that begins on a 2 MiB boundary (huge_pages.move_into_one_buffer: the worker on a CPU, for
+    2 MiB pages); logs the time it took and the memory the weights take."""
     started = time.perf_counter()
     resident_before = resident_anonymous_bytes()
     checkpoint = open_checkpoint(settings.model_path())
@@ -77,7 +79,10 @@ def load_model(settings: Settings, kernels: Kernels, precision: Precision) -> Lo
     weights = read_weights(checkpoint, keep_gguf_blocks=precision.quantization == "gguf")
     model = LlamaForCausalLM(checkpoint.config, weights, info.max_model_len, kernels, precision)
     del weights
-    release_freed_memory()  # the fp32 (or block) copies read from the file, packed and dropped by now
+    if one_buffer:
+        move_into_one_buffer(model.weight_tensors())
+    release_freed_memory()  # the fp32 (or block) copies read from the file, packed and dropped by now, and the
+    # tensors' memory before they moved into one buffer
     resident_after = resident_anonymous_bytes()
     loaded = LoadedModel(
         model=model,

@@ -72,7 +72,10 @@ class ModelRunner:
             precision.reason,
         )
         with on_host():  # on a GPU the weights are read in host memory and moved once, cast to the dtype
-            loaded = load_model(settings, choice.kernels, precision)
+            # On a CPU with huge pages, the weights in one buffer, so that all of them move into 2 MiB pages.
+            loaded = load_model(
+                settings, choice.kernels, precision, one_buffer=self.device == "cpu" and settings.huge_pages
+            )
         if self.device != "cpu":
             move_model(loaded.model, self.device, precision.dtype)
         weight_bytes = loaded.model.weight_bytes()  # after the move: on a GPU in the precision's dtype

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 
 import numpy as np
 import paddle
 import pytest
 
 from gpu_worker.cpu_memory import resident_anonymous_bytes
-from gpu_worker.huge_pages import HUGE_PAGE_BYTES, aligned_runs, collapse
+from gpu_worker.huge_pages import HUGE_PAGE_BYTES, TENSOR_ALIGNMENT, aligned_runs, collapse, move_into_one_buffer
+from gpu_worker.model_runner import ModelRunner
+from service.config import load_settings
 
 
 def mappings_overlapping(start: int, end: int, fields: tuple[str, ...]) -> list[tuple[str, dict[str, str]]]:
@@ -108,3 +111,42 @@ def test_collapse_of_nothing_moves_nothing():
     small = paddle.zeros([1000], dtype="float32")
     moved = collapse([small])
     assert (moved.tensor_bytes, moved.collapsed_bytes, moved.refused) == (4000, 0, "")
+
+
+def test_tensors_moved_into_one_buffer_keep_their_values_and_lie_one_after_another_from_a_2_mib_boundary():
+    tensors = [
+        paddle.arange(3 << 18, dtype="float32").reshape([3, 1 << 18]),  # 3 MiB
+        paddle.to_tensor(np.arange(1234567, dtype=np.uint64).astype(np.uint8)),
+        paddle.linspace(-2.0, 2.0, 5 * 333).astype("bfloat16").reshape([5, 333]),
+        paddle.arange(7, dtype="int64") * (1 << 40),
+    ]
+    expected = [tensor.astype("float64").numpy() for tensor in tensors]
+    shapes = [tensor.shape for tensor in tensors]
+
+    buffer = move_into_one_buffer(tensors + tensors[:1])  # one named twice is moved once
+
+    assert [tensor.shape for tensor in tensors] == shapes
+    assert all(np.array_equal(tensor.astype("float64").numpy(), want) for tensor, want in zip(tensors, expected))
+    start, end = buffer.data_ptr(), buffer.data_ptr() + int(buffer.numel())
+    placed = spans(tensors)
+    assert placed[0][0] % HUGE_PAGE_BYTES == 0 and all(start <= low and high <= end for low, high in placed)
+    for (_, high), (low, _) in zip(placed, placed[1:]):  # in order, each at the next aligned byte
+        assert low % TENSOR_ALIGNMENT == 0 and 0 <= low - high < TENSOR_ALIGNMENT
+    assert aligned_runs(placed) == [(placed[0][0], placed[-1][1] // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)]
+    tensors[1].fill_(9)  # the tensor is its place in the buffer, not a copy of it
+    offset = placed[1][0] - start
+    assert np.all(buffer[offset : offset + 1234567].numpy() == 9) and float(tensors[0][2, 5]) == (2 << 18) + 5
+    assert move_into_one_buffer([]) is None
+
+
+def test_a_worker_on_a_cpu_holds_all_its_weights_in_one_run_of_2_mib_pages(smollm_path):
+    runner = ModelRunner(load_settings(model=os.fspath(smollm_path), num_kv_blocks=16, dtype="bfloat16"))
+    weights = runner.model.weight_tensors()
+    weight_bytes = sum(int(tensor.numel()) * tensor.element_size() for tensor in weights)
+
+    (run,) = aligned_runs(spans(weights))
+
+    assert run[1] - run[0] > weight_bytes - HUGE_PAGE_BYTES  # all but the part of a page after the last
+    if float(runner.kernels["huge_pages_mib"]) == 0:
+        pytest.skip("this kernel keeps 4 KiB pages here (the worker's log says why)")
+    assert huge_bytes_in(*run) >= run[1] - run[0], mappings_of(*run)

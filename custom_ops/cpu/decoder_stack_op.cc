@@ -245,6 +245,11 @@ std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& handle, const pad
   // (Asking for a one-sequence decode's cached keys and values when each layer begins, so that its attention
   // finds them in L2, measured a loss: gguf, 100 pairs in one process, twice: attention 79 and 46 us less a
   // step, the asks 111 and 90 us more; step ratios 1.008 and 1.027.)
+  // (Nor do the GEMMs of a layer ask for the next layer's keys and values so that its attention finds them in L3:
+  // at 64 decodes in bf16, asked by the o, gate_up and down tiles (steps paired in one process), ~184 lines after
+  // each register tile gave attention 0.67x but o and gate_up 1.25-1.3x, steps 1.046 (1.08-1.13 with other
+  // prefetch hints); one line per step over k inside the tiles, attention 0.98-0.99x, steps 1.011 and 1.088. A
+  // thread asking for lines that miss waits on the misses it may have outstanding, GEMM or attention alike.)
   for (size_t l = 0; l < stack->layers.size(); ++l) {
     Layer& layer = stack->layers[l];
     // Layer 0's residual is its input; a later layer's is the one before's post-attention sum.

@@ -614,6 +614,9 @@ void values_span_by_slot(const AttentionTile<bf16>& t, const HeadRows* heads, co
 
 // Asks for the cache lines of keys [cursor, end_key) of a tile (keys and values of the tile's kv heads,
 // adjacent in each slot), a few slots at a time: `step` slots per ask, from where the last ask stopped.
+// Every line, keys into L2 (or L1 just before they are scored) and values into L2: at 64 decodes in bf16 (attention
+// stage, paired in one process) asking every other line measured 1.52x, both into L1 1.50x, both with the T2
+// hint 1.08x, both non-temporal 1.58x.
 template <class Cache>
 struct SpanPrefetch {
   const AttentionTile<Cache>* tile = nullptr;

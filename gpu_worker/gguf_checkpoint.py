@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from gpu_worker.gguf_header_check import read_gguf
 from gpu_worker.model_config import ModelConfig, config_from_gguf
 from gpu_worker.tokenizer import TokenizerInfo, tokenizer_from_gguf
 from gpu_worker.weight_format import GgufBlocks, served_blocks
@@ -57,7 +57,7 @@ class GGUFCheckpoint:
 
     def __init__(self, path: Path):
         self.path = path
-        self._reader = GGUFReader(path)
+        self._reader = read_gguf(path)
         self.metadata = {key: field.contents() for key, field in self._reader.fields.items()}
         self.config: ModelConfig = config_from_gguf(self.metadata, {t.name for t in self._reader.tensors})
         self.tokenizer: TokenizerInfo = tokenizer_from_gguf(self.metadata)

@@ -17,6 +17,7 @@ class SchedulerCounters:
     prefix_cache_queries: int = 0  # prompt tokens looked up at first admission
     prefix_cache_hits: int = 0  # of those, tokens served from the cache
     num_wasted_decode_slots: int = 0  # tokens computed for requests that had ended while their step ran
+    num_step_cost_errors: int = 0  # the step cost model failed to learn or to size a chunk (scheduling went on)
     finished_by_reason: Counter = field(default_factory=Counter)
 
     def record_finish(self, request: Request) -> None:

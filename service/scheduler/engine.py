@@ -62,7 +62,8 @@ class EngineLoop:
             return None
         return self.scheduler.update(self.in_flight.popleft(), result, now)
 
-    def fail(self, message: str, now: float) -> StepOutcome:
-        """The worker is gone: nothing in flight will return; every request ends with `message`."""
+    def fail(self, message: str, now: float, error_status: int = 503) -> StepOutcome:
+        """Every request ends with `message`; what is in flight is forgotten (the worker is gone, or its
+        results can no longer be applied)."""
         self.in_flight.clear()
-        return self.scheduler.fail_all(message, now)
+        return self.scheduler.fail_all(message, now, error_status)

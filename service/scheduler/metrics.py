@@ -124,7 +124,7 @@ class _LiveCollector(Collector):
             "tokens read.",
             labels=["model_name", "term"],
         )
-        coefficients = scheduler.step_cost.coefficients() if scheduler else dict.fromkeys(STEP_COST_TERMS, 0.0)
+        coefficients = scheduler.step_cost.fitted() if scheduler else dict.fromkeys(STEP_COST_TERMS, 0.0)
         for term, seconds in coefficients.items():
             cost.add_metric([model, term], seconds)
         yield cost
@@ -132,6 +132,11 @@ class _LiveCollector(Collector):
             "blockserve_wasted_decode_slots",
             "Tokens computed for requests that had ended (stop token, abort) while their step was in flight.",
             counters.num_wasted_decode_slots,
+        )
+        yield counter(
+            "blockserve_step_cost_errors",
+            "Failures of the step cost model (learning, or sizing a prompt chunk); scheduling went on without it.",
+            counters.num_step_cost_errors,
         )
         finished = CounterMetricFamily(
             "blockserve_requests_finished", "Finished requests by reason.", labels=["model_name", "reason"]
@@ -257,6 +262,15 @@ class SchedulerMetrics:
             registry=self.registry,
         )
         self.step_loop_seconds = {part: step_loop.labels(part) for part in STEP_LOOP_PARTS}
+        step_loop_errors = Counter(
+            "blockserve_step_loop_errors",
+            "Unexpected errors inside the step loop, by part: schedule (deciding a step) or update (taking a "
+            "result), each of which ended the requests of that moment with an error; metrics (observing "
+            "latencies), which lost those observations. The scheduler served on.",
+            ["part"],
+            registry=self.registry,
+        )
+        self.step_loop_errors = {part: step_loop_errors.labels(part) for part in ("schedule", "update", "metrics")}
 
     def add_settings_info(self, info: dict[str, str]) -> None:
         """More labels of blockserve_settings_info, e.g. what the registered worker computes with."""

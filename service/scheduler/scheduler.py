@@ -13,6 +13,7 @@ flight computes it has that token discarded (a wasted decode slot, counted).
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
@@ -30,7 +31,10 @@ from service.scheduler.request import FinishReason, Request, RequestStatus
 from service.scheduler.step_cost import StepCostModel
 from service.scheduler.waiting_queue import PriorityWaitingQueue, priority_key
 
+log = logging.getLogger(__name__)
+
 _num_computed_tokens = attrgetter("num_computed_tokens")
+COLD_CHUNK_TOKENS = 128  # a prompt chunk before any step was timed: small enough to cost little anywhere
 
 
 class RequestRejected(ValueError):
@@ -263,10 +267,27 @@ class Scheduler:
         Without decodes the whole target goes to prompts, but no more: a request that arrives meanwhile
         waits for at most one such step, never for a token budget's worth (seconds on a small CPU)."""
         budget, target = self.config.max_num_batched_tokens, self.config.target_itl_s
-        if target is None or not self.step_cost.ready:
+        if target is None:
             return budget
-        fitting = self.step_cost.prefill_tokens_within(target, *self._load)
+        if not self.step_cost.num_observations:  # a cold start: time a small chunk first
+            return min(budget, max(self.config.block_size, COLD_CHUNK_TOKENS))
+        try:
+            fitting = self.step_cost.prefill_tokens_within(target, *self._load)
+        except Exception:
+            self._step_cost_failed("sizing a prompt chunk")
+            return self.prefill_budget  # the latest step's: the best the model said
         return min(budget, max(self.config.block_size, fitting))
+
+    def _learn_step_cost(self, cost_terms: tuple[int, int, int], seconds: float) -> None:
+        try:
+            self.step_cost.observe(*cost_terms, seconds)
+        except Exception:
+            self._step_cost_failed("learning from a step")
+
+    def _step_cost_failed(self, doing: str) -> None:
+        """The step cost only sizes prompt chunks: its failure is counted and logged, never a stop."""
+        self.counters.num_step_cost_errors += 1
+        log.exception("the step cost model failed %s; scheduling goes on", doing)
 
     def _victim_for_a_better_priority(self) -> Request | None:
         """A running request that gives way to the best waiting request, which lacks a seat or blocks:
@@ -286,7 +307,7 @@ class Scheduler:
         outcome = StepOutcome()
         step_id, voided = step.step_id, self._voided_until
         if result.compute_s > 0 and self.config.target_itl_s is not None:
-            self.step_cost.observe(*step.cost_terms, result.compute_s)
+            self._learn_step_cost(step.cost_terms, result.compute_s)
         if result.error is not None:
             for request in step.requests:
                 if not request.is_finished and voided.get(request, 0) < step_id:

@@ -145,7 +145,8 @@ class SchedulerServer:
         self._take_frames()
         now = time.monotonic()
         self._check_worker(now)
-        self._maybe_step(now)
+        if (failure := self._maybe_step(now)) is not None:
+            self._deliver(failure)
         if self.draining:
             self.drain_deadline = self.drain_deadline or now + self.settings.drain_timeout_s
             if self.num_requests == 0 or now >= self.drain_deadline:
@@ -299,7 +300,11 @@ class SchedulerServer:
                 batches.setdefault(replica, wire.DeltaBatch()).report = report
         for owner, batch in batches.items():
             self._send(self.api_socket, owner, batch)
-        self.metrics.on_outcome(outcome)
+        try:
+            self.metrics.on_outcome(outcome)
+        except Exception:  # a latency lost from the metrics must not lose the deltas that follow
+            self.metrics.step_loop_errors["metrics"].inc()
+            log.exception("observing a step's latencies failed")
         self.metrics.step_loop_seconds["fanout"].inc(time.perf_counter() - started)
 
     def _keep_cache_events(self, outcome: StepOutcome) -> None:
@@ -401,20 +406,40 @@ class SchedulerServer:
     def _on_step_result(self, result: wire.StepResult) -> None:
         now = time.monotonic()
         started = time.perf_counter()
-        outcome = self.engine.complete(result, now) if self.engine else None
+        try:
+            outcome = self.engine.complete(result, now) if self.engine else None
+        except Exception:
+            self._deliver(self._step_loop_failed("update"))
+            return
         self.metrics.step_loop_seconds["update"].inc(time.perf_counter() - started)
         if outcome is None:
             raise DroppedFrame("unexpected", f"a result for step {result.step_id}, which is not the oldest in flight")
         self._keep_cache_events(outcome)
         self.step_ended_at.append(now)
         self.metrics.on_step(now - self.step_sent_at.pop(result.step_id))
-        self._maybe_step(now)  # the next step first: the worker must not wait for the fan-out
+        failure = self._maybe_step(now)  # the next step first: the worker must not wait for the fan-out
         self._deliver(outcome)
+        if failure is not None:  # its closing deltas follow the tokens the step gave
+            self._deliver(failure)
 
-    def _maybe_step(self, now: float) -> None:
-        """Schedule and send steps while the engine loop allows (serial: one in flight; overlapped: two)."""
+    def _maybe_step(self, now: float) -> StepOutcome | None:
+        """Schedule and send steps while the engine loop allows (serial: one in flight; overlapped: two).
+        Returns what a failure of the core ended, for the caller to deliver after what it holds."""
         if self.worker_id is not None and self.engine is not None:
-            self.engine.run(now, self._send_step)
+            try:
+                self.engine.run(now, self._send_step)
+            except Exception:
+                return self._step_loop_failed("schedule")
+        return None
+
+    def _step_loop_failed(self, part: str) -> StepOutcome:
+        """An unexpected error inside the scheduler core: its requests' state can no longer be trusted, so
+        each ends with an error (500, blocks freed, the worker told) and the loop serves on. Exiting would
+        fail them all the same, and a restart would forget what the table has learned."""
+        self.metrics.step_loop_errors[part].inc()
+        log.exception("the scheduler core failed (%s): ending its %d requests", part, self.num_requests)
+        self.step_sent_at.clear()
+        return self.engine.fail("internal error in the scheduler", time.monotonic(), error_status=500)
 
     def _send_step(self, step: ScheduledStep) -> None:
         self.metrics.step_loop_seconds["schedule"].inc(step.schedule_s)

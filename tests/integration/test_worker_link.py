@@ -16,10 +16,9 @@ from service.scheduler.fake_worker import FakeWorker
 from service.scheduler.server import SchedulerServer
 from tests.support.api_peer import ApiPeer
 from tests.support.processes import loopback_env, metric_samples, start, stop_all
+from tests.support.scripted_worker import BLOCK_SIZE, NUM_BLOCKS, ScriptedWorker
 from tests.support.tiny_model import tiny_model_info
 
-NUM_BLOCKS = 24
-BLOCK_SIZE = 4
 MAX_OUTPUT_TOKENS = 90  # 3 prompt tokens + 90 fit the 24 blocks of 4 and the tiny model's context
 
 
@@ -30,65 +29,6 @@ def link_env(**overrides: str) -> dict[str, str]:
         "BLOCKSERVE_WORKER_TIMEOUT_S": "10",  # the scripted worker answers pings only between its waits
     }
     return loopback_env(**{**defaults, **overrides})
-
-
-class ScriptedWorker:
-    """A worker played from the test: says hello when told, answers steps (FakeWorker) and pings."""
-
-    def __init__(self, addr: str, context: zmq.Context | None = None):
-        self.owns_context = context is None
-        self.context = context or zmq.Context()
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IDENTITY, b"worker-scripted")
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(addr)
-        self.fake = FakeWorker(NUM_BLOCKS, BLOCK_SIZE, tiny_model_info().vocab_size)
-        self.num_steps = 0
-
-    def hello(self) -> None:
-        hello = wire.WorkerHello(
-            worker_id="worker-scripted", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, model=tiny_model_info()
-        )
-        self.socket.send(wire.encode(hello))
-
-    def answer(self) -> bool:
-        """Answer every frame that has come; False, so it can sit in a wait_until condition."""
-        while self.socket.poll(0):
-            message = wire.decode(self.socket.recv())
-            if isinstance(message, wire.Ping):
-                self.socket.send(wire.encode(wire.Pong()))
-            elif isinstance(message, wire.SchedulerOutput):
-                result = self.fake.execute(message)
-                if not message.is_empty:
-                    self.socket.send(wire.encode(result))
-                    self.num_steps += 1
-        return False
-
-    def hold(self, num_steps: int, timeout_s: float = 5) -> list[wire.SchedulerOutput]:
-        """Receive (answering pings) until `num_steps` steps wait here unanswered."""
-        held: list[wire.SchedulerOutput] = []
-        deadline = time.monotonic() + timeout_s
-        while len(held) < num_steps:
-            assert self.socket.poll(max(1, int((deadline - time.monotonic()) * 1000))), f"{len(held)} steps came"
-            message = wire.decode(self.socket.recv())
-            if isinstance(message, wire.Ping):
-                self.socket.send(wire.encode(wire.Pong()))
-            elif isinstance(message, wire.SchedulerOutput):
-                if message.is_empty:
-                    self.fake.execute(message)  # state to drop; no answer expected
-                else:
-                    held.append(message)
-        return held
-
-    def send_result(self, step: wire.SchedulerOutput) -> None:
-        self.socket.send(wire.encode(self.fake.execute(step)))
-        self.num_steps += 1
-
-    def close(self) -> None:
-        if self.owns_context:
-            self.context.destroy(linger=0)
-        else:
-            self.socket.close(linger=0)
 
 
 @pytest.fixture

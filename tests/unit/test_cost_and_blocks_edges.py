@@ -4,9 +4,12 @@ pool sizes are refused, and which waiting requests one admission round takes."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from service import wire
 from service.scheduler.admission import ReserveAdmission
@@ -57,13 +60,68 @@ def test_the_first_observed_step_is_fitted_at_once():
 
 def test_the_coefficients_are_refitted_once_every_refit_every_observations():
     model = StepCostModel()
-    model.observe(2, 10, 1_000, 0.05)
+    for _ in range(MIN_OBSERVATIONS):
+        model.observe(2, 10, 1_000, 0.05)
     first = model.coefficients()
     for _ in range(REFIT_EVERY - 1):
         model.observe(8, 100, 9_000, 0.5)
     assert model.coefficients() == first  # seven new steps: the fit stands
     model.observe(8, 100, 9_000, 0.5)
     assert model.coefficients() != first  # the eighth: refitted
+
+
+def test_an_untrusted_model_charges_every_second_it_saw_to_the_tokens():
+    """Before the eighth step a chunk the size of those timed is never underpriced: a 100-token step of
+    10 ms fixed + 2 ms a token is charged 2.1 ms a token, so 0.21 s buys 100 tokens, not the 100 + 5 that
+    the device would really compute."""
+    model = StepCostModel()
+    model.observe(1, 100, 5_000, FIXED + PER_TOKEN * 100)
+    assert not model.ready
+    assert model.coefficients() == {"fixed": 0.0, "per_request": 0.0, "per_token": pytest.approx(0.0021),
+                                    "per_context_kilotoken": 0.0}  # fmt: skip
+    assert model.prefill_tokens_within(0.21 + 1e-9, num_decodes=0, decode_attended=0, prefill_context=0) == 100
+
+
+def test_as_many_requests_as_tokens_in_every_step_is_fitted_without_error():
+    """`n: 64` of a one-token prompt: the requests and tokens columns are equal in every step, and the
+    entries grow past 10^4 (a fixed ridge of 1e-12 was lost to rounding and the solve raised)."""
+    model = StepCostModel()
+    for step in range(40):
+        model.observe(64, 64, 64 * (step + 1), 0.02 + 0.001 * 64)
+        coefficients = model.coefficients()
+    predicted = coefficients["fixed"] + 64 * (coefficients["per_request"] + coefficients["per_token"])
+    assert predicted == pytest.approx(0.084, rel=1e-3)
+
+
+step_mixes = st.lists(
+    st.tuples(
+        st.integers(1, 1024),  # requests
+        st.sampled_from([None, 0]) | st.integers(1, 16_384),  # tokens: as many as requests (None), or any
+        st.integers(0, 10**8),  # cached tokens read
+        st.floats(0, 60),  # seconds
+    ),
+    min_size=1,
+    max_size=3 * REFIT_EVERY,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(step_mixes)
+def test_any_mix_of_steps_fits_to_finite_non_negative_coefficients(steps):
+    model = StepCostModel()
+    for num_requests, num_tokens, attended, seconds in steps:
+        model.observe(num_requests, num_requests if num_tokens is None else num_tokens, attended, seconds)
+        coefficients = model.coefficients()
+        assert all(math.isfinite(value) and value >= 0 for value in coefficients.values()), coefficients
+        assert model.prefill_tokens_within(0.5, num_decodes=8, decode_attended=4_000, prefill_context=100) >= 0
+
+
+@pytest.mark.parametrize("seconds", [math.nan, math.inf, -0.1])
+def test_a_step_time_that_is_not_a_duration_is_refused(seconds):
+    model = StepCostModel()
+    with pytest.raises(ValueError, match="a step cannot take"):
+        model.observe(1, 1, 0, seconds)
+    assert model.num_observations == 0
 
 
 def test_the_cost_of_attended_context_is_learned_per_thousand_tokens():

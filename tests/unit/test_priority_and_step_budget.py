@@ -134,8 +134,11 @@ def test_when_blocks_run_out_the_lowest_priority_gives_them_back_first(overlappe
 
 def linear_step_seconds(output: wire.SchedulerOutput) -> float:
     """A device where a step costs 10 ms plus 1 ms per request and 2 ms per token."""
-    num_requests = len(output.new_requests) + len(output.running_requests)
-    return 0.010 + 0.001 * num_requests + 0.002 * output.num_scheduled_tokens
+    return linear_step_seconds_of(len(output.new_requests) + len(output.running_requests), output.num_scheduled_tokens)
+
+
+def linear_step_seconds_of(num_requests: int, num_tokens: int) -> float:
+    return 0.010 + 0.001 * num_requests + 0.002 * num_tokens
 
 
 def test_the_learned_step_cost_finds_the_device_s_coefficients():
@@ -213,3 +216,32 @@ def test_a_short_request_gets_in_while_a_long_prompt_prefills(overlapped, target
         harness.step()
         steps += 1
     assert steps <= 3 and not harness.outputs["long"]
+
+
+@MODES
+def test_on_a_fresh_scheduler_the_first_long_prompt_leaves_a_short_request_its_target(overlapped):
+    """Nothing timed yet (a cold server), a 2,048-token budget and a 100 ms target on a device of 10 ms +
+    1 ms a request + 2 ms a token: the first long prompt goes in small chunks from its first step, so a
+    short request sent during it is answered within a few targets, not after the prompt's 16 s; the
+    prompt itself takes at most 1.3x its time in full-budget steps."""
+    cfg = config(
+        max_num_batched_tokens=2048, num_blocks=2048, max_model_len=8192, target_itl_s=0.1, scheduling_policy="fcfs"
+    )
+    step_times: list[float] = []
+    harness = Harness(
+        cfg,
+        overlapped=overlapped,
+        step_seconds=lambda out: step_times.append(linear_step_seconds(out)) or step_times[-1],
+    )
+    harness.add("long", list(range(1, 8001)), greedy(1))
+    assert harness.step().num_scheduled_tokens <= 128  # the first chunk is small: nothing is known yet
+    harness.step()
+    sent_at = sum(step_times)
+    harness.add("short", [9, 9, 9], greedy(1))
+    while not harness.outputs["short"]:
+        harness.step()
+    assert sum(step_times) - sent_at <= 3 * 0.1 * 1.1
+    while not harness.outputs["long"]:
+        harness.step()
+    full_budget_steps = [linear_step_seconds_of(1, 2048)] * 3 + [linear_step_seconds_of(1, 8000 - 3 * 2048)]
+    assert sum(step_times) <= 1.3 * (sum(full_budget_steps) + linear_step_seconds_of(1, 3))

@@ -26,6 +26,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from service import socket_auth, wire
 from service.config import Settings
+from service.configuration_exit import ConfigurationError
 
 log = logging.getLogger(__name__)
 
@@ -219,9 +220,39 @@ def serve_pipelined(runner: PipelinedRunner, link: SchedulerLink, serving: Calla
 
 
 def run_worker(settings: Settings) -> None:
+    """Load the model and serve it. A model or settings this worker cannot serve raise ConfigurationError, saying
+    which setting to change: no restart would mend them."""
     from gpu_worker.cpu_threads import set_thread_defaults
 
     set_thread_defaults()  # before Paddle and the custom ops load their OpenMP runtimes
     from gpu_worker.model_runner import ModelRunner
 
-    serve_worker(ModelRunner(settings), settings)
+    try:
+        runner = ModelRunner(settings)
+    except Exception as exc:
+        remedy = _setting_to_change(exc, settings)
+        if remedy is None:
+            raise
+        raise ConfigurationError(f"{exc} ({remedy})") from exc
+    serve_worker(runner, settings)
+
+
+def _setting_to_change(error: Exception, settings: Settings) -> str | None:
+    """What to change for an error of loading the model; None for one a restart may mend."""
+    from gpu_worker.custom_ops import CustomOpsUnavailable
+    from gpu_worker.device import PlacementError
+    from gpu_worker.model_config import UnsupportedModelError
+    from gpu_worker.model_file_error import ModelFileError
+    from gpu_worker.precision import PrecisionUnavailable
+    from gpu_worker.tokenizer import UnsupportedTokenizerError
+
+    model_errors = UnsupportedModelError, UnsupportedTokenizerError, ModelFileError
+    if isinstance(error, (*model_errors, FileNotFoundError, IsADirectoryError, PermissionError)):
+        return f"set BLOCKSERVE_MODEL, now {settings.model_path()}, to a readable model this worker supports"
+    if isinstance(error, PrecisionUnavailable):
+        return "set BLOCKSERVE_DTYPE and BLOCKSERVE_QUANTIZATION to a precision these kernels serve"
+    if isinstance(error, PlacementError):
+        return "set BLOCKSERVE_DEVICE, or BLOCKSERVE_KV_CACHE_MEMORY or BLOCKSERVE_GPU_MEMORY_UTILIZATION"
+    if isinstance(error, CustomOpsUnavailable):
+        return "set BLOCKSERVE_KERNELS=auto to serve with pure Paddle where the custom kernels cannot run"
+    return None

@@ -11,7 +11,8 @@ import signal
 import sys
 import time
 
-from service.config import Settings, SettingsError, load_settings
+from service.config import Settings, SettingsError, check_setting_names, load_settings
+from service.configuration_exit import ConfigurationError, configuration_error_line, end_with_configuration_error
 
 log = logging.getLogger("blockserve")
 
@@ -24,7 +25,6 @@ def _configure_logging(role: str) -> None:
 
 
 def _start_role(role: str, settings: Settings) -> None:
-    _configure_logging(role)
     log.info("effective settings: %s", settings.redacted())
     if role == "scheduler":
         from service.scheduler.server import run_scheduler
@@ -42,17 +42,26 @@ def _start_role(role: str, settings: Settings) -> None:
 
 
 def _role(args: argparse.Namespace) -> int:
-    _start_role(args.command, load_settings())
+    _configure_logging(args.command)
+    settings = load_settings()
+    check_setting_names(settings)
+    _start_role(args.command, settings)
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """Run scheduler, worker and api as child processes (see service/supervisor.py) until SIGINT/SIGTERM."""
+    """Run scheduler, worker and api as child processes (see service/supervisor.py) until SIGINT/SIGTERM, or until
+    a role ends with a configuration error: then exit with its line and status."""
     from service.supervisor import Supervisor, role_environments
 
-    settings = load_settings()
+    if args.strict_settings:
+        os.environ["BLOCKSERVE_STRICT_SETTINGS"] = "1"  # for the roles too: they inherit it
     _configure_logging("serve")
-    supervisor = Supervisor(role_environments(os.environ, settings.scheduler_addr, settings.worker_addr))
+    settings = load_settings()
+    unknown = set(check_setting_names(settings))
+    # Named once here: the roles would name them again.
+    inherited = {name: value for name, value in os.environ.items() if name not in unknown}
+    supervisor = Supervisor(role_environments(inherited, settings.scheduler_addr, settings.worker_addr))
     stop_requested = False
 
     def request_stop(*_: object) -> None:
@@ -63,12 +72,13 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, request_stop)
     supervisor.start()
     log.info("serving on http://%s:%d (metrics on :%d)", settings.host, settings.port, settings.metrics_port)
-    while not stop_requested:
+    configuration_error = None
+    while not (stop_requested or configuration_error):
         time.sleep(0.2)
-        supervisor.check(time.monotonic())
+        configuration_error = supervisor.check(time.monotonic())
     log.info("stopping: in-flight requests get %.0f s to finish", settings.drain_timeout_s)
     supervisor.stop(settings.drain_timeout_s)
-    return 0
+    return end_with_configuration_error(configuration_error) if configuration_error else 0
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -150,7 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    commands.add_parser("serve", help="run scheduler, worker and api on this machine").set_defaults(handler=_serve)
+    serve = commands.add_parser("serve", help="run scheduler, worker and api on this machine")
+    serve.add_argument(
+        "--strict-settings",
+        action="store_true",
+        help="refuse to start on a BLOCKSERVE_ variable that names no setting (BLOCKSERVE_STRICT_SETTINGS=1)",
+    )
+    serve.set_defaults(handler=_serve)
     keys = commands.add_parser(
         "keys",
         help="print new CURVE keys for the scheduler, api and worker "
@@ -211,9 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except SettingsError as exc:
-        print(f"blockserve: {exc}", file=sys.stderr)
-        return 2
+    except (SettingsError, ConfigurationError) as exc:
+        return end_with_configuration_error(configuration_error_line(args.command, exc))
 
 
 if __name__ == "__main__":

@@ -3,12 +3,18 @@
 `ENABLE_V1_KVCACHE_SCHEDULER` and `KV_CACHE_RATIO` keep the proposal's names; everything else
 uses the `BLOCKSERVE_` prefix. `load_settings()` turns a validation failure into a
 `SettingsError` whose message names the environment variable, so a bad pod fails at start-up
-with something an operator can act on.
+with something an operator can act on. `check_setting_names()` names each `BLOCKSERVE_` variable (and
+secrets-dir file) that sets nothing, with the closest setting: a warning, or with
+`BLOCKSERVE_STRICT_SETTINGS` a refusal, for a misspelt setting would otherwise be silently ignored.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
+import logging
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -21,8 +27,12 @@ UNPREFIXED_ENV_NAMES = {
     "enable_v1_kvcache_scheduler": "ENABLE_V1_KVCACHE_SCHEDULER",
     "kv_cache_ratio": "KV_CACHE_RATIO",
 }
+# Variables blockserve reads besides the settings (before settings exist, or to build its CUDA ops): no misspellings.
+OTHER_VARIABLES = {"BLOCKSERVE_LOG_LEVEL", "BLOCKSERVE_TERMINATION_MESSAGE_PATH", "BLOCKSERVE_CUDA_ARCHS"}
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_ITL_MS = 500.0  # see README "Who is served first": never binds on a GPU, keeps a 2-core CPU's streams moving
+
+log = logging.getLogger(__name__)
 
 
 class SettingsError(ValueError):
@@ -158,6 +168,11 @@ class Settings(BaseSettings):
         default=30.0, gt=0, description="Pings unanswered this long mark the worker dead (a long step does not)"
     )
     drain_timeout_s: float = Field(default=30.0, ge=0, description="On SIGTERM, wait this long for in-flight requests")
+    strict_settings: bool = Field(
+        default=False,
+        description="Refuse to start on a BLOCKSERVE_ variable or secrets-dir file that names no setting "
+        "(0 = a warning naming it and the closest setting)",
+    )
 
     # Internal sockets: CURVE keys (Z85, e.g. from `blockserve keys`); see service/socket_auth.py
     secrets_dir: str = Field(
@@ -221,3 +236,45 @@ def load_settings(**overrides: object) -> Settings:
             name = env_name(field) if field in Settings.model_fields else field or "settings"
             problems.append(f"{name}: {error['msg']}")
         raise SettingsError("invalid configuration: " + "; ".join(problems)) from None
+
+
+def setting_names() -> set[str]:
+    """Every name that sets a field: its variable, and for the unprefixed ones the prefixed name too (pydantic reads
+    both)."""
+    fields = Settings.model_fields
+    return {env_name(field) for field in fields} | {ENV_PREFIX + field.upper() for field in fields}
+
+
+def closest_setting(name: str) -> str:
+    """The setting's variable most like `name`, compared without the prefix (which every candidate shares)."""
+    by_stem = {variable.removeprefix(ENV_PREFIX): variable for variable in map(env_name, Settings.model_fields)}
+    (stem,) = difflib.get_close_matches(name.upper().removeprefix(ENV_PREFIX), by_stem, n=1, cutoff=0.0)
+    return by_stem[stem]
+
+
+def unknown_names(environ: Mapping[str, str], secrets_dir: str) -> dict[str, str]:
+    """The BLOCKSERVE_ variables of `environ` and the files of `secrets_dir` that set nothing, each with a line
+    saying so and naming the closest setting. Names are matched ignoring case, as the settings are read."""
+    known = setting_names()
+    found = {
+        name: f"{name} names no setting (the closest is {closest_setting(name)})"
+        for name in sorted(environ)
+        if name.upper().startswith(ENV_PREFIX) and name.upper() not in known | OTHER_VARIABLES
+    }
+    files = sorted(Path(secrets_dir).iterdir()) if secrets_dir else []
+    for path in files:
+        # Kubernetes' Secret volumes keep their data under dot-named entries (..data): no settings.
+        if not path.name.startswith(".") and path.name.upper() not in known:
+            found[path.name] = f"file {path} names no setting (the closest is {closest_setting(path.name)})"
+    return found
+
+
+def check_setting_names(settings: Settings, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """Warn, a line each, of the names `unknown_names` finds; with BLOCKSERVE_STRICT_SETTINGS refuse them instead
+    (SettingsError). Returns those names."""
+    found = unknown_names(environ, settings.secrets_dir)
+    if found and settings.strict_settings:
+        raise SettingsError("; ".join(found.values()) + " (BLOCKSERVE_STRICT_SETTINGS=1: rename or remove them)")
+    for line in found.values():
+        log.warning("%s; ignored", line)
+    return list(found)

@@ -6,6 +6,11 @@ has run for a minute), and the log says so. The other roles keep running meanwhi
 drain at once, against one deadline (`drain_timeout_s`); the worker, which the drain needs, is
 stopped after the scheduler has gone.
 
+A role that exits with a configuration error (status 78, service/configuration_exit.py) is not
+restarted: no restart would mend it, so every role is stopped and `serve` ends with that role's line.
+The line comes from a file per role (BLOCKSERVE_TERMINATION_MESSAGE_PATH, as Kubernetes reads a
+container's /dev/termination-log), so the roles' stderr stays the terminal's, with no relay.
+
 The internal sockets listen on loopback only, with CURVE keys made for this run: no other process
 on the machine can reach the scheduler.
 """
@@ -16,12 +21,15 @@ import logging
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from service import socket_auth
+from service.configuration_exit import CONFIGURATION_ERROR_STATUS, TERMINATION_MESSAGE_VARIABLE
 
 log = logging.getLogger("blockserve.serve")
 
@@ -63,6 +71,7 @@ class Child:
     restart_at: float | None = None
 
     def start(self, now: float) -> None:
+        Path(self.env[TERMINATION_MESSAGE_VARIABLE]).write_text("")  # this run's line only
         # A session of its own: a terminal's Ctrl-C reaches `serve`, which stops the roles in order.
         self.process = subprocess.Popen(
             [sys.executable, "-m", "service.cli", self.role], env=self.env, start_new_session=True
@@ -73,12 +82,22 @@ class Child:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def configuration_error(self) -> str:
+        """The line of the configuration error the process exited with."""
+        line = Path(self.env[TERMINATION_MESSAGE_VARIABLE]).read_text().strip()
+        return line or f"blockserve {self.role}: configuration error (exit status {CONFIGURATION_ERROR_STATUS})"
+
 
 class Supervisor:
     """Starts the roles, restarts the ones that exit (`check`), stops them in drain order (`stop`)."""
 
     def __init__(self, environments: Mapping[str, dict[str, str]]):
-        self.children = {role: Child(role, dict(environments[role])) for role in ROLES_IN_START_ORDER}
+        self._messages = tempfile.TemporaryDirectory(prefix="blockserve-serve-")  # each role's termination message
+        messages = Path(self._messages.name)
+        self.children = {
+            role: Child(role, {**environments[role], TERMINATION_MESSAGE_VARIABLE: str(messages / role)})
+            for role in ROLES_IN_START_ORDER
+        }
 
     def start(self) -> None:
         now = time.monotonic()
@@ -86,10 +105,14 @@ class Supervisor:
             child.start(now)
             log.info("started the %s process (pid %d)", child.role, child.process.pid)
 
-    def check(self, now: float) -> None:
-        """Schedule a restart for each role that exited; start those whose backoff is over."""
+    def check(self, now: float) -> str | None:
+        """Schedule a restart for each role that exited; start those whose backoff is over. A role that exited with a
+        configuration error is not restarted: its line is returned, for the caller to stop every role."""
         for child in self.children.values():
             if child.restart_at is None and not child.running:
+                if child.process.returncode == CONFIGURATION_ERROR_STATUS:
+                    log.error("the %s process (pid %d) cannot run as configured", child.role, child.process.pid)
+                    return child.configuration_error()
                 if now - child.started_at >= STABLE_AFTER_S:
                     child.restart_delay_s = FIRST_RESTART_DELAY_S
                 child.restart_at = now + child.restart_delay_s
@@ -104,6 +127,7 @@ class Supervisor:
             elif child.restart_at is not None and now >= child.restart_at:
                 child.start(now)
                 log.info("restarted the %s process (pid %d)", child.role, child.process.pid)
+        return None
 
     def stop(self, drain_timeout_s: float) -> None:
         """The api and the scheduler drain together; the worker goes once the scheduler has."""
@@ -116,6 +140,7 @@ class Supervisor:
         worker = self.children["worker"]
         _terminate(worker)
         _wait_or_kill(worker, time.monotonic() + WORKER_STOP_S)
+        self._messages.cleanup()
 
 
 def _terminate(child: Child) -> None:

@@ -28,6 +28,7 @@ import tomllib
 import yaml
 
 from service.config import Settings, env_name, load_settings
+from service.configuration_exit import CONFIGURATION_ERROR_STATUS
 from tests.support.processes import free_port, start, stop, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -359,6 +360,22 @@ def test_misspelt_or_chart_managed_settings_are_refused():
         helm_template("--set", "config.BLOCKSERVE_SCHEDULER_ADDR=tcp://0.0.0.0:1")
 
 
+def test_a_config_key_that_names_no_setting_fails_rendering_naming_it():
+    with pytest.raises(HelmError, match="'BLOCKSERVE_KV_CACHE_DTYPE' not allowed"):
+        helm_template("--set", "config.BLOCKSERVE_KV_CACHE_DTYPE=fp8_e4m3")
+    assert find(helm_template(), "ConfigMap", "-config")["data"]["BLOCKSERVE_STRICT_SETTINGS"] == "false"
+
+
+@pytest.mark.parametrize("values", RENDERINGS.values(), ids=RENDERINGS.keys())
+def test_every_container_leaves_a_configuration_error_as_its_termination_message(values):
+    pod_specs = [r["spec"]["template"]["spec"] for r in helm_template(*values) if r["kind"] in ("Deployment", "Job")]
+    for container in (container for spec in pod_specs for container in spec["containers"]):
+        # Kubernetes' default path, /dev/termination-log, is where blockserve writes the line
+        # (service/configuration_exit.py); the log's tail stands in for any other failure.
+        assert "terminationMessagePath" not in container, container["name"]
+        assert container["terminationMessagePolicy"] == "FallbackToLogsOnError", container["name"]
+
+
 def test_api_key_comes_from_a_secret_and_reaches_only_the_api():
     def api_key_env(resources: list[dict]) -> dict[str, list]:
         return {
@@ -641,7 +658,8 @@ def test_with_curve_off_the_chart_opts_the_scheduler_out_of_protected_mode_which
     )
     without = {k: v for k, v in env.items() if k != "BLOCKSERVE_ALLOW_UNAUTHENTICATED"}
     refused = start(["-m", "service.cli", "scheduler"], without, tmp_path / "refused.log")
-    assert refused.wait(60) == 2, (tmp_path / "refused.log").read_text()  # protected mode: the opt-out is needed
+    # Protected mode: the opt-out is needed.
+    assert refused.wait(60) == CONFIGURATION_ERROR_STATUS, (tmp_path / "refused.log").read_text()
 
     scheduler = start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")
     context = zmq.Context()

@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from service import socket_auth, wire
+from service.configuration_exit import CONFIGURATION_ERROR_STATUS
 from tests.support.api_peer import ApiPeer
 from tests.support.processes import FakeStack, free_port, loopback_env, scrape, start, stop_all, wait_ready
 from tests.support.tiny_model import tiny_model_info
@@ -173,7 +174,7 @@ def test_a_scheduler_beyond_loopback_without_curve_refuses_to_start_and_says_wha
     env = plain_scheduler_env(**{setting: f"tcp://0.0.0.0:{free_port()}"})
     scheduler = start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")
     try:
-        assert scheduler.wait(60) == 2
+        assert scheduler.wait(60) == CONFIGURATION_ERROR_STATUS
     finally:
         stop_all([scheduler])
     log = (tmp_path / "scheduler.log").read_text()

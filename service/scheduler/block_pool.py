@@ -119,20 +119,17 @@ class BlockPool:
                 self.num_cached_free -= 1
             block.ref_count += 1
 
-    def cache_blocks(
-        self, block_ids: list[int], block_hashes: list[int], token_ids: list[int], start: int, end: int
-    ) -> None:
-        """Register a sequence's full blocks `start..end-1` in the prefix cache under their hashes."""
+    def cache_blocks(self, full_blocks: list[tuple[int, int, list[int]]]) -> None:
+        """Register full blocks in the prefix cache: (block id, its hash, its token ids) each."""
         if not self.enable_prefix_caching:
             return
-        size = self.block_size
-        for index in range(start, end):
-            block = self.blocks[block_ids[index]]
-            block_hash = block_hashes[index]
-            if block.block_hash is None and block_hash not in self._cached:
+        blocks, cached = self.blocks, self._cached
+        for block_id, block_hash, token_ids in full_blocks:
+            block = blocks[block_id]
+            if block.block_hash is None and block_hash not in cached:
                 block.block_hash = block_hash
-                block.token_ids = tuple(token_ids[index * size : (index + 1) * size])
-                self._cached[block_hash] = block.block_id
+                block.token_ids = tuple(token_ids)
+                cached[block_hash] = block_id
                 self._event_hashes.append(block_hash)
                 self._event_cached.append(True)
 

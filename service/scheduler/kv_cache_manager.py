@@ -89,32 +89,46 @@ class KVCacheManager:
     ) -> list[int] | None:
         """Make the request's blocks hold `num_tokens` tokens, taking `computed_blocks` (its cached
         prefix) first; return the blocks it gained. None, and nothing taken, if the pool is short,
-        or if `num_tokens_to_fit` tokens would not fit with `num_blocks_to_keep_free` blocks to spare."""
+        or if `num_tokens_to_fit` tokens would not fit with `num_blocks_to_keep_free` blocks to spare.
+        Runs for every decode that opens a block (all of them in one step, when admitted together): lean."""
         computed_blocks = computed_blocks or []
         if not self.fits(request, max(num_tokens, num_tokens_to_fit), computed_blocks, num_blocks_to_keep_free):
             return None
         needed = blocks_for(num_tokens, self.block_size) - len(self.block_ids(request)) - len(computed_blocks)
-        self.pool.touch(computed_blocks)
-        new_block_ids = self._take(request, computed_blocks + (self.pool.allocate(needed) if needed > 0 else []))
-        self._held[request].num_cached_blocks += len(computed_blocks)
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+        new_block_ids = self._take(
+            request, computed_blocks + self.pool.allocate(needed) if needed > 0 else computed_blocks
+        )
+        if computed_blocks:
+            self._held[request].num_cached_blocks += len(computed_blocks)
         return new_block_ids
 
     def fits(self, request: Request, num_tokens: int, computed_blocks: list[int], num_blocks_to_keep_free: int) -> bool:
         """Whether the request's blocks could hold `num_tokens` tokens, its cached prefix `computed_blocks`
         taken first, with `num_blocks_to_keep_free` blocks to spare."""
         needed = blocks_for(num_tokens, self.block_size) - len(self.block_ids(request)) - len(computed_blocks)
-        return needed <= self.pool.num_free_blocks - self.pool.num_free_among(computed_blocks) - num_blocks_to_keep_free
+        spare = self.pool.num_free_blocks - num_blocks_to_keep_free
+        return needed <= (spare - self.pool.num_free_among(computed_blocks) if computed_blocks else spare)
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Register the request's full blocks among its first `num_computed_tokens` in the prefix cache."""
-        held = self._held.get(request)
-        if held is None or not self.pool.enable_prefix_caching:
+    def cache_blocks(self, computed: list[tuple[Request, int]]) -> None:
+        """Register in the prefix cache each request's full blocks among its first `num_computed_tokens`
+        ((request, num_computed_tokens) pairs). A step's filled blocks go in one call: requests admitted
+        together fill their blocks in the same step, a thousand at once."""
+        if not self.pool.enable_prefix_caching:
             return
-        num_full = num_computed_tokens // self.block_size
-        if num_full > held.num_cached_blocks:
-            hashes = self._hashes(request, num_full)
-            self.pool.cache_blocks(held.block_ids, hashes, request.token_ids, held.num_cached_blocks, num_full)
+        size, held_of = self.block_size, self._held
+        full_blocks = []  # (block id, hash, token ids)
+        for request, num_computed_tokens in computed:
+            held = held_of.get(request)
+            num_full = num_computed_tokens // size
+            if held is None or num_full <= held.num_cached_blocks:
+                continue  # ended or preempted since, or nothing new
+            hashes, token_ids, block_ids = self._hashes(request, num_full), request.token_ids, held.block_ids
+            for index in range(held.num_cached_blocks, num_full):
+                full_blocks.append((block_ids[index], hashes[index], token_ids[index * size : (index + 1) * size]))
             held.num_cached_blocks = num_full
+        self.pool.cache_blocks(full_blocks)
 
     def free(self, request: Request) -> None:
         """Give back the request's blocks (its tail first: evicted first); its hashes stay for a resume."""
@@ -136,12 +150,14 @@ class KVCacheManager:
 
     def owed_blocks(self, request: Request) -> tuple[int, int]:
         """(unfinished-prompt blocks, future-output blocks) that `request` still needs beyond what it holds."""
+        return self._owed(request, len(self.block_ids(request)))
+
+    def _owed(self, request: Request, num_held: int) -> tuple[int, int]:
         size = self.block_size
-        held = len(self.block_ids(request))
         num_tokens = len(request.token_ids)
         prompt_end = -(-num_tokens // size)
         final_end = -(-(min(request.max_num_tokens, num_tokens + MAX_OUTPUT_TOKENS_CONSIDERED) - 1) // size)
-        return max(0, prompt_end - held), max(0, final_end - max(held, prompt_end))
+        return max(0, prompt_end - num_held), max(0, final_end - max(num_held, prompt_end))
 
     def on_token(self, request: Request) -> None:
         """A token was appended: what it owes changes only if the token opens a block or its output is capped."""
@@ -171,7 +187,7 @@ class KVCacheManager:
         return held
 
     def _refresh_owed(self, request: Request, held: HeldBlocks) -> None:
-        owed_prompt, owed_output = self.owed_blocks(request)
+        owed_prompt, owed_output = self._owed(request, len(held.block_ids))
         self.owed_prompt_blocks += owed_prompt - held.owed_prompt_blocks
         self.owed_output_blocks += owed_output - held.owed_output_blocks
         held.owed_prompt_blocks, held.owed_output_blocks = owed_prompt, owed_output

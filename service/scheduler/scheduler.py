@@ -313,9 +313,10 @@ class Scheduler:
                 if not request.is_finished and voided.get(request, 0) < step_id:
                     self._end(request, FinishReason.ERROR, f"worker error: {result.error}", now, outcome)
         else:
-            for request, num_computed_tokens in step.filled:
-                if not request.is_finished and voided.get(request, 0) < step_id:
-                    self.kv.cache_blocks(request, num_computed_tokens)
+            if voided:  # preempted since: what this step computed for them is recomputed, not cached
+                self.kv.cache_blocks([(r, computed) for r, computed in step.filled if voided.get(r, 0) < step_id])
+            elif step.filled:  # the ended hold no blocks: nothing of theirs is cached
+                self.kv.cache_blocks(step.filled)
             self._take_tokens(step, result.sampled, now, outcome, result.refused)
         if voided:
             for request in [r for r, until in voided.items() if until <= step_id]:

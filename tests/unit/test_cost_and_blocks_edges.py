@@ -181,7 +181,7 @@ def test_caching_the_blocks_of_a_request_that_holds_none_does_nothing():
     freed = request("freed", 8, 9)
     kv.allocate_slots(freed, 8)
     kv.free(freed)
-    kv.cache_blocks(freed, 8)  # a step in flight returned after its blocks were freed
+    kv.cache_blocks([(freed, 8)])  # a step in flight returned after its blocks were freed
     assert kv.take_cache_events() == ([], [])
 
 

@@ -29,7 +29,7 @@ def test_a_freed_block_without_a_cached_prefix_is_handed_out_before_any_cached_o
     reuses the plain block and the cached prefix stays findable."""
     pool = BlockPool(num_blocks=2, block_size=2)
     cached, plain = pool.allocate(2)
-    pool.cache_blocks([cached], [111], [1, 2], 0, 1)
+    pool.cache_blocks([(cached, 111, [1, 2])])
     pool.free([cached])
     pool.free([plain])
     assert pool.allocate(1) == [plain]
@@ -39,7 +39,7 @@ def test_a_freed_block_without_a_cached_prefix_is_handed_out_before_any_cached_o
 def test_handing_out_a_cached_free_block_evicts_its_hash_and_reports_the_eviction():
     pool = BlockPool(num_blocks=1, block_size=2)
     [block_id] = pool.allocate(1)
-    pool.cache_blocks([block_id], [111], [1, 2], 0, 1)
+    pool.cache_blocks([(block_id, 111, [1, 2])])
     pool.free([block_id])
     assert pool.take_cache_events() == ([111], [True])
     assert pool.num_cached_free == 1
@@ -47,16 +47,17 @@ def test_handing_out_a_cached_free_block_evicts_its_hash_and_reports_the_evictio
     assert pool.take_cache_events() == ([111], [False])
     assert pool.cached_hashes() == [] and pool.num_cached_free == 0
     assert pool.find_cached_prefix([111], [1, 2], max_blocks=1) == []
-    pool.cache_blocks([block_id], [111], [1, 2], 0, 1)  # the same content may be cached again
+    pool.cache_blocks([(block_id, 111, [1, 2])])  # the same content may be cached again
     assert pool.take_cache_events() == ([111], [True])
 
 
-def test_cache_blocks_registers_only_the_blocks_from_start_to_end():
+def test_cache_blocks_registers_only_the_full_blocks_given_and_keeps_their_token_ids():
     pool = BlockPool(num_blocks=3, block_size=2)
     block_ids = pool.allocate(3)
-    pool.cache_blocks(block_ids, [10, 11, 12], [1, 2, 3, 4, 5, 6], 1, 3)
+    pool.cache_blocks([(block_ids[1], 11, [3, 4]), (block_ids[2], 12, [5, 6])])
     assert pool.take_cache_events() == ([11, 12], [True, True])
     assert pool.blocks[block_ids[0]].block_hash is None
+    assert pool.blocks[block_ids[2]].token_ids == (5, 6)
 
 
 # ---------------------------------------------------------------------- the KV-cache manager
@@ -68,7 +69,7 @@ def _computed(kv: KVCacheManager, request_id: str, token_ids: list[int]) -> Requ
     cached_blocks = kv.get_computed_blocks(request)
     kv.allocate_slots(request, len(token_ids), cached_blocks)
     request.num_computed_tokens = len(token_ids)
-    kv.cache_blocks(request, len(token_ids))
+    kv.cache_blocks([(request, len(token_ids))])
     return request
 
 

@@ -279,7 +279,7 @@ def test_the_longest_running_request_is_never_preempted(overlapped):
 def test_a_cached_block_whose_hash_matches_but_whose_tokens_differ_is_a_miss():
     pool = BlockPool(num_blocks=4, block_size=2)
     [block_id] = pool.allocate(1)
-    pool.cache_blocks([block_id], [1234], [7, 8], 0, 1)
+    pool.cache_blocks([(block_id, 1234, [7, 8])])
     pool.free([block_id])
     assert pool.find_cached_prefix([1234], [7, 8, 9], max_blocks=1) == [block_id]
     assert pool.find_cached_prefix([1234], [7, 9, 9], max_blocks=1) == []  # same hash, other tokens

@@ -1,11 +1,12 @@
 """Latency on the real model while the engine is busy: short requests behind a long prompt, and a
 high-priority request when every seat is taken.
 
-Run: OMP_NUM_THREADS=2 python benchmarks/bench_long_prompt.py [--checkout DIR] [--case long|seats] [KEY=VALUE ...]
+Run: OMP_NUM_THREADS=2 python benchmarks/bench_long_prompt.py [--checkout DIR] [--case long|seats] [--cold] [KEY=VALUE ...]
 
 `long`: an 8,000-token prompt (16 tokens out) is sent; from 1 s later until it ends, short
 streaming chat requests ("Hi", 8 tokens) go one after another. Prints the long request's time
-and the short requests' TTFT p50 and max.
+and the short requests' TTFT p50 and max. A few warm-up requests teach the step cost first, unless
+`--cold`: then the long prompt is the fresh server's first request.
 `seats`: with BLOCKSERVE_SCHEDULING_POLICY=priority, low-priority streams take every seat
 (BLOCKSERVE_MAX_NUM_SEQS), then one high-priority request arrives: prints its TTFT.
 
@@ -29,6 +30,7 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--checkout", type=Path, default=Path(__file__).resolve().parent.parent)
 parser.add_argument("--case", choices=("long", "seats"), default="long")
 parser.add_argument("--long-tokens", type=int, default=8000)
+parser.add_argument("--cold", action="store_true", help="no warm-up requests: the long prompt is the server's first")
 parser.add_argument("settings", nargs="*", help="extra settings, KEY=VALUE")
 args = parser.parse_args()
 sys.path.insert(0, str(args.checkout.resolve()))  # that checkout's service and tests
@@ -102,11 +104,15 @@ def main() -> None:
     try:
         wait_ready(url, timeout_s=600)
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        for i in range(3):  # a few steps of different sizes, for the step cost to be learned
+        for i in range(0 if args.cold else 3):  # a few steps of different sizes, for the step cost to be learned
             body = {"model": model, "prompt": "Warm up " * (10 + 40 * i), "max_tokens": 8}
             httpx.post(f"{url}/v1/completions", json=body, timeout=300)
         result = long_case(url, model) if args.case == "long" else seats_case(url, model)
-        print(json.dumps({"checkout": str(args.checkout), "case": args.case, "settings": extra, **result}))
+        print(
+            json.dumps(
+                {"checkout": str(args.checkout), "case": args.case, "cold": args.cold, "settings": extra, **result}
+            )
+        )
     finally:
         stop_all(processes)
 

@@ -19,7 +19,7 @@ from service.api import chat, completions
 from service.api.auth import ApiKeyMiddleware
 from service.api.body_limit import BodyLimitMiddleware
 from service.api.context import ApiContext, get_context
-from service.api.engines import EngineSet
+from service.api.engines import EngineSet, NotReady
 from service.api.errors import ApiError, install_error_handlers
 from service.api.metrics import ApiMetrics, MetricsMiddleware
 from service.api.openapi import errors, install_openapi
@@ -86,14 +86,13 @@ def create_app(settings: Settings) -> FastAPI:
         responses={503: {"model": Readiness, "description": "Not ready, and why"}},
     )
     async def ready(context: ApiContext = Depends(get_context)) -> JSONResponse:
-        """200 only if the scheduler answers in time that it is ready to serve."""
-        status = await context.client.status(READY_TIMEOUT_S) if context.client.connected else None
-        if status is None:
-            return JSONResponse({"ready": False, "reason": "the scheduler does not answer"}, status_code=503)
-        if not status.ready:
-            return JSONResponse({"ready": False, "reason": "the scheduler is not ready"}, status_code=503)
+        """200 only if a scheduler of the replica's model answers in time that it is ready to serve; else
+        503 saying what is missing."""
         try:
+            status = await context.client.ready_status(READY_TIMEOUT_S)
             context.served_model()
+        except NotReady as exc:
+            return JSONResponse({"ready": False, "reason": str(exc)}, status_code=503)
         except ApiError as exc:
             return JSONResponse({"ready": False, "reason": exc.message}, status_code=503)
         return JSONResponse({"ready": True, "num_workers": status.num_workers})

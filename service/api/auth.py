@@ -1,4 +1,4 @@
-"""Optional API key: `Authorization: Bearer <key>` on every /v1 route.
+"""Optional API key: `Authorization: Bearer <key>` on every /v1 route (the scheme in any case).
 
 Checked before anything else (even before the body is read), so a caller without the key
 learns nothing but 401. /health, /ready and /metrics stay open for probes and scrapers, and
@@ -21,7 +21,7 @@ PROTECTED_PREFIX = "/v1"
 class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._api_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX) and not self._authorized(scope):
@@ -36,5 +36,7 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        given = Headers(scope=scope).get("authorization", "").encode()
-        return secrets.compare_digest(given, self._expected)
+        scheme, _, credentials = Headers(scope=scope).get("authorization", "").partition(" ")
+        # RFC 9110 (section 11.1): the scheme is case-insensitive, and one or more spaces follow it.
+        given = credentials.lstrip(" ").encode()
+        return scheme.lower() == "bearer" and secrets.compare_digest(given, self._api_key)

@@ -21,10 +21,12 @@ class ApiContext:
         self._model: ServedModel | None = None
 
     def served_model(self) -> ServedModel:
-        """The model of the current scheduler; 503 until the scheduler has welcomed this replica."""
+        """The model of this replica's engines; 503 while none of them is connected."""
         info = self.client.model
-        if info is None or not self.client.connected:
-            raise ApiError(503, "The model is not available: the scheduler has not welcomed this api replica yet.")
+        if info is None:
+            raise ApiError(503, "The model is not available: no scheduler has welcomed this api replica yet.")
+        if not self.client.connected:
+            raise ApiError(503, f"The model {info.name} is not available: no scheduler that serves it is connected.")
         if info is not self._built_from:
             self._built_from, self._model = info, None
             try:

@@ -5,8 +5,11 @@ with `BLOCKSERVE_ENGINE_DISCOVERY=dns://NAME:PORT` (a headless Service), from th
 resolves to, resolved again every `DISCOVERY_INTERVAL_S`: engines that appear are used, engines
 that vanish are dropped (their requests end with an error). Each request goes to one engine, chosen
 by the router (routing.py) among the engines that are connected, ready and serve the model this
-replica serves (the first engine's); a request an engine refused before starting it (not ready,
-draining) is tried once more on another. The replica is ready while one engine is.
+replica serves; a request an engine refused before starting it (not ready, draining) is tried once
+more on another. The replica's model is the first engine's (in the order they came) that has named
+one, as it last named it: while that engine is down the replica keeps its model and answers 503, so
+an engine of another model never takes over (an engine that comes back serving another model changes
+it). The replica is ready while an engine of its model is.
 """
 
 from __future__ import annotations
@@ -25,6 +28,20 @@ from service.api.scheduler_client import SchedulerClient, lost_delta
 log = logging.getLogger(__name__)
 
 DISCOVERY_INTERVAL_S = 5.0
+NO_ENGINE_KNOWN = "no engine is known (none configured, or discovery finds none)"
+
+
+class NotReady(Exception):
+    """No engine of this replica's model can serve now; the message says what is missing."""
+
+
+def _what_is_missing(status: wire.SchedulerStatus) -> str:
+    """Why an engine that answered is not serving this replica."""
+    if status.num_workers == 0:
+        return "the scheduler answers, but no worker is registered with it"
+    if not status.ready:  # a scheduler with a worker is ready unless it drains
+        return "the scheduler is draining (shutting down)"
+    return "the scheduler has not welcomed this api replica yet"
 
 
 def configured_addresses(scheduler_addr: str) -> list[str]:
@@ -73,12 +90,14 @@ class EngineSet:
 
     @property
     def model(self) -> wire.ModelInfo | None:
-        """The model this replica serves: the first connected engine's."""
-        return next((client.model for client in self.clients.values() if client.connected and client.model), None)
+        """The model this replica serves: the first engine's that has named one, connected or not."""
+        return next((client.model for client in self.clients.values() if client.model), None)
 
     @property
     def connected(self) -> bool:
-        return any(client.connected for client in self.clients.values())
+        """Whether an engine of this replica's model is connected."""
+        model = self.model
+        return any(client.connected and client.model == model for client in self.clients.values())
 
     def serving(self) -> list[SchedulerClient]:
         """The engines a request may go to: connected, ready, and serving this replica's model."""
@@ -98,13 +117,25 @@ class EngineSet:
             await asyncio.gather(self._discovery_task, return_exceptions=True)
         await asyncio.gather(*(client.close() for client in self.clients.values()))
 
-    async def status(self, timeout_s: float) -> wire.SchedulerStatus | None:
-        """A ready engine's status, else any answer (not ready), else None (nobody answers)."""
-        answers = await asyncio.gather(
-            *(client.status(timeout_s) for client in self.clients.values() if client.connected)
-        )
-        answered = [status for status in answers if status is not None]
-        return next((status for status in answered if status.ready), answered[0] if answered else None)
+    async def ready_status(self, timeout_s: float) -> wire.SchedulerStatus:
+        """The status of an engine of this replica's model that answers in time that it is ready and has
+        welcomed this replica; raises NotReady with what is missing otherwise."""
+        clients = list(self.clients.values())
+        if not clients:
+            raise NotReady(NO_ENGINE_KNOWN)
+        answers = await asyncio.gather(*(client.status(timeout_s) for client in clients))
+        model = self.model
+        # An engine that has not named its model yet (no worker ever) may turn out to serve ours.
+        ours = [(c, s) for c, s in zip(clients, answers) if s is not None and c.model in (None, model)]
+        for client, status in ours:
+            if status.ready and client.connected:
+                return status
+        if not ours:
+            if any(status is not None for status in answers):
+                raise NotReady(f"the schedulers that answer serve another model than {model.name}")
+            raise NotReady("no scheduler answers")
+        missing = [_what_is_missing(status) for _, status in ours]
+        raise NotReady("; ".join(dict.fromkeys(missing)))
 
     def fail_open_requests(self, reason: str) -> None:
         for client in self.clients.values():
@@ -128,20 +159,24 @@ class EngineSet:
             reason = route.reason if len(tried) == 1 else "retry"
             self._on_route(client.addr, reason, route.num_matched_blocks, num_blocks)
             retry = len(tried) == 1 and any(c.addr not in tried for c in self.serving())
-            async with aclosing(client.generate(request_id, prompt_token_ids, sampling, priority)) as deltas:
-                async for delta in deltas:
-                    if retry and delta.refused:
-                        break  # refused before it started: another engine may take it
-                    retry = False
-                    yield delta
-                else:
-                    return
+            client.view.routed(route.new_block_hashes)
+            try:
+                async with aclosing(client.generate(request_id, prompt_token_ids, sampling, priority)) as deltas:
+                    async for delta in deltas:
+                        if retry and delta.refused:
+                            break  # refused before it started: another engine may take it
+                        retry = False
+                        yield delta
+                    else:
+                        return
+            finally:
+                client.view.ended(route.new_block_hashes)
 
     def _why_none_serves(self) -> str:
         if not self.clients:
-            return "no engine is known (none configured, or discovery finds none)"
+            return NO_ENGINE_KNOWN
         if not self.connected:
-            return "no engine is reachable"
+            return "no engine of this replica's model is reachable"
         return "no engine is ready: no worker is available, or the engines are draining"
 
     async def _use(self, addresses: list[str]) -> None:

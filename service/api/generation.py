@@ -152,6 +152,8 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
         if not task.done():
             task.cancel()
+            # `work` may be a step of a generator the caller closes next: it must have stopped running by then.
+            await asyncio.wait({task})
     if task not in done:
         raise ApiError(CLIENT_CLOSED_REQUEST, "The client closed the connection.")
     return task.result()

@@ -61,7 +61,8 @@ class ApiMetrics:
         )
         self.routed_matched_blocks = Counter(
             "blockserve_api_routed_matched_blocks",
-            "Of those, the leading blocks the chosen engine's prefix cache held at routing time",
+            "Of those, the leading blocks the chosen engine's prefix cache held at routing time (or was computing "
+            "for an open request of this replica)",
             registry=self.registry,
         )
         self.malformed_frames = Counter(

@@ -168,6 +168,8 @@ def test_without_the_api_key_v1_routes_get_401_but_probes_stay_open():
             assert error["code"] == "invalid_api_key"
             assert_openai_error(http.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}), 401)
             assert_openai_error(http.post("/v1/completions", content=b"{", headers={"Authorization": "x"}), 401)
-            authorized = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"})
-            assert authorized.status_code == 200
+            assert_openai_error(http.post("/v1/completions", json=body, headers={"Authorization": "Basic sekrit"}), 401)
+            for header in ("Bearer sekrit", "bearer sekrit", "BEARER  sekrit"):  # the scheme is case-insensitive
+                authorized = http.post("/v1/completions", json=body, headers={"Authorization": header})
+                assert authorized.status_code == 200, header
             assert [http.get(path).status_code for path in ("/health", "/ready", "/metrics")] == [200, 200, 200]

@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service import wire
 from tests.support.fake_scheduler import ApiServer, FakeScheduler, free_tcp_addr, wait_until
+from tests.support.processes import loopback_env, start, stop, stop_all
 from tests.support.tiny_model import MODEL_NAME
 
 LONG_REPLY = "Once upon a time a small model served tokens to many clients, one block at a time."
@@ -70,6 +71,28 @@ def test_the_api_starts_before_the_scheduler_and_becomes_ready_when_it_comes():
         with FakeScheduler(addr):
             api.wait_ready()
             assert httpx.post(f"{api.base_url}/v1/completions", json=COMPLETION).status_code == 200
+
+
+def test_ready_says_what_is_missing(tmp_path):
+    """The real scheduler, which welcomes an api replica only once a worker has named the model."""
+    env = loopback_env()
+    with ApiServer(env["BLOCKSERVE_SCHEDULER_ADDR"]) as api:
+
+        def reason() -> str | None:
+            answer = httpx.get(f"{api.base_url}/ready", timeout=10)
+            return answer.json()["reason"] if answer.status_code == 503 else None
+
+        assert reason() == "no scheduler answers"
+        processes = [start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")]
+        try:
+            no_worker = "the scheduler answers, but no worker is registered with it"
+            wait_until(lambda: reason() == no_worker, timeout_s=30)
+            processes.append(start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "worker.log"))
+            wait_until(lambda: reason() is None, timeout_s=30)
+            stop(processes[-1])
+            wait_until(lambda: reason() == no_worker, timeout_s=30)
+        finally:
+            stop_all(processes)
 
 
 def test_when_the_scheduler_is_gone_ready_fails_and_health_does_not(fake, api):

@@ -10,6 +10,7 @@ import time
 import httpx
 
 from service import socket_auth
+from tests.support.fake_scheduler import wait_until
 from tests.support.processes import FakeStack, free_port, metric_samples, scrape, start, stop_all
 from tests.support.tiny_model import MODEL_NAME
 
@@ -85,6 +86,21 @@ def test_prefix_routing_serves_a_shared_prefix_trace_from_the_caches_far_more_th
     assert by_prefix >= 0.6 * 40 * 48  # most of the 40 repeat visits find their 48-token system prompt
 
 
+def test_prompts_of_a_new_prefix_sent_at_once_are_computed_on_one_engine(tmp_path):
+    """Pairs of prompts of a new 48-token prefix (12 blocks), the two of a pair at once, pair after pair: the
+    second is routed before the engines report the first one's blocks, yet follows it, so each prefix is
+    cached on one engine only (each prompt adds one block of its own)."""
+    env = dict(BLOCKSERVE_NUM_KV_BLOCKS="128", FAKE_STEP_DELAY_S="0.05")
+    with FakeStack(tmp_path, num_engines=2, **env) as stack:
+        rng = random.Random(11)
+        for _ in range(4):
+            prefix = [rng.randrange(3, 300) for _ in range(48)]
+            pair = [lambda user=user: complete(stack.url, prefix + [user, 5, 6]) for user in (3, 4)]
+            assert [reply.status_code for reply in run_concurrently(pair, num_threads=2)] == [200, 200]
+        cached = [scrape(engine["BLOCKSERVE_METRICS_PORT"])["blockserve_kv_blocks_cached"] for engine in stack.engines]
+        assert sum(cached) == 4 * (12 + 2), cached  # not 4 * 2 * (12 + 1): no prefix on both engines
+
+
 def test_one_set_of_curve_keys_serves_every_engine(tmp_path):
     """As the chart deploys them: every engine has the one server key pair and admits the one api key."""
     pairs = {owner: socket_auth.new_key_pair() for owner in socket_auth.KEY_OWNERS}
@@ -116,6 +132,21 @@ def test_when_an_engine_dies_its_requests_end_with_a_503_and_later_ones_go_to_th
         assert 503 in statuses and set(statuses) <= {200, 503}
         assert all(complete(stack.url, [5, 6, 7]).status_code == 200 for _ in range(6))
         assert httpx.get(f"{stack.url}/ready", timeout=10).status_code == 200  # one engine is enough
+
+
+def test_when_the_engine_of_the_replicas_model_dies_an_engine_of_another_model_does_not_take_over(tmp_path):
+    stack = FakeStack(tmp_path, num_engines=2, BLOCKSERVE_NUM_KV_BLOCKS="128")
+    stack.engines[1]["FAKE_MODEL_NAME"] = "other-model"
+    with stack:
+        models = lambda: httpx.get(f"{stack.url}/v1/models", timeout=10)  # noqa: E731
+        wait_until(lambda: [card["id"] for card in models().json()["data"]] == [MODEL_NAME], timeout_s=30)
+        stack.processes["scheduler-0"].send_signal(signal.SIGKILL)
+        wait_until(lambda: httpx.get(f"{stack.url}/ready", timeout=10).status_code == 503, timeout_s=30)
+        assert models().status_code == 503 and MODEL_NAME in models().json()["error"]["message"]
+        for model in (MODEL_NAME, "other-model", None):
+            body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 2}
+            reply = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
+            assert reply.status_code == 503, (model, reply.text)
 
 
 class run_concurrently_in_background:

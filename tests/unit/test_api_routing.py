@@ -89,3 +89,42 @@ def test_load_routing_ignores_prefixes_and_round_robin_ignores_load():
     assert Router("load").choose([holder, idle], SYSTEM + [1]).engine.name == "idle"
     router = Router("round_robin")
     assert [router.choose([holder, idle], SYSTEM).engine.name for _ in range(4)] == ["holder", "idle"] * 2
+
+
+def test_a_new_prefix_sent_twice_at_once_goes_to_one_engine():
+    """The second prompt is routed before the first one's blocks are reported: the blocks the router sent to
+    an engine count as held there until their request ends."""
+    router, engines = Router("prefix"), [engine("a"), engine("b")]
+    first = router.choose(engines, SYSTEM + [1, 2])
+    assert first.new_block_hashes == hashes(SYSTEM)  # its full blocks (the last token is always computed)
+    first.engine.routed(first.new_block_hashes)
+    first.engine.num_open_here = 1
+    second = router.choose(engines, SYSTEM + [3, 4])
+    assert (second.engine, second.reason, second.num_matched_blocks) == (first.engine, "prefix", 4)
+    first.engine.ended(first.new_block_hashes)
+    first.engine.num_open_here = 0
+    assert first.engine.num_matched_blocks(hashes(SYSTEM)) == 0  # only the engine's reports say so from now on
+
+
+def test_only_blocks_no_engine_holds_count_as_routed():
+    """A prompt sent away from the holder of its prefix (a long queue there) does not make a second holder
+    before that engine reports it."""
+    holder, other = engine("holder", SYSTEM, queue=8), engine("other")
+    route = Router("prefix").choose([holder, other], SYSTEM + [1, 2, 3, 4, 5])
+    assert route.engine is other and route.new_block_hashes == hashes(SYSTEM + [1, 2, 3, 4])[4:]
+
+
+def test_routed_blocks_are_counted_per_open_request():
+    view = engine("a")
+    view.routed(hashes(SYSTEM))
+    view.routed(hashes(SYSTEM))
+    view.ended(hashes(SYSTEM))
+    assert view.num_matched_blocks(hashes(SYSTEM)) == 4  # the other request is still open
+    view.ended(hashes(SYSTEM))
+    assert view.routed_hashes == {}
+
+
+def test_a_new_prefix_goes_to_the_engine_whose_prefix_cache_holds_least():
+    """Equal queues: the emptier cache evicts least, so the engines' caches split the prefixes evenly."""
+    fuller, emptier = engine("fuller", list(range(200, 232))), engine("emptier", list(range(300, 308)))
+    assert {Router("prefix").choose([fuller, emptier], SYSTEM).engine.name for _ in range(4)} == {"emptier"}

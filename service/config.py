@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -113,13 +114,25 @@ class Settings(BaseSettings):
         default="min_recompute", description="Victim choice when blocks run out"
     )
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of identical prefixes")
-    scheduling_policy: Literal["fcfs", "priority"] = Field(
-        default="fcfs", description="Who is served first: arrival order, or the requests' `priority` (lower first)"
+    scheduling_policy: Literal["fcfs", "priority", "fair"] = Field(
+        default="fcfs",
+        description="Who is served first: arrival order, the requests' `priority` (lower first), or fair = the "
+        "tenant served least (weighted tokens), by priority within a tenant",
     )
     priority_aging_s: float = Field(
         default=60.0,
         gt=0,
         description="Priority policy: a request of priority p is served as if it arrived p times this later",
+    )
+    fair_prompt_token_cost: float = Field(
+        default=1.0, ge=0, description="fair: what one prompt token adds to its tenant's counter (before the weight)"
+    )
+    fair_output_token_cost: float = Field(
+        default=2.0, ge=0, description="fair: what one output token adds to its tenant's counter (before the weight)"
+    )
+    tenant_max_running: int = Field(default=0, ge=0, description="Most requests of one tenant running (0 = no limit)")
+    tenant_max_queued: int = Field(
+        default=0, ge=0, description="Most requests of one tenant queued; beyond, a 429 with Retry-After (0 = no limit)"
     )
     target_itl_ms: float = Field(
         default=TARGET_ITL_MS,
@@ -164,6 +177,20 @@ class Settings(BaseSettings):
     worker_addr: str = Field(default="tcp://127.0.0.1:5561", description="ZMQ address of the scheduler's worker socket")
     metrics_port: int = Field(default=9400, gt=0, lt=65536, description="Port of the scheduler's /metrics")
     api_key: SecretStr | None = Field(default=None, description="If set, requests need Authorization: Bearer <key>")
+    api_keys: SecretStr | None = Field(
+        default=None,
+        description='api: keys of tenants, JSON {"<key>": "<tenant>" or {"tenant": "<tenant>", "weight": 2}}; set = '
+        "requests need one of them (or api_key), and the key names the request's tenant",
+    )
+    tenant_header: str = Field(
+        default="", description="api: a request header that names the tenant (set by a gateway), after key and `user`"
+    )
+    tenant_weights: dict[str, float] = Field(
+        default_factory=dict, description='Weights of tenants by name, JSON {"<tenant>": 2} (1 where not named)'
+    )
+    tenant_metrics_limit: int = Field(
+        default=10, ge=0, description="Tenants with a label of their own in the metrics; the rest are `other`"
+    )
     worker_timeout_s: float = Field(
         default=30.0, gt=0, description="Pings unanswered this long mark the worker dead (a long step does not)"
     )
@@ -194,6 +221,35 @@ class Settings(BaseSettings):
     max_request_body_bytes: ByteSize = Field(
         default=ByteSize(4 * 1024**2), gt=0, description="api: largest request body accepted (413 above), e.g. 4MiB"
     )
+
+    @model_validator(mode="after")
+    def _check_tenants(self) -> "Settings":
+        self.tenant_keys()  # a malformed key list fails at start-up, naming its variable
+        if bad := {name: weight for name, weight in self.tenant_weights.items() if not weight > 0}:
+            raise ValueError(f"BLOCKSERVE_TENANT_WEIGHTS: weights must be positive, not {bad}")
+        return self
+
+    def tenant_keys(self) -> dict[str, tuple[str, float]]:
+        """API key -> (its tenant, the tenant's weight), from BLOCKSERVE_API_KEYS and BLOCKSERVE_TENANT_WEIGHTS."""
+        if self.api_keys is None:
+            return {}
+        try:
+            entries = json.loads(self.api_keys.get_secret_value())
+            if not isinstance(entries, dict):
+                raise ValueError("not a JSON object")
+            keys = {}
+            for key, entry in entries.items():
+                entry = {"tenant": entry} if isinstance(entry, str) else entry
+                tenant, weight = entry["tenant"], entry.get("weight", self.tenant_weights.get(entry["tenant"], 1.0))
+                if not (isinstance(tenant, str) and tenant and isinstance(weight, (int, float)) and weight > 0):
+                    raise ValueError("each key needs a tenant name and, if given, a positive weight")
+                keys[key] = (tenant, float(weight))
+            return keys
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:  # the message never shows a key
+            raise ValueError(
+                'BLOCKSERVE_API_KEYS must be a JSON object {"<key>": "<tenant>" or {"tenant": "<tenant>", '
+                f'"weight": <number>}}: {type(exc).__name__} {exc if isinstance(exc, ValueError) else ""}'.rstrip()
+            ) from None
 
     @model_validator(mode="after")
     def _check_budget(self) -> "Settings":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from service.scheduler.fair_share import Tenant
 from service.wire import RunningRequest, SamplingParams
 
 
@@ -37,6 +38,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # a sampled one ends it (EOS unless ignored, and its own)
     max_num_tokens: int = 0  # prompt plus output never exceed this (max_tokens, max_model_len)
     priority: int = 0  # lower is served first (scheduling policy `priority`; always 0 under `fcfs`)
+    tenant: Tenant | None = None  # whose request it is (fair_share.py)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     max_computed_tokens: int = 0  # tokens computed before its latest preemption: computing them again is recomputation

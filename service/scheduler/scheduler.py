@@ -23,13 +23,14 @@ from service.limits import priority_problem, prompt_problem, request_id_problem,
 from service.scheduler import split_table as split
 from service.scheduler.admission import Admitted, ReserveAdmission
 from service.scheduler.counters import SchedulerCounters
+from service.scheduler.fair_share import DEFAULT_TENANT, FairShare
 from service.scheduler.kv_cache_manager import KVCacheManager
 from service.scheduler.messages import closing_delta, new_request_message, stop_token_ids, token_delta
 from service.scheduler.outcome import StepOutcome
-from service.scheduler.preemption import RecomputePreemption
+from service.scheduler.preemption import RecomputePreemption, importance
 from service.scheduler.request import FinishReason, Request, RequestStatus
 from service.scheduler.step_cost import StepCostModel
-from service.scheduler.waiting_queue import PriorityWaitingQueue, priority_key
+from service.scheduler.waiting_queue import FairWaitingQueue, PriorityWaitingQueue, priority_key
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,14 @@ class SchedulerConfig:
     vocab_size: int | None = None  # prompt token ids must lie below it (None: not checked)
     max_skip_ahead: int = 8  # waiting requests looked at past a head that does not fit
     max_head_skips: int = 32  # admission rounds a head may be passed over before it blocks others
-    scheduling_policy: str = "fcfs"  # fcfs, or priority: waiting ordered by (priority, arrival) with aging
+    scheduling_policy: str = (
+        "fcfs"  # fcfs; priority: by (priority, arrival) with aging; fair: by tenant (fair_share.py)
+    )
     priority_aging_s: float = 60.0  # priority: a request of priority p is served as if it arrived p x this later
+    fair_prompt_token_cost: float = 1.0  # fair: what a prompt token adds to its tenant's counter (times 1/weight)
+    fair_output_token_cost: float = 2.0  # fair: what an output token adds
+    tenant_max_running: int = 0  # requests of one tenant running at once (0: no limit)
+    tenant_max_queued: int = 0  # requests of one tenant waiting at once; beyond, refused with 429 (0: no limit)
     target_itl_s: float | None = None  # prefill chunks sized so a step with decodes takes about this long
 
     @classmethod
@@ -78,6 +85,10 @@ class SchedulerConfig:
             preemption_policy=settings.preemption_policy,
             scheduling_policy=settings.scheduling_policy,
             priority_aging_s=settings.priority_aging_s,
+            fair_prompt_token_cost=settings.fair_prompt_token_cost,
+            fair_output_token_cost=settings.fair_output_token_cost,
+            tenant_max_running=settings.tenant_max_running,
+            tenant_max_queued=settings.tenant_max_queued,
             target_itl_s=settings.target_itl_ms / 1000 if settings.target_itl_ms else None,
         )
         values.update(overrides)
@@ -115,8 +126,13 @@ class Scheduler:
         self.preemption = preemption
         self.counters = counters or SchedulerCounters()
         self.requests: dict[str, Request] = {}
-        self.by_priority = config.scheduling_policy == "priority"
-        self.waiting = PriorityWaitingQueue(config.priority_aging_s) if self.by_priority else deque()
+        self.by_priority = config.scheduling_policy in ("priority", "fair")  # fair orders by priority within a tenant
+        self.fair = config.scheduling_policy == "fair"
+        self.fair_share = FairShare(config.fair_prompt_token_cost, config.fair_output_token_cost)
+        if self.fair:
+            self.waiting = FairWaitingQueue(self.fair_share, config.priority_aging_s, config.tenant_max_running)
+        else:
+            self.waiting = PriorityWaitingQueue(config.priority_aging_s) if self.by_priority else deque()
         self.step_cost = StepCostModel()
         self.prefill_budget = config.max_num_batched_tokens  # prompt tokens the latest step could take
         self._load = (0, 0, 0)  # the latest step's decodes, the cached tokens they read, its prompts' context
@@ -135,9 +151,18 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling, now: float, owner=b"", priority: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling,
+        now: float,
+        owner=b"",
+        priority: int = 0,
+        tenant: str = DEFAULT_TENANT,
+        tenant_weight: float = 1.0,
     ) -> None:
-        """Queue a request, or raise RequestRejected if it could never be served."""
+        """Queue a request, or raise RequestRejected if it could never be served (or, 429, if its tenant
+        has its most requests queued)."""
         cfg = self.config
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use", status=409)
@@ -150,10 +175,22 @@ class Scheduler:
             or self.kv.admission_problem(len(prompt_token_ids), max_len)
         ):
             raise RequestRejected(problem)
+        owner_tenant = self.fair_share.tenant(tenant, tenant_weight)
+        if cfg.tenant_max_queued and owner_tenant.num_waiting >= cfg.tenant_max_queued:
+            raise RequestRejected(
+                f"too many requests of this tenant are queued ({cfg.tenant_max_queued}, "
+                "BLOCKSERVE_TENANT_MAX_QUEUED): retry later",
+                status=429,
+            )
+        if not owner_tenant.is_active:
+            self.fair_share.lift(owner_tenant)
         stops = stop_token_ids(sampling, cfg.eos_token_ids)
         priority = priority if self.by_priority else 0  # fcfs ignores the field, as vLLM does
-        request = Request(request_id, list(prompt_token_ids), sampling, now, owner, stops, max_len, priority)
+        request = Request(
+            request_id, list(prompt_token_ids), sampling, now, owner, stops, max_len, priority, owner_tenant
+        )
         self.requests[request_id] = request
+        owner_tenant.num_waiting += 1
         self.waiting.append(request)
 
     def abort_request(self, request_id: str, now: float) -> StepOutcome:
@@ -164,6 +201,7 @@ class Scheduler:
             return outcome
         if request.status is not RequestStatus.RUNNING:
             self.waiting.remove(request)
+            request.tenant.num_waiting -= 1
             self.num_preempted_waiting -= request.status is RequestStatus.PREEMPTED
         self._end(request, FinishReason.ABORT, None, now, outcome)
         return outcome
@@ -172,6 +210,8 @@ class Scheduler:
         """End every request with an error (the worker is gone: no step in flight will return)."""
         outcome = StepOutcome()
         for request in list(self.requests.values()):
+            if request.status is not RequestStatus.RUNNING:
+                request.tenant.num_waiting -= 1
             self._end(request, FinishReason.ERROR, message, now, outcome, error_status)
         self.waiting.clear()
         self.num_preempted_waiting = 0
@@ -243,13 +283,15 @@ class Scheduler:
         if preempted:
             self.admission.on_preemption()
         elif self.waiting and budget > 0 and prefill_budget > 0:
-            while self.by_priority and (victim := self._victim_for_a_better_priority()) is not None:
+            victim_for = self._victim_for_a_fair_share if self.fair else self._victim_for_a_better_priority
+            while self.by_priority and (victim := victim_for()) is not None:
                 num_decode, num_chunk = _unschedule(victim, decodes, chunks, new_block_ids)
                 budget, prefill_budget = budget + num_decode + num_chunk, prefill_budget + num_chunk
                 self._preempt(victim, now, outcome)
                 preempted.append(victim)
-            # What gave way made room for better priorities only.
-            priority_below = min((victim.priority for victim in preempted), default=float("inf"))
+            # What gave way made room for better priorities only (fair: for a tenant below its share, whom
+            # the queue serves first).
+            priority_below = float("inf") if self.fair else min((r.priority for r in preempted), default=float("inf"))
             if len(self.running) < self.config.max_num_seqs:
                 seats = self.config.max_num_seqs - len(self.running)
                 admitting = self.admission.admit(self.waiting, min(budget, prefill_budget), seats, priority_below)
@@ -301,6 +343,46 @@ class Scheduler:
         if not yielding or not self.admission.fits(head, sum(len(self.kv.block_ids(r)) for r in yielding)):
             return None
         return self.preemption.lowest_priority_victim(yielding)
+
+    def _victim_for_a_fair_share(self) -> Request | None:
+        """A running request that gives way to the next waiting one, whose tenant lacks a seat or blocks while
+        below its weighted share of them: of the tenant furthest over its share, which keeps at least its
+        share. None if the next lacks nothing, holds its share already, or giving way would not make room.
+        The most important running request never gives way."""
+        head, cfg, kv = self.waiting.peek(), self.config, self.kv
+        if lacks_seat := len(self.running) >= cfg.max_num_seqs:
+            shares = self.fair_share.shares(cfg.max_num_seqs)
+            held = {tenant: tenant.num_running for tenant in shares}
+            needed = 1
+        elif not self.admission.fits(head):
+            shares = self.fair_share.shares(kv.pool.num_blocks)
+            held = dict.fromkeys(shares, 0)
+            for request in self.running:
+                held[request.tenant] += len(kv.block_ids(request))
+            needed = -(-head.num_tokens // kv.block_size)
+        else:
+            return None
+        owner = head.tenant
+        if held[owner] + needed > shares[owner]:
+            return None
+
+        def cost(request: Request) -> int:
+            return 1 if lacks_seat else len(kv.block_ids(request))
+
+        protected = min(self.running, key=importance)
+        candidates = [
+            r
+            for r in self.running
+            if r.tenant is not owner and r is not protected and held[r.tenant] - cost(r) >= shares[r.tenant]
+        ]
+        if not candidates:
+            return None
+        if not lacks_seat and not self.admission.fits(
+            head, sum(map(cost, candidates)) + self.admission.reserve_of(candidates)
+        ):
+            return None
+        furthest = max({r.tenant for r in candidates}, key=lambda tenant: held[tenant] / shares[tenant])
+        return self.preemption.lowest_priority_victim([r for r in candidates if r.tenant is furthest])
 
     def update(self, step: ScheduledStep, result: wire.StepResult, now: float) -> StepOutcome:
         """Apply the worker's sampled tokens for `step`; return what they produced."""
@@ -388,10 +470,16 @@ class Scheduler:
         if request.num_preemptions == 0:
             request.num_cached_tokens = admitted.num_cached_tokens
             self.counters.num_prompt_tokens += request.num_tokens
+            request.tenant.num_prompt_tokens += request.num_tokens
             self.counters.prefix_cache_queries += request.num_tokens
             self.counters.prefix_cache_hits += admitted.num_cached_tokens
         else:
             self.num_preempted_waiting -= 1
+        tenant = request.tenant
+        tenant.num_waiting -= 1
+        tenant.num_running += 1
+        if self.fair:
+            self.waiting.ran(request)
         request.status = RequestStatus.RUNNING
         request.num_skipped = 0
         request.admitted_seq = self._admissions
@@ -410,9 +498,12 @@ class Scheduler:
         victim.num_output_placeholders = 0
         victim.sent_to_worker = False
         victim.num_preemptions += 1
+        victim.tenant.num_preemptions += 1
         self.counters.num_preemptions += 1
         if self.preemption.requeues_victims:
             del self.running[victim]
+            victim.tenant.num_running -= 1
+            victim.tenant.num_waiting += 1
             victim.status = RequestStatus.PREEMPTED
             self.num_preempted_waiting += 1
             self.waiting.appendleft(victim)
@@ -463,6 +554,8 @@ class Scheduler:
             if end // block_size > start // block_size:
                 filled.append((request, end))
         self.counters.num_recomputed_tokens += recomputed
+        if self.fair:
+            self._charge_output(requests, not_sampling)
         if self.config.target_itl_s is not None:  # what the step cost model learns from and predicts with
             decode_attended = single_attended + sum(map(_num_computed_tokens, decodes))
             num_decodes = single_tokens + len(decodes)
@@ -477,13 +570,29 @@ class Scheduler:
         outcome.cache_events = self.kv.take_cache_events()
         return step
 
+    def _charge_output(self, scheduled: list[Request], not_sampling: set[Request]) -> None:
+        """Each request that samples in this step is given an output token: counted per tenant from its running
+        requests, less the few that do not sample or were not scheduled (not per request: this runs every step)."""
+        charge = self.fair_share.charge_output
+        for tenant in self.fair_share.active():
+            if tenant.num_running:
+                charge(tenant, tenant.num_running)
+        for request in not_sampling:
+            charge(request.tenant, -1)
+        if len(scheduled) < len(self.running):
+            scheduled_now = set(scheduled)
+            for request in self.running:
+                if request not in scheduled_now:
+                    charge(request.tenant, -1)
+
     def _end(self, request: Request, reason, error: str | None, now, outcome: StepOutcome, error_status=500) -> None:
         """Finish a request and give its api replica the closing delta."""
         outcome.add(request, closing_delta(request, reason, error, error_status))
         self._finish(request, reason, now, outcome)
 
     def _finish(self, request: Request, reason: FinishReason, now: float, outcome: StepOutcome) -> None:
-        self.running.pop(request, None)
+        if self.running.pop(request, False) is None:  # it was running (the dict holds None for each)
+            request.tenant.num_running -= 1
         self.kv.forget(request)
         if request.sent_to_worker:
             self._finished_for_worker.append(request.request_id)
@@ -491,6 +600,7 @@ class Scheduler:
         request.finish_reason = reason
         request.finish_time = now
         del self.requests[request.request_id]
+        request.tenant.num_generation_tokens += request.num_output_tokens
         self.counters.record_finish(request)
         outcome.finished.append(request)
 
@@ -514,7 +624,9 @@ def build_scheduler(
     """The unified-table scheduler, or the split-table baseline when `split_table` is given."""
     if split_table is None:
         kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        admission = ReserveAdmission(kv, config.max_skip_ahead, config.max_head_skips)
+        admission = ReserveAdmission(
+            kv, config.max_skip_ahead, config.max_head_skips, tenant_max_running=config.tenant_max_running
+        )
         return Scheduler(config, kv, admission, RecomputePreemption(kv, config.preemption_policy), counters)
     config = replace(config, scheduling_policy="fcfs")  # as v0: first come, first served
     kv = split.SplitTableKVCacheManager(config.num_blocks, config.block_size, split_table)

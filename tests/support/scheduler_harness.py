@@ -8,6 +8,7 @@ from typing import Callable
 
 from service import wire
 from service.scheduler.engine import EngineLoop
+from service.scheduler.fair_share import DEFAULT_TENANT
 from service.scheduler.fake_worker import FakeWorker, extend_prefix_hash, next_token
 from service.scheduler.outcome import StepOutcome
 from service.scheduler.request import RequestStatus
@@ -70,8 +71,18 @@ class Harness:
         self.now = 0.0
         self.steps = 0
 
-    def add(self, request_id: str, prompt: list[int], sampling: wire.SamplingParams, priority: int = 0) -> None:
-        self.scheduler.add_request(request_id, prompt, sampling, self.now, priority=priority)
+    def add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: wire.SamplingParams,
+        priority: int = 0,
+        tenant: str = DEFAULT_TENANT,
+        tenant_weight: float = 1.0,
+    ) -> None:
+        self.scheduler.add_request(
+            request_id, prompt, sampling, self.now, priority=priority, tenant=tenant, tenant_weight=tenant_weight
+        )
         self.outputs[request_id] = []
 
     def abort(self, request_id: str) -> None:
@@ -140,13 +151,16 @@ class Harness:
     def check_victims(self, output: wire.SchedulerOutput) -> None:
         """Victims come from the lowest priority first: every request still running after a step is of a
         priority at least as good as each request that step preempted, or has waited its priority's worth
-        past it (aging protects it; see waiting_queue.py). The unified table's rule."""
+        past it (aging protects it; see waiting_queue.py), within a tenant under the fair policy. The unified
+        table's rule."""
         if isinstance(self.kv, SplitTableKVCacheManager):
             return
         aging_s = self.config.priority_aging_s
         for victim_id in output.preempted_request_ids:
             victim = self.scheduler.requests[victim_id]
             for other in self.scheduler.running:
+                if self.scheduler.fair and other.tenant is not victim.tenant:
+                    continue  # across tenants the shares decide (fair_share.py)
                 assert other.priority <= victim.priority or priority_key(other, aging_s) <= priority_key(
                     victim, aging_s
                 ), f"{victim_id} gave way while {other.request_id} of a lower priority runs on"

@@ -21,7 +21,8 @@ configs = st.builds(
     enable_prefix_caching=st.booleans(),
     preemption_policy=st.sampled_from(["lifo", "min_recompute"]),
     eos_token_ids=st.just((EOS_TOKEN_ID,)),
-    scheduling_policy=st.sampled_from(["fcfs", "priority"]),
+    scheduling_policy=st.sampled_from(["fcfs", "priority", "fair"]),
+    tenant_max_running=st.sampled_from([0, 0, 1, 3]),
     priority_aging_s=st.sampled_from([1.0, 4.0, 100.0]),
 )
 
@@ -34,6 +35,7 @@ request_specs = st.fixed_dictionaries(
         "arrival_step": st.integers(0, 30),
         "abort_after": st.one_of(st.none(), st.integers(0, 40)),
         "priority": st.integers(-2, 2),
+        "tenant": st.sampled_from([("a", 1.0), ("b", 2.0), ("c", 1.0)]),
     }
 )
 
@@ -68,12 +70,12 @@ def test_random_traces_keep_every_invariant_and_finish_every_request(overlapped,
             sampling = wire.SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=spec["ignore_eos"])
             if not fits_alone(prompt, sampling, config):
                 try:
-                    harness.add(request_id, prompt, sampling, spec["priority"])
+                    harness.add(request_id, prompt, sampling, spec["priority"], *spec["tenant"])
                 except ValueError:
                     rejected.add(request_id)
                     continue
                 raise AssertionError("a request that can never fit was queued")
-            harness.add(request_id, prompt, sampling, spec["priority"])
+            harness.add(request_id, prompt, sampling, spec["priority"], *spec["tenant"])
             expected[request_id] = (reference_output(prompt, sampling, config), spec["abort_after"], step)
         for request_id, (_, abort_after, arrived) in expected.items():
             if abort_after is not None and step == arrived + abort_after and request_id in harness.scheduler.requests:
@@ -94,6 +96,7 @@ def test_random_traces_keep_every_invariant_and_finish_every_request(overlapped,
     pool = harness.kv.pool
     assert pool.num_free_blocks == pool.num_blocks, "blocks leaked"
     assert all(block.ref_count == 0 for block in pool.blocks)
+    assert all(t.num_waiting == t.num_running == 0 for t in harness.scheduler.fair_share.tenants.values())
 
 
 split_table_configs = st.builds(

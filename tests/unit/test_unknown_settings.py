@@ -59,7 +59,7 @@ def test_every_setting_and_every_variable_blockserve_reads_besides_is_known():
 
 def test_a_secrets_dir_file_that_names_no_setting_is_named_too(environment, tmp_path, caplog):
     (tmp_path / "BLOCKSERVE_MAX_NUM_SEQS").write_text("8")
-    (tmp_path / "BLOCKSERVE_API_KEYS").write_text("secret")
+    (tmp_path / "BLOCKSERVE_API_KEYZ").write_text("secret")
     (tmp_path / "..data").mkdir()  # how a Kubernetes Secret volume keeps its files: not a setting
     environment.setenv("BLOCKSERVE_SECRETS_DIR", str(tmp_path))
     caplog.set_level(logging.WARNING)
@@ -67,9 +67,9 @@ def test_a_secrets_dir_file_that_names_no_setting_is_named_too(environment, tmp_
     settings = load_settings()
 
     assert settings.max_num_seqs == 8
-    assert check_setting_names(settings) == ["BLOCKSERVE_API_KEYS"]
+    assert check_setting_names(settings) == ["BLOCKSERVE_API_KEYZ"]
     assert warnings_of(caplog) == [
-        f"file {tmp_path / 'BLOCKSERVE_API_KEYS'} names no setting (the closest is BLOCKSERVE_API_KEY); ignored"
+        f"file {tmp_path / 'BLOCKSERVE_API_KEYZ'} names no setting (the closest is BLOCKSERVE_API_KEY); ignored"
     ]
 
 

@@ -21,6 +21,8 @@ MAX_SEED = 2**63 - 1
 MAX_REQUEST_ID_CHARS = 256
 MAX_ABS_PRIORITY = 2**31 - 1  # priorities lie in [-MAX_ABS_PRIORITY, MAX_ABS_PRIORITY]
 MAX_BLOCK_SIZE = 1024
+MAX_TENANT_CHARS = 256  # a tenant's name (an API key's tenant, OpenAI's `user`, a gateway's header)
+MAX_TENANT_WEIGHT = 1e6
 
 
 def _in_range(value: float, low: float, high: float, low_open: bool) -> bool:
@@ -85,6 +87,14 @@ def prompt_problem(prompt_token_ids: list[int], vocab_size: int | None, max_mode
 def priority_problem(priority: int) -> str | None:
     if not -MAX_ABS_PRIORITY <= priority <= MAX_ABS_PRIORITY:
         return f"priority must lie in [{-MAX_ABS_PRIORITY}, {MAX_ABS_PRIORITY}]; got {priority}"
+    return None
+
+
+def tenant_problem(tenant: str, weight: float) -> str | None:
+    if not 0 < len(tenant) <= MAX_TENANT_CHARS:
+        return f"a tenant's name must have 1 to {MAX_TENANT_CHARS} characters; got {len(tenant)}"
+    if not _in_range(weight, 0.0, MAX_TENANT_WEIGHT, low_open=True):
+        return f"a tenant's weight must lie in (0, {MAX_TENANT_WEIGHT}]; got {weight}"
     return None
 
 

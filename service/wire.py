@@ -19,7 +19,8 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
+DEFAULT_TENANT = "default"  # whose a request is when nothing names a tenant
 
 
 class WireError(ValueError):
@@ -96,7 +97,9 @@ class GenerateRequest(Message, tag="generate"):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    priority: int = 0  # lower is served first, under the scheduler's `priority` policy
+    priority: int = 0  # lower is served first, under the scheduler's `priority` policy (fair: within a tenant)
+    tenant: str = DEFAULT_TENANT  # whose request it is (the `fair` policy shares the engine among tenants)
+    tenant_weight: float = 1.0  # the tenant's share relative to others'
 
 
 class AbortRequest(Message, tag="abort"):

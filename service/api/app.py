@@ -24,6 +24,7 @@ from service.api.errors import ApiError, install_error_handlers
 from service.api.metrics import ApiMetrics, MetricsMiddleware
 from service.api.openapi import errors, install_openapi
 from service.api.protocol import ChatCompletionChunk, CompletionResponse, Health, ModelCard, ModelList, Readiness
+from service.api.tenants import TenantResolver
 from service.config import Settings
 
 READY_TIMEOUT_S = 1.0
@@ -52,7 +53,7 @@ def create_app(settings: Settings) -> FastAPI:
             on_engines_changed=metrics.on_engines_changed,
         )
         await client.start()
-        app.state.context = ApiContext(client)
+        app.state.context = ApiContext(client, TenantResolver(settings))
         try:
             yield
         finally:
@@ -109,10 +110,19 @@ def create_app(settings: Settings) -> FastAPI:
     install_openapi(app, [CompletionResponse, ChatCompletionChunk], lambda: served_vocab_size(app))
     metrics.start_series(app.openapi()["paths"])
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=int(settings.max_request_body_bytes))
-    if settings.api_key is not None and settings.api_key.get_secret_value():
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value())
+    if keys := api_keys(settings):
+        app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts the 401s and 413s too
     return app
+
+
+def api_keys(settings: Settings) -> dict[str, tuple[str, float] | None]:
+    """The keys a request may carry: the one key (no tenant of its own) and the tenants' keys."""
+    keys: dict[str, tuple[str, float] | None] = {}
+    if settings.api_key is not None and settings.api_key.get_secret_value():
+        keys[settings.api_key.get_secret_value()] = None
+    keys.update(settings.tenant_keys())
+    return keys
 
 
 def served_vocab_size(app: FastAPI) -> int | None:

@@ -49,9 +49,8 @@ async def create_chat_completion(
     max_tokens = model.check_fits(len(prompt), requested)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = Generation(
-        context.client, model, choice_specs(response_id, body, [(prompt, max_tokens)], logprobs), body.stop_strings()
-    )
+    specs = choice_specs(response_id, body, [(prompt, max_tokens)], logprobs, context.tenant_of(request, body.user))
+    generation = Generation(context.client, model, specs, body.stop_strings())
     if body.stream:
         pieces = await generation.started(request)
         return sse_response(_chunks(body, model, response_id, pieces, len(prompt)))

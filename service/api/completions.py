@@ -36,7 +36,7 @@ async def create_completion(body: CompletionRequest, request: Request, context: 
     max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
     budgets = [(prompt, model.check_fits(len(prompt), max_tokens)) for prompt in prompts]
     response_id = f"cmpl-{uuid.uuid4().hex}"
-    specs = choice_specs(response_id, body, budgets, body.logprobs)
+    specs = choice_specs(response_id, body, budgets, body.logprobs, context.tenant_of(request, body.user))
     generation = Generation(context.client, model, specs, body.stop_strings())
     echoes = [""] * len(specs)
     if body.echo:

@@ -9,14 +9,16 @@ from fastapi import Request
 from service.api.engines import EngineSet
 from service.api.errors import ApiError
 from service.api.served_model import ServedModel
+from service.api.tenants import TenantResolver
 from service.wire import ModelInfo
 
 log = logging.getLogger(__name__)
 
 
 class ApiContext:
-    def __init__(self, client: EngineSet) -> None:
+    def __init__(self, client: EngineSet, tenant_of: TenantResolver) -> None:
         self.client = client
+        self.tenant_of = tenant_of
         self._built_from: ModelInfo | None = None
         self._model: ServedModel | None = None
 

@@ -142,7 +142,13 @@ class EngineSet:
             client.fail_open_requests(reason)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: wire.SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: wire.SamplingParams,
+        priority: int = 0,
+        tenant: str = wire.DEFAULT_TENANT,
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[wire.RequestDelta]:
         """The deltas of one request from the engine the router picks; once more elsewhere if refused."""
         tried: set[str] = set()
@@ -161,7 +167,8 @@ class EngineSet:
             retry = len(tried) == 1 and any(c.addr not in tried for c in self.serving())
             client.view.routed(route.new_block_hashes)
             try:
-                async with aclosing(client.generate(request_id, prompt_token_ids, sampling, priority)) as deltas:
+                generating = client.generate(request_id, prompt_token_ids, sampling, priority, tenant, tenant_weight)
+                async with aclosing(generating) as deltas:
                     async for delta in deltas:
                         if retry and delta.refused:
                             break  # refused before it started: another engine may take it

@@ -23,10 +23,11 @@ from service.api.errors import ApiError
 from service.api.protocol import GenerationRequest
 from service.api.scheduler_client import SchedulerClient
 from service.api.served_model import ServedModel
-from service.wire import SamplingParams
+from service.wire import DEFAULT_TENANT, SamplingParams
 
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
+RETRY_AFTER_S = 1  # what a 429 (a tenant at its most queued requests) asks the client to wait
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class ChoiceSpec:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     priority: int = 0
+    tenant: tuple[str, float] = (DEFAULT_TENANT, 1.0)  # whose request it is, and the tenant's weight
 
 
 @dataclass
@@ -54,6 +56,7 @@ def choice_specs(
     body: GenerationRequest,
     prompts: list[tuple[list[int], int]],
     logprobs: int | None,
+    tenant: tuple[str, float] = (DEFAULT_TENANT, 1.0),
 ) -> list[ChoiceSpec]:
     """`body.n` choices for each (prompt token ids, max_tokens); indexes run prompt by prompt."""
     specs = []
@@ -61,7 +64,7 @@ def choice_specs(
         for choice in range(body.n):
             index = prompt_index * body.n + choice
             sampling = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs, choice=choice)
-            specs.append(ChoiceSpec(index, f"{request_id}-{index}", prompt_token_ids, sampling, body.priority))
+            specs.append(ChoiceSpec(index, f"{request_id}-{index}", prompt_token_ids, sampling, body.priority, tenant))
     return specs
 
 
@@ -117,11 +120,15 @@ class Generation:
     async def _run_choice(self, spec: ChoiceSpec, pieces: asyncio.Queue) -> None:
         state = ChoiceState(spec.index, self._model.tokenizer, spec.prompt_token_ids, self._stop)
         try:
-            deltas = self._client.generate(spec.request_id, spec.prompt_token_ids, spec.sampling, spec.priority)
+            deltas = self._client.generate(
+                spec.request_id, spec.prompt_token_ids, spec.sampling, spec.priority, *spec.tenant
+            )
             async with aclosing(deltas):
                 async for delta in deltas:
                     if delta.error is not None or delta.finish_reason == "error":
-                        raise ApiError(delta.error_status or 500, delta.error or "The generation failed.")
+                        status = delta.error_status or 500
+                        retry = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None  # a tenant's limit
+                        raise ApiError(status, delta.error or "The generation failed.", headers=retry)
                     piece = state.add(delta)
                     if piece is not None:
                         pieces.put_nowait(piece)

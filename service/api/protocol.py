@@ -111,11 +111,16 @@ class GenerationRequest(StrictRequest):
         0,
         ge=-limits.MAX_ABS_PRIORITY,
         le=limits.MAX_ABS_PRIORITY,
-        description="Lower is served first when the server runs BLOCKSERVE_SCHEDULING_POLICY=priority (as vLLM)",
+        description="Lower is served first when the server runs BLOCKSERVE_SCHEDULING_POLICY=priority (as vLLM), "
+        "or within the request's tenant under `fair`",
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(
+        None,
+        max_length=limits.MAX_TENANT_CHARS,
+        description="The end user (OpenAI's field); names the request's tenant when its API key does not",
+    )
 
     _shared_integers = field_validator("n", "top_k", "seed", "stop_token_ids", "priority", mode="before")(whole_numbers)
 

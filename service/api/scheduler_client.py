@@ -90,7 +90,13 @@ class SchedulerClient:
         self._context.destroy(linger=0)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: wire.SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: wire.SamplingParams,
+        priority: int = 0,
+        tenant: str = wire.DEFAULT_TENANT,
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[wire.RequestDelta]:
         """The deltas of one request; leaving early (or being cancelled) aborts it."""
         queue: asyncio.Queue[wire.RequestDelta] = asyncio.Queue()
@@ -99,7 +105,12 @@ class SchedulerClient:
         finished = False
         try:
             request = wire.GenerateRequest(
-                request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling, priority=priority
+                request_id=request_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling=sampling,
+                priority=priority,
+                tenant=tenant,
+                tenant_weight=tenant_weight,
             )
             if not self._send(request):
                 finished = True

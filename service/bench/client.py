@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
+from service.wire import DEFAULT_TENANT
 from service.workload import TraceRequest
 
 
@@ -23,6 +24,7 @@ class RequestTiming:
     request_id: str
     prompt_len: int
     max_tokens: int
+    tenant: str = DEFAULT_TENANT
     start_s: float = 0.0
     token_times_s: list[float] = field(default_factory=list)  # arrival of each chunk with text
     end_s: float = 0.0
@@ -55,6 +57,8 @@ async def _one(
         "stream_options": {"include_usage": True},
         "ignore_eos": ignore_eos,
     }
+    if request.tenant != DEFAULT_TENANT:  # a trace of tenants: each request names its own
+        body["user"] = request.tenant
     timing.start_s = time.perf_counter()
     try:
         async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -91,7 +95,7 @@ async def run_trace(
     timings and the run's start and end (perf_counter seconds)."""
     limits = httpx.Limits(max_connections=max_concurrency or len(trace) or 1, max_keepalive_connections=64)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    timings = [RequestTiming(r.request_id, len(r.prompt_token_ids), r.max_tokens) for r in trace]
+    timings = [RequestTiming(r.request_id, len(r.prompt_token_ids), r.max_tokens, r.tenant) for r in trace]
     progress = tqdm(total=len(trace), desc="requests", unit="req")
 
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as http:

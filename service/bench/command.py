@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from service.workload import NAMED_WORKLOADS, LengthDistribution, Workload, make_trace
+from service.workload import NAMED_WORKLOADS, LengthDistribution, TenantMix, Workload, make_trace
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shared-prefixes", type=int, default=0, help="each prompt starts with one of this many common prefixes"
     )
     parser.add_argument("--shared-prefix-len", type=int, default=256, help="tokens of each common prefix")
+    parser.add_argument(
+        "--tenant",
+        action="append",
+        type=TenantMix.parse,
+        default=[],
+        metavar="NAME:SHARE[:RATE[:WEIGHT]]",
+        help="a tenant of the trace (repeat for each): its share of the requests, its own arrival rate (default: "
+        "the trace's times its share) and, for --simulate, its weight; sent as OpenAI's `user`, reported apart",
+    )
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let requests stop at EOS")
     # Greedy by default; a server's draw (temperature, top_p, top_k) costs what greedy does not.
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
@@ -62,6 +71,7 @@ def build_trace(args: argparse.Namespace):
             seed=args.seed,
             num_shared_prefixes=args.shared_prefixes,
             shared_prefix_len=args.shared_prefix_len if args.shared_prefixes else 0,
+            tenants=tuple(args.tenant),
         )
     )
 

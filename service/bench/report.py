@@ -43,6 +43,7 @@ class BenchReport:
     goodput_requests_per_s: float
     slo: dict[str, float]
     errors: list[str]
+    by_tenant: dict[str, dict[str, float]]  # tenant -> completed requests, output tok/s, TTFT p50 (s)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -87,6 +88,14 @@ def summarize(timings: list[RequestTiming], duration_s: float, slo: dict[str, fl
         goodput_requests_per_s=sum(1 for t in done if meets_slo(t)) / duration_s,
         slo=slo,
         errors=sorted({t.error or "no tokens" for t in failures})[:20],
+        by_tenant={
+            tenant: {
+                "num_completed": len(mine := [t for t in done if t.tenant == tenant]),
+                "output_tokens_per_s": sum(t.completion_tokens for t in mine) / duration_s,
+                "ttft_p50_s": Distribution.of([ttft(t) for t in mine]).p50,
+            }
+            for tenant in sorted({t.tenant for t in timings})
+        },
     )
 
 
@@ -100,5 +109,11 @@ def format_report(report: BenchReport) -> str:
         lines.append(
             f"{name:>5} ms: mean {1000 * dist.mean:8.1f}  p50 {1000 * dist.p50:8.1f}  p99 {1000 * dist.p99:8.1f}"
         )
+    if len(report.by_tenant) > 1:
+        lines += [
+            f"tenant {tenant}: {row['num_completed']} completed, {row['output_tokens_per_s']:.1f} output tok/s, "
+            f"TTFT p50 {1000 * row['ttft_p50_s']:.1f} ms"
+            for tenant, row in report.by_tenant.items()
+        ]
     lines += [f"error: {error}" for error in report.errors]
     return "\n".join(lines)

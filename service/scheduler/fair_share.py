@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_TENANT = "default"
+MAX_TENANTS = 4096  # beyond, the tenants with nothing queued or running are forgotten (a returning one is lifted)
 
 
 @dataclass(slots=True, eq=False)
@@ -25,9 +25,6 @@ class Tenant:
     served: float = 0.0  # the virtual counter: weighted tokens served / weight
     num_waiting: int = 0
     num_running: int = 0
-    num_prompt_tokens: int = 0  # of its admitted requests (what the metrics show, whatever the policy)
-    num_generation_tokens: int = 0  # of its finished requests
-    num_preemptions: int = 0
 
     @property
     def is_active(self) -> bool:
@@ -46,6 +43,8 @@ class FairShare:
         """The tenant of that name (made on first sight); its weight is the latest request's."""
         tenant = self.tenants.get(name)
         if tenant is None:
+            if len(self.tenants) >= MAX_TENANTS:  # OpenAI's `user` may name a tenant per end user
+                self.tenants = {known: t for known, t in self.tenants.items() if t.is_active}
             tenant = self.tenants[name] = Tenant(name, weight)
         tenant.weight = weight
         return tenant

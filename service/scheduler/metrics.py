@@ -31,6 +31,7 @@ STEP_LOOP_PARTS = ("schedule", "update", "fanout", "encode", "decode")
 # server.py's DroppedFrame reasons
 DROP_REASONS = ("malformed", "unexpected", "invalid", "unknown_worker", "slot_taken", "other_model", "handler_error")
 PRIORITY_CLASSES = ("high", "default", "low")  # priority below 0, 0, above 0
+TENANT = ["model_name", "tenant"]
 
 
 def priority_class(request: Request) -> str:
@@ -138,6 +139,7 @@ class _LiveCollector(Collector):
             "Failures of the step cost model (learning, or sizing a prompt chunk); scheduling went on without it.",
             counters.num_step_cost_errors,
         )
+        yield from self._tenant_families(model, scheduler)
         finished = CounterMetricFamily(
             "blockserve_requests_finished", "Finished requests by reason.", labels=["model_name", "reason"]
         )
@@ -147,6 +149,41 @@ class _LiveCollector(Collector):
         info = InfoMetricFamily("blockserve_settings", "Effective settings of this scheduler (secrets redacted).")
         info.add_metric([], self.settings_info)
         yield info
+
+    def _tenant_families(self, model: str, scheduler: Scheduler | None):
+        """Per tenant label (the first BLOCKSERVE_TENANT_METRICS_LIMIT tenants, then `other`): tokens given and
+        preemptions; and how far apart the active tenants' counters are."""
+        families = {
+            "prompt_tokens": CounterMetricFamily(
+                "blockserve_tenant_prompt_tokens", "Prompt tokens of admitted requests, by tenant.", labels=TENANT
+            ),
+            "generation_tokens": CounterMetricFamily(
+                "blockserve_tenant_generation_tokens",
+                "Tokens generated for finished requests, by tenant.",
+                labels=TENANT,
+            ),
+            "preemptions": CounterMetricFamily(
+                "blockserve_tenant_preemptions", "Preemptions of requests, by tenant.", labels=TENANT
+            ),
+        }
+        for label, totals in list(self.counters.by_tenant.items()):
+            for field, family in families.items():
+                family.add_metric([model, label], getattr(totals, field))
+        yield from families.values()
+        fair_share = scheduler.fair_share if scheduler else None
+        spread = GaugeMetricFamily(
+            "blockserve_tenant_counter_spread",
+            "The largest difference between two active tenants' counters: weighted tokens served over weight "
+            "(BLOCKSERVE_SCHEDULING_POLICY=fair keeps it bounded).",
+            labels=["model_name"],
+        )
+        spread.add_metric([model], fair_share.spread() if fair_share else 0.0)
+        yield spread
+        active = GaugeMetricFamily(
+            "blockserve_tenants_active", "Tenants with requests queued or running.", labels=["model_name"]
+        )
+        active.add_metric([model], len(fair_share.active()) if fair_share else 0)
+        yield active
 
     @staticmethod
     def _pool_gauges(model: str, scheduler: Scheduler | None):
@@ -226,6 +263,22 @@ class SchedulerMetrics:
             PREEMPTION_BUCKETS,
             by_priority=True,
         )
+        self.tenant_label = counters.tenant_label
+        self.tenant_ttft = Histogram(
+            "blockserve_tenant_time_to_first_token_seconds",
+            "Time from arrival at the scheduler to the first token, by tenant (the first "
+            "BLOCKSERVE_TENANT_METRICS_LIMIT tenants, then `other`).",
+            TENANT,
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.tenant_queue = Histogram(
+            "blockserve_tenant_request_queue_time_seconds",
+            "Time from arrival to first being scheduled, by tenant.",
+            TENANT,
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
         self.step = histogram(
             "blockserve_step_duration_seconds", "Time from sending a step to the worker to its result.", STEP_BUCKETS_S
         )
@@ -297,7 +350,9 @@ class SchedulerMetrics:
     def on_first_tokens(self, requests: list[Request]) -> None:
         model = self.get_model_name()
         for request in requests:
-            self.ttft.labels(model, priority_class(request)).observe(request.first_token_time - request.arrival_time)
+            ttft_s = request.first_token_time - request.arrival_time
+            self.ttft.labels(model, priority_class(request)).observe(ttft_s)
+            self.tenant_ttft.labels(model, self.tenant_label(request.tenant.name)).observe(ttft_s)
 
     def on_finished(self, requests: list[Request]) -> None:
         model = self.get_model_name()
@@ -306,7 +361,9 @@ class SchedulerMetrics:
             e2e.observe(request.finish_time - request.arrival_time)
             label = priority_class(request)
             if request.first_scheduled_time is not None:
-                self.queue.labels(model, label).observe(request.first_scheduled_time - request.arrival_time)
+                queued_s = request.first_scheduled_time - request.arrival_time
+                self.queue.labels(model, label).observe(queued_s)
+                self.tenant_queue.labels(model, self.tenant_label(request.tenant.name)).observe(queued_s)
             self.preemptions.labels(model, label).observe(request.num_preemptions)
 
     def on_schedule(self, num_tokens: int, schedule_s: float) -> None:

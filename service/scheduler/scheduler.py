@@ -19,11 +19,11 @@ from dataclasses import dataclass, field, replace
 from operator import attrgetter
 
 from service import wire
-from service.limits import priority_problem, prompt_problem, request_id_problem, sampling_problem
+from service.limits import priority_problem, prompt_problem, request_id_problem, sampling_problem, tenant_problem
 from service.scheduler import split_table as split
 from service.scheduler.admission import Admitted, ReserveAdmission
 from service.scheduler.counters import SchedulerCounters
-from service.scheduler.fair_share import DEFAULT_TENANT, FairShare
+from service.scheduler.fair_share import FairShare
 from service.scheduler.kv_cache_manager import KVCacheManager
 from service.scheduler.messages import closing_delta, new_request_message, stop_token_ids, token_delta
 from service.scheduler.outcome import StepOutcome
@@ -31,6 +31,7 @@ from service.scheduler.preemption import RecomputePreemption, importance
 from service.scheduler.request import FinishReason, Request, RequestStatus
 from service.scheduler.step_cost import StepCostModel
 from service.scheduler.waiting_queue import FairWaitingQueue, PriorityWaitingQueue, priority_key
+from service.wire import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,7 @@ class Scheduler:
             or request_id_problem(request_id)
             or sampling_problem(sampling, cfg.vocab_size)
             or priority_problem(priority)
+            or tenant_problem(tenant, tenant_weight)
             or self.kv.admission_problem(len(prompt_token_ids), max_len)
         ):
             raise RequestRejected(problem)
@@ -470,7 +472,7 @@ class Scheduler:
         if request.num_preemptions == 0:
             request.num_cached_tokens = admitted.num_cached_tokens
             self.counters.num_prompt_tokens += request.num_tokens
-            request.tenant.num_prompt_tokens += request.num_tokens
+            self.counters.of_tenant(request.tenant.name).prompt_tokens += request.num_tokens
             self.counters.prefix_cache_queries += request.num_tokens
             self.counters.prefix_cache_hits += admitted.num_cached_tokens
         else:
@@ -498,7 +500,7 @@ class Scheduler:
         victim.num_output_placeholders = 0
         victim.sent_to_worker = False
         victim.num_preemptions += 1
-        victim.tenant.num_preemptions += 1
+        self.counters.of_tenant(victim.tenant.name).preemptions += 1
         self.counters.num_preemptions += 1
         if self.preemption.requeues_victims:
             del self.running[victim]
@@ -600,7 +602,7 @@ class Scheduler:
         request.finish_reason = reason
         request.finish_time = now
         del self.requests[request.request_id]
-        request.tenant.num_generation_tokens += request.num_output_tokens
+        self.counters.of_tenant(request.tenant.name).generation_tokens += request.num_output_tokens
         self.counters.record_finish(request)
         outcome.finished.append(request)
 

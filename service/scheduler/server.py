@@ -28,7 +28,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from service import limits, socket_auth, wire
 from service.config import Settings
-from service.scheduler.counters import SchedulerCounters
+from service.scheduler.counters import SchedulerCounters, TenantLabels
 from service.scheduler.engine import EngineLoop
 from service.scheduler.metrics import SchedulerMetrics
 from service.scheduler.outcome import StepOutcome
@@ -85,7 +85,8 @@ class SchedulerServer:
         self.worker_id: bytes | None = None
         self.worker_fd: int | None = None  # its connection: a disconnect of any other is not its loss
         self.frame_fd: int | None = None  # the connection of the frame being handled
-        self.counters = SchedulerCounters()  # outlives any one Scheduler, so counters never go back
+        # Outlives any one Scheduler, so counters never go back.
+        self.counters = SchedulerCounters(tenant_label=TenantLabels(settings.tenant_metrics_limit))
         self.metrics = SchedulerMetrics(
             lambda: self.scheduler, self.counters, lambda: self.model.name if self.model else "", settings.redacted()
         )
@@ -269,7 +270,14 @@ class SchedulerServer:
         now = time.monotonic()
         try:
             self.scheduler.add_request(
-                request_id, message.prompt_token_ids, message.sampling, now, identity, message.priority
+                request_id,
+                message.prompt_token_ids,
+                message.sampling,
+                now,
+                identity,
+                message.priority,
+                message.tenant,
+                message.tenant_weight,
             )
         except RequestRejected as exc:
             self._send(self.api_socket, identity, self._error_delta(request_id, str(exc), exc.status))

@@ -7,7 +7,7 @@ an operator cares about: throughput, preemptions, recomputed tokens, block usage
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -54,6 +54,7 @@ class SimulationReport:
     tpot_p99_s: float
     high_priority_ttft_p50_s: float  # requests of priority below 0 (0 if none)
     high_priority_ttft_p99_s: float
+    by_tenant: dict[str, dict[str, float]]  # tenant -> finished requests, output tok/s, TTFT p50 (s)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -82,6 +83,8 @@ def simulate(
         sent.append(step.output)
 
     now, next_arrival, rejected, steps, usage_time = 0.0, 0, 0, 0, 0.0
+    tenant_names = {request.tenant for request in trace}
+    backlogged_tokens: Counter[str] = Counter()  # output tokens per tenant while every tenant had requests waiting
     while next_arrival < len(pending) or scheduler.requests or engine.in_flight:
         while next_arrival < len(pending) and pending[next_arrival].arrival_time_s <= now:
             request = pending[next_arrival]
@@ -94,6 +97,8 @@ def simulate(
                     sampling,
                     request.arrival_time_s,
                     priority=request.priority,
+                    tenant=request.tenant,
+                    tenant_weight=request.tenant_weight,
                 )
             except RequestRejected:
                 rejected += 1
@@ -108,6 +113,9 @@ def simulate(
             worker.execute(step)
             step = sent.popleft()
         result = worker.execute(step)
+        tenants = scheduler.fair_share.tenants
+        if len(tenant_names) > 1 and all(name in tenants and tenants[name].num_waiting for name in tenant_names):
+            backlogged_tokens.update(scheduler.requests[token.request_id].tenant.name for token in result.sampled)
         scheduled_ids = [r.request_id for r in step.new_requests] + [r.request_id for r in step.running_requests]
         context = sum(worker.requests[request_id].num_computed_tokens for request_id in scheduled_ids)
         duration = result.compute_s = cost.step_time(step.num_scheduled_tokens, context)  # what the scheduler learns
@@ -115,10 +123,27 @@ def simulate(
         now += duration
         steps += 1
         finished += engine.complete(result, now).finished
-    return _report(trace, finished, rejected, now, steps, usage_time, scheduler)
+    return _report(trace, finished, rejected, now, steps, usage_time, scheduler, backlogged_tokens)
 
 
-def _report(trace, finished: list[Request], rejected, now, steps, usage_time, scheduler) -> SimulationReport:
+def _by_tenant(done: list[Request], duration_s: float, backlogged_tokens: Counter) -> dict[str, dict[str, float]]:
+    """Per tenant: finished requests, output tokens per second over the run, TTFT p50, and the output tokens it
+    was given while every tenant had requests waiting (where a fair share shows)."""
+    report = {}
+    for name in sorted({request.tenant.name for request in done}):
+        mine = [request for request in done if request.tenant.name == name]
+        report[name] = {
+            "num_finished": len(mine),
+            "output_tokens_per_s": sum(request.num_output_tokens for request in mine) / duration_s,
+            "ttft_p50_s": float(np.percentile([r.first_token_time - r.arrival_time for r in mine], 50)),
+            "output_tokens_while_all_backlogged": backlogged_tokens[name],
+        }
+    return report
+
+
+def _report(
+    trace, finished: list[Request], rejected, now, steps, usage_time, scheduler, backlogged_tokens: Counter
+) -> SimulationReport:
     done = [r for r in finished if r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)]
     start = min((r.arrival_time_s for r in trace), default=0.0)
     duration = max(now - start, 1e-9)
@@ -146,4 +171,5 @@ def _report(trace, finished: list[Request], rejected, now, steps, usage_time, sc
         tpot_p99_s=float(np.percentile(tpot, 99)),
         high_priority_ttft_p50_s=float(np.percentile(high_ttft, 50)),
         high_priority_ttft_p99_s=float(np.percentile(high_ttft, 99)),
+        by_tenant=_by_tenant(done, duration, backlogged_tokens),
     )

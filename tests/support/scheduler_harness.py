@@ -8,13 +8,13 @@ from typing import Callable
 
 from service import wire
 from service.scheduler.engine import EngineLoop
-from service.scheduler.fair_share import DEFAULT_TENANT
 from service.scheduler.fake_worker import FakeWorker, extend_prefix_hash, next_token
 from service.scheduler.outcome import StepOutcome
 from service.scheduler.request import RequestStatus
 from service.scheduler.scheduler import ScheduledStep, SchedulerConfig, build_scheduler
 from service.scheduler.split_table import SplitTableConfig, SplitTableKVCacheManager
 from service.scheduler.waiting_queue import priority_key
+from service.wire import DEFAULT_TENANT
 
 VOCAB_SIZE = 64
 EOS_TOKEN_ID = 0

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.scheduler.fair_share import FairShare
 from service.scheduler.scheduler import RequestRejected, SchedulerConfig
+from service.scheduler.simulator import simulate
+from service.workload import LengthDistribution, TenantMix, Workload, make_trace
 from tests.support.scheduler_harness import Harness, greedy
 
 PROMPT_COST, OUTPUT_COST = 1.0, 2.0
@@ -190,3 +194,43 @@ def test_every_tenant_count_returns_to_zero_when_all_have_ended():
     harness.run_until_idle()
     for tenant in harness.scheduler.fair_share.tenants.values():
         assert (tenant.num_waiting, tenant.num_running) == (0, 0), tenant.name
+
+
+# ---------------------------------------------------------------------- traces of tenants, simulated
+
+
+def tenant_trace(num_requests: int = 1000):
+    """Two tenants sending the same requests at the same rate, each past what the accelerator serves."""
+    mix = (TenantMix("light", 0.5, rate=50.0, weight=1.0), TenantMix("heavy", 0.5, rate=50.0, weight=2.0))
+    workload = Workload(
+        num_requests, LengthDistribution("fixed", 128), LengthDistribution("fixed", 128), math.inf, tenants=mix
+    )
+    return make_trace(workload)
+
+
+def test_a_trace_of_tenants_gives_each_its_share_its_rate_and_its_weight():
+    trace = tenant_trace()
+    light = [request for request in trace if request.tenant == "light"]
+    assert 400 < len(light) < 600 and {request.tenant_weight for request in light} == {1.0}
+    assert [request.arrival_time_s for request in trace] == sorted(request.arrival_time_s for request in trace)
+    assert len(light) / light[-1].arrival_time_s == pytest.approx(50.0, rel=0.15)
+    assert TenantMix.parse("quiet:0.2:1.5:3") == TenantMix("quiet", 0.2, 1.5, 3.0)
+    assert TenantMix.parse("flood:0.8") == TenantMix("flood", 0.8)
+
+
+@pytest.mark.parametrize("policy, ratio", [("fair", 2.0), ("fcfs", 1.0)])
+def test_simulated_backlogged_tenants_of_weights_1_and_2_get_output_1_to_2_under_fair_only(policy, ratio):
+    config = SchedulerConfig(num_blocks=2048, block_size=16, max_num_seqs=64, scheduling_policy=policy)
+    report = simulate(tenant_trace(), config)
+    tokens = {name: row["output_tokens_while_all_backlogged"] for name, row in report.by_tenant.items()}
+    assert tokens["light"] > 10_000
+    assert tokens["heavy"] / tokens["light"] == pytest.approx(ratio, rel=0.05)
+
+
+def test_the_fair_policy_keeps_fcfs_throughput_on_the_same_trace():
+    fcfs, fair = (
+        simulate(tenant_trace(), SchedulerConfig(num_blocks=2048, block_size=16, scheduling_policy=policy))
+        for policy in ("fcfs", "fair")
+    )
+    assert fair.num_finished == fcfs.num_finished == 1000
+    assert fair.output_tokens_per_s >= 0.97 * fcfs.output_tokens_per_s

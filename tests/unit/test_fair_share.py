@@ -7,10 +7,16 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from starlette.requests import Request
 
+from service.api.errors import ApiError
+from service.api.tenants import KEY_TENANT, TenantResolver
+from service.config import Settings, SettingsError, load_settings
+from service.scheduler.counters import TenantLabels
 from service.scheduler.fair_share import FairShare
 from service.scheduler.scheduler import RequestRejected, SchedulerConfig
 from service.scheduler.simulator import simulate
+from service.wire import DEFAULT_TENANT
 from service.workload import LengthDistribution, TenantMix, Workload, make_trace
 from tests.support.scheduler_harness import Harness, greedy
 
@@ -234,3 +240,40 @@ def test_the_fair_policy_keeps_fcfs_throughput_on_the_same_trace():
     )
     assert fair.num_finished == fcfs.num_finished == 1000
     assert fair.output_tokens_per_s >= 0.97 * fcfs.output_tokens_per_s
+
+
+# ---------------------------------------------------------------------- labels, settings and the api's tenant
+
+
+def test_tenant_labels_are_bounded_and_never_move():
+    labels = TenantLabels(limit=2)
+    assert [labels(name) for name in ("a", "b", "c", "a", "d", "b")] == ["a", "b", "other", "a", "other", "b"]
+
+
+def http_request(headers: dict[str, str], key_tenant: tuple[str, float] | None = None) -> Request:
+    scope = {"type": "http", "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+    if key_tenant is not None:
+        scope["state"] = {KEY_TENANT: key_tenant}
+    return Request(scope)
+
+
+def test_a_request_s_tenant_is_its_key_s_then_its_user_then_the_gateway_header_then_the_default():
+    settings = Settings(tenant_header="X-Tenant", tenant_weights={"acme": 3.0})
+    tenant_of = TenantResolver(settings)
+    assert tenant_of(http_request({"x-tenant": "gw"}, ("keyed", 2.0)), "someone") == ("keyed", 2.0)
+    assert tenant_of(http_request({"x-tenant": "gw"}), "acme") == ("acme", 3.0)
+    assert tenant_of(http_request({"X-Tenant": "gw"}), None) == ("gw", 1.0)
+    assert tenant_of(http_request({}), None) == (DEFAULT_TENANT, 1.0)
+    with pytest.raises(ApiError, match="longer than 256"):
+        tenant_of(http_request({"x-tenant": "t" * 300}), None)
+
+
+def test_api_keys_are_read_as_tenants_and_a_malformed_list_is_refused_without_showing_a_key(monkeypatch):
+    keys = '{"sk-1": {"tenant": "acme", "weight": 2}, "sk-2": "beta"}'
+    settings = Settings(api_keys=keys, tenant_weights={"beta": 4})
+    assert settings.tenant_keys() == {"sk-1": ("acme", 2.0), "sk-2": ("beta", 4.0)}
+    assert settings.redacted()["BLOCKSERVE_API_KEYS"] == "**********"
+    monkeypatch.setenv("BLOCKSERVE_API_KEYS", '{"sk-secret": {"weight": 2}}')
+    with pytest.raises(SettingsError, match="BLOCKSERVE_API_KEYS must be a JSON object") as refused:
+        load_settings()
+    assert "sk-secret" not in str(refused.value)

@@ -90,6 +90,9 @@ which print as 5.36870912e+08; whole numbers are printed as integers instead.
 {{- if has $name (list "BLOCKSERVE_API_KEY" "BLOCKSERVE_SCHEDULER_ADDR" "BLOCKSERVE_ENGINE_DISCOVERY") }}
 {{- fail (printf "config.%s is set by the chart: use %s instead" $name (ternary "apiKey.value or apiKey.existingSecret" "engine.schedulerPort" (eq $name "BLOCKSERVE_API_KEY"))) }}
 {{- end }}
+{{- if eq $name "BLOCKSERVE_API_KEYS" }}
+{{- fail "config.BLOCKSERVE_API_KEYS holds secrets: put them in a Secret and name it in apiKeys.existingSecret" }}
+{{- end }}
 {{- if or (eq $name "BLOCKSERVE_SECRETS_DIR") (hasPrefix "BLOCKSERVE_CURVE_" $name) }}
 {{- fail (printf "config.%s is set by the chart: use curve.enabled and curve.existingSecret instead" $name) }}
 {{- end }}

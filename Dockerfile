@@ -82,7 +82,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 WORKDIR /src
 
 COPY service/ service/
-COPY gpu_worker/ gpu_worker/
+COPY worker/ worker/
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install --no-deps .
 

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from gpu_worker.cpu_threads import set_thread_defaults
+from worker.host.cpu_threads import set_thread_defaults
 
 set_thread_defaults()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the measure lives in tests/support

@@ -13,18 +13,18 @@ import argparse
 import os
 import time
 
-from gpu_worker.cpu_threads import set_thread_defaults  # noqa: E402
+from worker.host.cpu_threads import set_thread_defaults  # noqa: E402
 
 set_thread_defaults()  # the worker's OpenMP settings, as in the service
 
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 
-from gpu_worker.kernels import PaddleKernels, select_kernels  # noqa: E402
-from gpu_worker.model_config import ModelConfig, RopeConfig  # noqa: E402
-from gpu_worker.models.rope import RotaryEmbedding  # noqa: E402
-from gpu_worker.step_inputs import RequestState, build_step_inputs  # noqa: E402
 from service import wire  # noqa: E402
+from worker.inputs.step_inputs import RequestState, build_step_inputs  # noqa: E402
+from worker.kernels.selection import PaddleKernels, select_kernels  # noqa: E402
+from worker.layers.rotary import RotaryEmbedding  # noqa: E402
+from worker.models.config import ModelConfig, RopeConfig  # noqa: E402
 
 NUM_LAYERS, BLOCK_SIZE, CONTEXT_LEN = 30, 16, 128
 SMOLLM2 = ModelConfig(

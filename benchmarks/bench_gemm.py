@@ -31,9 +31,9 @@ import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 import torch  # noqa: E402
 
-from gpu_worker.kernels import select_kernels  # noqa: E402
-from gpu_worker.linear import linear  # noqa: E402
-from gpu_worker.precision import Precision  # noqa: E402
+from worker.kernels.selection import select_kernels  # noqa: E402
+from worker.layers.linear import linear  # noqa: E402
+from worker.layers.precision import Precision  # noqa: E402
 
 ROWS = (1, 8, 16, 32, 64, 512)
 WEIGHTS = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}

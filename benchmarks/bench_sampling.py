@@ -1,6 +1,6 @@
 """Time of one step's sampling (Sampler.draw, then fetch) over SmolLM2's 49152 logits, for each kind of request
 and batch size: the kernels' draw (on a CPU the custom op bs_sample_rows) against the Paddle ops it replaces
-(gpu_worker/token_draw.py, still the path of the other kernels).
+(worker/sample/paddle_draw.py, still the path of the other kernels).
 
 Run: OMP_NUM_THREADS=2 python benchmarks/bench_sampling.py [--repeats N]
 
@@ -15,17 +15,17 @@ import argparse
 import os
 import time
 
-from gpu_worker.cpu_threads import set_thread_defaults
+from worker.host.cpu_threads import set_thread_defaults
 
 set_thread_defaults()  # the worker's OpenMP settings, as in the service
 
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 
-from gpu_worker.kernels import PaddleKernels, select_kernels  # noqa: E402
-from gpu_worker.sampler import Sampler  # noqa: E402
-from gpu_worker.step_inputs import RequestState  # noqa: E402
 from service import wire  # noqa: E402
+from worker.inputs.step_inputs import RequestState  # noqa: E402
+from worker.kernels.selection import PaddleKernels, select_kernels  # noqa: E402
+from worker.sample.sampler import Sampler  # noqa: E402
 
 VOCAB_SIZE = 49152
 BATCHES = (1, 8, 64)

@@ -77,7 +77,7 @@ class FixedStepRunner:
         self.worker = FakeWorker(num_kv_blocks, BLOCK_SIZE, VOCAB_SIZE)
         self.steps: list[dict[str, float]] = []
 
-    # The worker loop's parts (gpu_worker.worker_process.PipelinedRunner): the next step's input
+    # The worker loop's parts (worker.process.PipelinedRunner): the next step's input
     # building runs while the device "computes" this one, as on a GPU whose kernels run queued.
 
     def prepare(self, step: wire.SchedulerOutput) -> tuple[wire.SchedulerOutput, list, float, float]:
@@ -114,8 +114,8 @@ class FixedStepRunner:
 
 
 def run_worker(args: argparse.Namespace) -> None:
-    from gpu_worker.worker_process import serve_worker
     from service.config import load_settings
+    from worker.process import serve_worker
 
     settings = load_settings()
     runner = FixedStepRunner(settings.num_kv_blocks, args.step_ms / 1000)

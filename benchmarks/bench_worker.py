@@ -22,7 +22,7 @@ breakdown times the parts of the median step with wall-clock timers (Paddle on C
 synchronously); inside the fused decoder stack (the default), the op clocks its own stages (time_stages;
 the clocks are read after the timed step's clock stops), so the linear matmuls and the attention are the same parts in both modes. ISA_CAP (avx2, avx512; default all: BLOCKSERVE_CPU_ISA) keeps the custom ops below what the
 CPU has: `custom:float32:none:avx2` and `custom:bfloat16:none:avx2` measure the AVX2 path
-(bf16 storage widened to fp32 in registers) on an AVX-512 machine. The worker's OpenMP settings (gpu_worker/cpu_threads.py) apply, as in the service.
+(bf16 storage widened to fp32 in registers) on an AVX-512 machine. The worker's OpenMP settings (worker/host/cpu_threads.py) apply, as in the service.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-from gpu_worker.cpu_threads import set_thread_defaults
+from worker.host.cpu_threads import set_thread_defaults
 
 THREAD_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # the OpenMP waits the run used
 
@@ -45,11 +45,11 @@ import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 import torch  # noqa: E402
 
-import gpu_worker.model_runner as model_runner_module  # noqa: E402
-from gpu_worker.kernels import STACK_STAGES, FusedDecoderStack  # noqa: E402
-from gpu_worker.model_runner import ModelRunner  # noqa: E402
+import worker.model_runner as model_runner_module  # noqa: E402
 from service import wire  # noqa: E402
 from service.config import load_settings  # noqa: E402
+from worker.kernels.selection import STACK_STAGES, FusedDecoderStack  # noqa: E402
+from worker.model_runner import ModelRunner  # noqa: E402
 
 CONTEXT_LEN = 128
 DECODE_BATCHES = (1, 8, 32, 64)

@@ -1,6 +1,6 @@
 """How blockserve's C++ Paddle custom operators are built: one extension from every cpu/*.cc.
 
-Used by the worker's loader (gpu_worker/custom_ops.py, a cached JIT build) and by setup.py (the
+Used by the worker's loader (worker/kernels/cpu_ops.py, a cached JIT build) and by setup.py (the
 Docker image prebuilds and installs the same extension).
 """
 

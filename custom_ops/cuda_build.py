@@ -2,7 +2,7 @@
 over the Paddle-free kernel headers (gpu/*.cuh), for sm_80 (A100) and sm_90 (H100, H200).
 
 Used by setup.py on a CUDA build of Paddle (the Dockerfile's GPU target), by the worker's loader
-(gpu_worker/cuda_ops.py, a cached JIT build) and by the build test, which compiles every
+(worker/kernels/cuda_ops.py, a cached JIT build) and by the build test, which compiles every
 Paddle-free .cu (gpu/kernel_api.cu) with the machine's nvcc for the same architectures.
 """
 

@@ -32,7 +32,7 @@ def _start_role(role: str, settings: Settings) -> None:
         run_scheduler(settings)
     elif role == "worker":
         os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-        from gpu_worker.worker_process import run_worker
+        from worker.process import run_worker
 
         run_worker(settings)
     else:

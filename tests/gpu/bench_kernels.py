@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 
-from gpu_worker.step_delta import ScheduledRequest, pack_step_delta
 from tests.gpu.gpu_library import NoGpu, gpu_library
 from tests.gpu.kernel_checks import decode_batch
+from worker.inputs.step_delta import ScheduledRequest, pack_step_delta
 
 # (name, num_heads, num_kv_heads, head_dim): one layer's attention.
 GEOMETRIES = [("Llama-3-8B", 32, 8, 128), ("Qwen2.5-7B", 28, 4, 128), ("SmolLM2-135M", 9, 3, 64)]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu_worker.step_delta import ScheduledRequest, pack_step_delta
 from tests.support import kernel_reference as ref
+from worker.inputs.step_delta import ScheduledRequest, pack_step_delta
 
 # (num_cached, num_new) per request: decodes, a fresh prefill longer than a query tile, prefill chunks,
 # a context over many key tiles, a block-sized chunk (as tests/integration/test_custom_ops.py's mixed_step).

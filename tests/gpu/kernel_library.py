@@ -266,7 +266,7 @@ class KernelLibrary:
         return self.arrays.get(arrays["out"]), plan
 
     def prepare_step_inputs(self, delta, block_tables, last_sampled, block_size: int):
-        """(outputs by name, block_tables after) for a gpu_worker.step_delta.StepDelta."""
+        """(outputs by name, block_tables after) for a worker.inputs.step_delta.StepDelta."""
         a = self.arrays
         num_tokens, num_requests, width = delta.num_tokens, delta.num_requests, delta.table_width
         packed, tables, sampled = a.put(delta.packed), a.put(block_tables), a.put(last_sampled)

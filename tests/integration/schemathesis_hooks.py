@@ -18,9 +18,9 @@ from pathlib import Path
 
 import schemathesis
 
-from gpu_worker.gguf_checkpoint import GGUFCheckpoint
 from service.api.protocol import MAX_CHOICES as ALLOWED_CHOICES
 from service.config import default_model_path
+from worker.loading.gguf_checkpoint import GGUFCheckpoint
 
 MAX_CHOICES = 2
 MAX_NEW_TOKENS = 4

@@ -10,12 +10,12 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from gpu_worker.custom_ops import cpu_features
-from gpu_worker.kernels import PaddleKernels, select_kernels
-from gpu_worker.linear import PackedLinear, embedding_and_lm_head, fused_linear, linear
-from gpu_worker.precision import Precision
-from gpu_worker.weight_format import GgufBlocks, WeightFormat, quantize_int8
 from tests.support.numerics import bf16_rounded
+from worker.kernels.cpu_ops import cpu_features
+from worker.kernels.selection import PaddleKernels, select_kernels
+from worker.layers.linear import PackedLinear, embedding_and_lm_head, fused_linear, linear
+from worker.layers.precision import Precision
+from worker.layers.weight_format import GgufBlocks, WeightFormat, quantize_int8
 
 # (in_features, out_features): not multiples of the 16-column panel, the register tile or a bf16 pair / int8
 # quad; depths past one K block (256) and widths of many panels; SmolLM2's fused q|k|v for scale.

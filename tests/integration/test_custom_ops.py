@@ -16,17 +16,17 @@ import numpy as np
 import paddle
 import pytest
 
-import gpu_worker.kernels as kernels_module
-from gpu_worker.attention import PagedAttentionBackend
-from gpu_worker.custom_ops import CustomOpsUnavailable, cpu_features, load_ops
-from gpu_worker.kernels import PaddleKernels, select_kernels
-from gpu_worker.models.rope import RotaryEmbedding
-from gpu_worker.sampler import Sampler
-from gpu_worker.step_inputs import RequestState, build_step_inputs
+import worker.kernels.selection as kernels_module
 from service import wire
 from tests.support.api_peer import ApiPeer
 from tests.support.numerics import attention_config, bf16_rounded
 from tests.support.processes import ROOT, loopback_env, metric_samples, start, stop_all
+from worker.attention.reference import PagedAttentionBackend
+from worker.inputs.step_inputs import RequestState, build_step_inputs
+from worker.kernels.cpu_ops import CustomOpsUnavailable, cpu_features, load_ops
+from worker.kernels.selection import PaddleKernels, select_kernels
+from worker.layers.rotary import RotaryEmbedding
+from worker.sample.sampler import Sampler
 
 MAX_POSITIONS = 1024
 
@@ -371,7 +371,7 @@ def test_a_failing_build_serves_with_paddle_and_says_so_in_one_line(tmp_path, mo
     (tmp_path / "broken.cc").write_text('#include "paddle/extension.h"\nthis is not C++;\n')
     monkeypatch.setattr(kernels_module, "load_ops", lambda: load_ops(tmp_path))
 
-    with caplog.at_level(logging.WARNING, logger="gpu_worker.kernels"):
+    with caplog.at_level(logging.WARNING, logger="worker.kernels.selection"):
         choice = select_kernels("auto")
 
     assert choice.kernels.name == "paddle" and choice.describe()["kernels"] == "paddle"
@@ -384,7 +384,7 @@ def test_a_cpu_without_avx2_never_loads_the_custom_ops_and_forced_custom_refuses
     monkeypatch.setattr(kernels_module, "cpu_features", lambda: {"sse2", "sse4_2", "fma", "f16c"})
     monkeypatch.setattr(kernels_module, "load_ops", lambda: pytest.fail("custom ops loaded on a CPU without AVX2"))
 
-    with caplog.at_level(logging.WARNING, logger="gpu_worker.kernels"):
+    with caplog.at_level(logging.WARNING, logger="worker.kernels.selection"):
         choice = select_kernels("auto")
 
     assert choice.kernels.name == "paddle"
@@ -402,7 +402,7 @@ def seeded_extension_dir(tmp_path: Path) -> Path:
     shared cache's (under its lock), or built here."""
     from paddle.utils.cpp_extension import get_build_directory
 
-    from gpu_worker.custom_ops import BUILD_SCRIPT, build_definition
+    from worker.kernels.cpu_ops import BUILD_SCRIPT, build_definition
 
     build = build_definition(BUILD_SCRIPT, "blockserve_custom_ops_build")
     name = f"{build.EXTENSION_NAME}_{build.source_hash()}"
@@ -415,7 +415,7 @@ def seeded_extension_dir(tmp_path: Path) -> Path:
     else:
         env = {**os.environ, "PADDLE_EXTENSION_DIR": str(extension_dir)}
         subprocess.run(
-            [sys.executable, "-c", "from gpu_worker.custom_ops import load_ops; load_ops()"],
+            [sys.executable, "-c", "from worker.kernels.cpu_ops import load_ops; load_ops()"],
             env=env,
             cwd=ROOT,
             check=True,
@@ -455,7 +455,7 @@ def test_a_corrupt_cached_build_is_rebuilt_once_and_only_a_failed_rebuild_falls_
         kernels, log = serve_with("worker2.log", CC="false", CXX="false")  # and now nothing compiles either
         assert kernels == "paddle"
         assert log.count("rebuilding them from the sources") == 1
-        (warning,) = [line for line in log.splitlines() if "WARNING" in line and "gpu_worker" in line]
+        (warning,) = [line for line in log.splitlines() if "WARNING" in line and "worker.kernels" in line]
         assert "serving with pure Paddle" in warning and "failed" in warning
     finally:
         peer.close()

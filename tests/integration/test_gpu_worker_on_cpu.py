@@ -12,23 +12,23 @@ import numpy as np
 import paddle
 import pytest
 
-import gpu_worker.cuda_ops as cuda_ops_module
-import gpu_worker.kernels as kernels_module
-from gpu_worker.cuda_kernels import CudaKernels
-from gpu_worker.custom_attention import CustomPagedAttention
-from gpu_worker.device_model import map_model_tensors
-from gpu_worker.kernels import PaddleKernels, select_kernels
-from gpu_worker.linear import PaddleLinear, TiedLmHead, linear
-from gpu_worker.model_config import ModelConfig, RopeConfig
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.models.llama import LlamaForCausalLM
-from gpu_worker.precision import Precision
-from gpu_worker.step_delta import StepDelta
-from gpu_worker.step_upload import DeviceInputs, HostInputs
+import worker.kernels.cuda_ops as cuda_ops_module
+import worker.kernels.selection as kernels_module
 from service import wire
 from service.config import load_settings
 from tests.gpu.kernel_library import HostArrays, KernelLibrary, build_emulated_library
 from tests.support.model_engine import LocalEngine
+from worker.attention.custom_kernels import CustomPagedAttention
+from worker.host.model_to_device import map_model_tensors
+from worker.inputs.model_inputs import DeviceInputs, HostInputs
+from worker.inputs.step_delta import StepDelta
+from worker.kernels.cuda import CudaKernels
+from worker.kernels.selection import PaddleKernels, select_kernels
+from worker.layers.linear import PaddleLinear, TiedLmHead, linear
+from worker.layers.precision import Precision
+from worker.model_runner import ModelRunner
+from worker.models.config import ModelConfig, RopeConfig
+from worker.models.llama import LlamaForCausalLM
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314, 253, 1345, 1185, 28, 284, 260, 1345, 282]
 STEP_OUTPUTS = ("input_ids", "positions", "slot_mapping", "query_start", "context_lens", "block_table")

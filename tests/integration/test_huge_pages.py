@@ -10,10 +10,10 @@ import numpy as np
 import paddle
 import pytest
 
-from gpu_worker.cpu_memory import resident_anonymous_bytes
-from gpu_worker.huge_pages import HUGE_PAGE_BYTES, TENSOR_ALIGNMENT, aligned_runs, collapse, move_into_one_buffer
-from gpu_worker.model_runner import ModelRunner
 from service.config import load_settings
+from worker.host.cpu_memory import resident_anonymous_bytes
+from worker.host.huge_pages import HUGE_PAGE_BYTES, TENSOR_ALIGNMENT, aligned_runs, collapse, move_into_one_buffer
+from worker.model_runner import ModelRunner
 
 
 def mappings_overlapping(start: int, end: int, fields: tuple[str, ...]) -> list[tuple[str, dict[str, str]]]:

@@ -7,16 +7,16 @@ import numpy as np
 import paddle
 import pytest
 
-from gpu_worker.kernels import PaddleKernels
-from gpu_worker.model_config import RopeConfig
-from gpu_worker.models.rope import RotaryEmbedding
-from gpu_worker.step_delta import StepRecord
-from gpu_worker.step_inputs import RequestState, StepInputs, build_step_inputs, fill_pending_tokens
-from gpu_worker.step_upload import DeviceInputs
 from service import wire
 from tests.gpu.kernel_checks import ATTENTION_GEOMETRIES, mixed_batch
 from tests.support import kernel_reference as ref
 from tests.support.numerics import attention_config
+from worker.inputs.model_inputs import DeviceInputs
+from worker.inputs.step_delta import StepRecord
+from worker.inputs.step_inputs import RequestState, StepInputs, build_step_inputs, fill_pending_tokens
+from worker.kernels.selection import PaddleKernels
+from worker.layers.rotary import RotaryEmbedding
+from worker.models.config import RopeConfig
 
 MAX_POSITIONS = 1024
 

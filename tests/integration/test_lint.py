@@ -3,7 +3,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ["service", "gpu_worker", "tests", "scripts", "benchmarks"]
+SOURCES = ["service", "worker", "tests", "scripts", "benchmarks"]
 
 
 def test_ruff_finds_no_lint_errors():

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.custom_ops import cpu_features
-from gpu_worker.weight_format import WeightFormat
 from tests.support.accuracy import Float32Reference, load_runner
 from tests.support.gguf_q4_k import write_with_q4_k
+from worker.kernels.cpu_ops import cpu_features
+from worker.layers.weight_format import WeightFormat
 
 # precision (DTYPE:QUANTIZATION) -> (largest mean KL in nats, smallest greedy agreement). Where VNNI multiplies
 # int8 and GGUF weights, x is quantized per 32 inputs too (as llama.cpp does); elsewhere only the weights differ.

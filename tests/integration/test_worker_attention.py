@@ -6,9 +6,9 @@ import numpy as np
 import paddle
 import pytest
 
-from gpu_worker.attention import PagedAttentionBackend
-from gpu_worker.step_inputs import RequestState, build_step_inputs
 from service import wire
+from worker.attention.reference import PagedAttentionBackend
+from worker.inputs.step_inputs import RequestState, build_step_inputs
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 8, 4, 64
 # (tokens already in the cache, tokens computed this step): decodes, a fresh prefill, a prefill chunk.

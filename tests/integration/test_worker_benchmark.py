@@ -68,7 +68,7 @@ def test_bench_worker_precisions_take_turns_step_by_step(bench_worker, monkeypat
         return timed(subject, run_step)
 
     monkeypatch.setattr(bench_worker.Subject, "timed", recording)
-    import gpu_worker.model_runner as model_runner_module
+    import worker.model_runner as model_runner_module
 
     building = model_runner_module.build_step_inputs
 

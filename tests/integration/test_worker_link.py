@@ -9,7 +9,6 @@ import msgspec
 import pytest
 import zmq
 
-from gpu_worker.worker_process import PipelinedRunner, serve_worker
 from service import wire
 from service.config import load_settings
 from service.scheduler.fake_worker import FakeWorker
@@ -18,6 +17,7 @@ from tests.support.api_peer import ApiPeer
 from tests.support.processes import loopback_env, metric_samples, start, stop_all
 from tests.support.scripted_worker import BLOCK_SIZE, NUM_BLOCKS, ScriptedWorker
 from tests.support.tiny_model import tiny_model_info
+from worker.process import PipelinedRunner, serve_worker
 
 MAX_OUTPUT_TOKENS = 90  # 3 prompt tokens + 90 fit the 24 blocks of 4 and the tiny model's context
 

@@ -11,18 +11,18 @@ import numpy as np
 import paddle
 import pytest
 
-from gpu_worker.custom_attention import HostAttentionMetadata, step_layout
-from gpu_worker.kernels import STACK_STAGES, FusedDecoderStack
-from gpu_worker.kv_cache import block_bytes, num_blocks_for
-from gpu_worker.linear import linear
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.precision import Precision
-from gpu_worker.step_inputs import RequestState, build_step_inputs
-from gpu_worker.step_upload import ModelInputs
 from service import wire
 from service.config import load_settings
 from tests.support.accuracy import ENGLISH_TEXT, encode, load_runner, paged_logits
 from tests.support.model_engine import LocalEngine
+from worker.attention.custom_kernels import HostAttentionMetadata, step_layout
+from worker.attention.kv_cache import block_bytes, num_blocks_for
+from worker.inputs.model_inputs import ModelInputs
+from worker.inputs.step_inputs import RequestState, build_step_inputs
+from worker.kernels.selection import STACK_STAGES, FusedDecoderStack
+from worker.layers.linear import linear
+from worker.layers.precision import Precision
+from worker.model_runner import ModelRunner
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314, 253, 1345, 1185, 28, 284, 260, 1345, 282]
 
@@ -53,7 +53,7 @@ def float32_runner(smollm_path):
 
 def test_seeded_sampling_repeats_with_other_batch_mates_and_after_preemption(float32_runner):
     """In float32, where a recompute's logits are the decode's to ~1e-4 (in bf16 the activations' rounding
-    depends on how a step batches the tokens, so a draw near a boundary may differ: see gpu_worker/sampler.py)."""
+    depends on how a step batches the tokens, so a draw near a boundary may differ: see worker/sample/sampler.py)."""
     runner = float32_runner
     seeded = wire.SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
     alone = LocalEngine(runner, max_num_batched_tokens=64)

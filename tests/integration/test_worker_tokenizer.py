@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.gguf_checkpoint import GGUFCheckpoint
-from gpu_worker.model_loader import model_info
-from gpu_worker.tokenizer import tokenizer_from_folder
 from service.api.chat_template import ChatTemplateError, render_chat
 from service.config import load_settings
+from worker.loading.gguf_checkpoint import GGUFCheckpoint
+from worker.loading.model_loader import model_info
+from worker.loading.tokenizer import tokenizer_from_folder
 
 TEXTS = [
     "Hello world!",

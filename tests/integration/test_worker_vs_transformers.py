@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.model_runner import ModelRunner
 from service import wire
 from service.config import load_settings
 from tests.support.accuracy import REFERENCE_PROMPTS, encode, paged_logits
 from tests.support.model_engine import LocalEngine
+from worker.model_runner import ModelRunner
 
 NUM_KV_BLOCKS = 128
 TOKEN_BUDGET = 24

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.step_inputs import RequestState, build_step_inputs
 from service import wire
 from service.config import load_settings
 from tests.support.model_engine import LocalEngine
+from worker.inputs.step_inputs import RequestState, build_step_inputs
+from worker.model_runner import ModelRunner
 
 ENGLISH_TEXT = (Path(__file__).resolve().parents[1] / "data" / "english_text.txt").read_text(encoding="utf-8")
 REFERENCE_PROMPTS = [

@@ -13,11 +13,11 @@ import time
 
 import msgspec
 
-from gpu_worker.worker_process import serve_worker
 from service import wire
 from service.config import load_settings
 from service.scheduler.fake_worker import FakeWorker
 from tests.support.tiny_model import tiny_model_info
+from worker.process import serve_worker
 
 
 class FakeRunner:

@@ -2,7 +2,7 @@
 
 NumPy only (no Paddle, no service imports): the GPU harness (tests/gpu/) runs on machines with
 CuPy and PyTorch but no Paddle. tests/integration/test_kernel_reference.py checks each reference
-against the pure-Paddle path (gpu_worker.kernels.PaddleKernels and build_step_inputs), which the
+against the pure-Paddle path (worker.kernels.selection.PaddleKernels and build_step_inputs), which the
 CPU custom ops are tested against, so CPU and GPU kernels answer to the same thing.
 
 bfloat16 has no NumPy type: its arrays are uint16 bit patterns (`to_bf16_bits`, `from_bf16_bits`).
@@ -61,7 +61,7 @@ def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
 
 
 def rope_tables(max_positions: int, head_dim: int, theta: float = 10000.0) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [max_positions, head_dim] as gpu_worker/models/rope.py builds them for the default rope."""
+    """cos, sin [max_positions, head_dim] as worker/layers/rotary.py builds them for the default rope."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv_freq = (np.float32(1.0) / np.float32(theta) ** exponents).astype(np.float32)
     angles = np.arange(max_positions, dtype=np.float32)[:, None] * inv_freq[None, :]
@@ -117,9 +117,9 @@ def paged_attention(query, key_cache, value_cache, query_start, context_lens, bl
 def step_inputs_from_delta(
     delta: np.ndarray, num_requests: int, num_tokens: int, block_tables, last_sampled, block_size: int, table_width: int
 ) -> dict[str, np.ndarray]:
-    """What the device step-input kernels make of a step delta (gpu_worker/step_delta.py's layout);
+    """What the device step-input kernels make of a step delta (worker/inputs/step_delta.py's layout);
     appends the new blocks to `block_tables` in place."""
-    from gpu_worker.step_delta import StepRecord
+    from worker.inputs.step_delta import StepRecord
 
     records = delta[: num_requests * len(StepRecord)].reshape(num_requests, len(StepRecord))
     out = {

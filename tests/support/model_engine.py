@@ -45,7 +45,7 @@ class LocalEngine:
         return {request_id: self.outputs[request_id] for request_id in self.finished}
 
     def run_pipelined(self) -> dict[str, list[int]]:
-        """As run(), in the worker loop's order (gpu_worker/worker_process.py's serve_pipelined): the
+        """As run(), in the worker loop's order (worker/process.py's serve_pipelined): the
         next step is prepared while the one before computes, with the tokens that one samples pending.
         Use with overlapped=True, so the scheduler sends that next step before the result comes."""
         ahead = None  # (step, its prepared inputs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu_worker.model_config import ModelConfig, RopeConfig
+from worker.models.config import ModelConfig, RopeConfig
 
 
 def bf16_rounded(array: np.ndarray) -> np.ndarray:

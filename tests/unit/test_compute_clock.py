@@ -1,6 +1,6 @@
-"""How long the worker may wait for the next step while the device computes (gpu_worker/compute_clock.py)."""
+"""How long the worker may wait for the next step while the device computes (worker/host/compute_clock.py)."""
 
-from gpu_worker.compute_clock import ComputeClock
+from worker.host.compute_clock import ComputeClock
 
 
 class FakeEvent:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from gpu_worker.cpu_threads import GOMP_SPIN_ROUNDS, set_thread_defaults
+from worker.host.cpu_threads import GOMP_SPIN_ROUNDS, set_thread_defaults
 
 VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME", "GOMP_SPINCOUNT")
 

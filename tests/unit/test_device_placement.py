@@ -1,19 +1,19 @@
 """Where the worker computes: device choice, dtype choice and the KV cache's size from a device's
-free memory, decided from what Paddle and the device report (gpu_worker/device.py, gpu_worker/precision.py)."""
+free memory, decided from what Paddle and the device report (worker/host/placement.py, worker/layers/precision.py)."""
 
 import pytest
 
-from gpu_worker.device import (
+from service.config import load_settings
+from worker.attention.kv_cache import block_bytes, num_blocks_for
+from worker.host.placement import (
     ALLOCATOR_SLACK_BYTES,
     PlacementError,
     activation_bytes,
     choose_device,
     kv_cache_budget,
 )
-from gpu_worker.kv_cache import block_bytes, num_blocks_for
-from gpu_worker.model_config import ModelConfig, RopeConfig
-from gpu_worker.precision import Precision, PrecisionUnavailable, resolve_precision
-from service.config import load_settings
+from worker.layers.precision import Precision, PrecisionUnavailable, resolve_precision
+from worker.models.config import ModelConfig, RopeConfig
 
 GiB = 2**30
 LLAMA_8B = ModelConfig(

@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from gpu_worker.weight_format import Q4_K_BLOCK_BYTES, WeightFormat, served_blocks
+from worker.layers.weight_format import Q4_K_BLOCK_BYTES, WeightFormat, served_blocks
 
 
 def q4_k_rows(rng, out_features: int, in_features: int) -> np.ndarray:

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from gguf import GGUFEndian, GGUFValueType, GGUFWriter
 
-from gpu_worker.gguf_checkpoint import GGUFCheckpoint
-from gpu_worker.gguf_header_check import check_gguf_header, read_gguf
-from gpu_worker.model_file_error import ModelFileError
+from worker.loading.gguf_checkpoint import GGUFCheckpoint
+from worker.loading.gguf_header_check import check_gguf_header, read_gguf
+from worker.loading.model_file_error import ModelFileError
 
 pytestmark = pytest.mark.timeout(10)  # the unchecked reader spins for minutes on a hostile count
 

@@ -4,8 +4,8 @@ import ctypes
 import errno
 import sys
 
-from gpu_worker import huge_pages
-from gpu_worker.huge_pages import HUGE_PAGE_BYTES, MAX_GAP_BYTES, aligned_runs, collapse
+from worker.host import huge_pages
+from worker.host.huge_pages import HUGE_PAGE_BYTES, MAX_GAP_BYTES, aligned_runs, collapse
 
 MIB = 1 << 20
 

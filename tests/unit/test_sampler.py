@@ -6,10 +6,10 @@ import numpy as np
 import paddle
 import pytest
 
-from gpu_worker.penalties import apply_penalties
-from gpu_worker.sampler import Sampler
-from gpu_worker.step_inputs import RequestState
 from service import wire
+from worker.inputs.step_inputs import RequestState
+from worker.sample.penalties import apply_penalties
+from worker.sample.sampler import Sampler
 
 VOCAB_SIZE = 64
 # Upper 0.1% points of the chi-square distribution, by degrees of freedom.

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_worker.step_inputs import (
+from service import wire
+from worker.inputs.step_inputs import (
     PENDING_TOKEN,
     RequestState,
     StepError,
@@ -15,7 +16,6 @@ from gpu_worker.step_inputs import (
     build_step_inputs,
     one_token_step_inputs,
 )
-from service import wire
 
 NUM_BLOCKS = 24
 

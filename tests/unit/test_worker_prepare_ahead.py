@@ -5,9 +5,9 @@ import queue
 import numpy as np
 import pytest
 
-from gpu_worker.step_inputs import PENDING_TOKEN, RequestState, StepError, build_step_inputs, fill_pending_tokens
-from gpu_worker.worker_process import serve_pipelined
 from service import wire
+from worker.inputs.step_inputs import PENDING_TOKEN, RequestState, StepError, build_step_inputs, fill_pending_tokens
+from worker.process import serve_pipelined
 
 BLOCK_SIZE = 4
 

@@ -1,9 +1,9 @@
 """Llama-family decoder (Llama, SmolLM2, Qwen2) over a flat batch of tokens with a paged KV cache.
 
-Projections that read the same input are one GEMM (q|k|v, gate|up: gpu_worker/linear.py), and
+Projections that read the same input are one GEMM (q|k|v, gate|up: worker/layers/linear.py), and
 residual adds are fused into the RMS norms. Weights are held in the precision's formats
-(gpu_worker/precision.py); on a CPU norms stay fp32, on a GPU every tensor but the rotary tables takes
-the model's dtype (gpu_worker/device_model.py); every sum is fp32.
+(worker/layers/precision.py); on a CPU norms stay fp32, on a GPU every tensor but the rotary tables takes
+the model's dtype (worker/host/model_to_device.py); every sum is fp32.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING
 
 import paddle
 
-from gpu_worker.custom_attention import step_layout
-from gpu_worker.kernels import AttentionBackend, Kernels
-from gpu_worker.kv_cache import KVCache
-from gpu_worker.linear import Linear, Weight, embedding_and_lm_head, fused_linear
-from gpu_worker.model_config import ModelConfig
-from gpu_worker.models.rope import RotaryEmbedding
-from gpu_worker.precision import Precision
+from worker.attention.custom_kernels import step_layout
+from worker.attention.kv_cache import KVCache
+from worker.kernels.selection import AttentionBackend, Kernels
+from worker.layers.linear import Linear, Weight, embedding_and_lm_head, fused_linear
+from worker.layers.precision import Precision
+from worker.layers.rotary import RotaryEmbedding
+from worker.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from gpu_worker.step_upload import ModelInputs
+    from worker.inputs.model_inputs import ModelInputs
 
 
 @dataclass(frozen=True)

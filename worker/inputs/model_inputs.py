@@ -4,7 +4,7 @@ computes, launch when the step starts, record what it sampled, release a request
 - HostInputs: the flat arrays build_step_inputs makes on the host are copied to the model's device
   (the CPU, and a GPU without the CUDA ops);
 - DeviceInputs (a GPU with the CUDA ops): the running requests' block tables stay on the device, one
-  row per batch slot; each step sends its compact delta (gpu_worker/step_delta.py) and the CUDA op
+  row per batch slot; each step sends its compact delta (worker/inputs/step_delta.py) and the CUDA op
   bs_prepare_step_inputs builds the inputs there, taking a decode's token from the slot's entry of
   `last_sampled`, which the sampling of the step before wrote without a round trip through the host.
 """
@@ -19,10 +19,10 @@ from types import ModuleType
 import numpy as np
 import paddle
 
-from gpu_worker.custom_attention import CustomAttentionMetadata
-from gpu_worker.sampler import Draw
-from gpu_worker.step_delta import BatchSlots, ScheduledRequest, StepDelta, pack_step_delta
-from gpu_worker.step_inputs import RequestState, StepError, StepInputs
+from worker.attention.custom_kernels import CustomAttentionMetadata
+from worker.inputs.step_delta import BatchSlots, ScheduledRequest, StepDelta, pack_step_delta
+from worker.inputs.step_inputs import RequestState, StepError, StepInputs
+from worker.sample.sampler import Draw
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The CUDA ops take the CPU ops' names and arguments (the `isa` bits attribute is ignored), on
 tensors of the model's dtype, so the calls are the CPU custom kernels' own; linear layers stay
-Paddle's matmul (cuBLAS) on weights in the model's dtype, as the name "cuda" tells gpu_worker/linear.py,
+Paddle's matmul (cuBLAS) on weights in the model's dtype, as the name "cuda" tells worker/layers/linear.py,
 and a layer runs op by op (bs_decoder_stack is a CPU op only).
 """
 
@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 from types import ModuleType
 
-from gpu_worker.custom_attention import CustomPagedAttention
-from gpu_worker.custom_ops import IsaSet
-from gpu_worker.kernels import CustomKernels, PaddleKernels
-from gpu_worker.model_config import ModelConfig
-from gpu_worker.models.rope import RotaryEmbedding
+from worker.attention.custom_kernels import CustomPagedAttention
+from worker.kernels.cpu_ops import IsaSet
+from worker.kernels.selection import CustomKernels, PaddleKernels
+from worker.layers.rotary import RotaryEmbedding
+from worker.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from gpu_worker.folder_checkpoint import FolderCheckpoint
-from gpu_worker.gguf_checkpoint import GGUFCheckpoint
-from gpu_worker.weight_format import GgufBlocks
+from worker.layers.weight_format import GgufBlocks
+from worker.loading.folder_checkpoint import FolderCheckpoint
+from worker.loading.gguf_checkpoint import GGUFCheckpoint
 
 Checkpoint = GGUFCheckpoint | FolderCheckpoint
 

@@ -7,16 +7,16 @@ import re
 import time
 from dataclasses import dataclass
 
-from gpu_worker.cpu_memory import release_freed_memory, resident_anonymous_bytes
-from gpu_worker.gguf_checkpoint import GGUFCheckpoint
-from gpu_worker.huge_pages import move_into_one_buffer
-from gpu_worker.kernels import Kernels
-from gpu_worker.model_config import ModelConfig
-from gpu_worker.models.llama import LlamaForCausalLM
-from gpu_worker.precision import Precision, PrecisionUnavailable
-from gpu_worker.weights import Checkpoint, open_checkpoint, read_weights
 from service import wire
 from service.config import Settings
+from worker.host.cpu_memory import release_freed_memory, resident_anonymous_bytes
+from worker.host.huge_pages import move_into_one_buffer
+from worker.kernels.selection import Kernels
+from worker.layers.precision import Precision, PrecisionUnavailable
+from worker.loading.checkpoint import Checkpoint, open_checkpoint, read_weights
+from worker.loading.gguf_checkpoint import GGUFCheckpoint
+from worker.models.config import ModelConfig
+from worker.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 

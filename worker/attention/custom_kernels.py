@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import paddle
 
-from gpu_worker.models.rope import RotaryEmbedding
-from gpu_worker.step_inputs import StepInputs
+from worker.inputs.step_inputs import StepInputs
+from worker.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from gpu_worker.step_upload import ModelInputs
+    from worker.inputs.model_inputs import ModelInputs
 
 QUERY_TILE = 16  # queries of one request attended together: their keys are read once per tile
 

@@ -18,9 +18,9 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from gpu_worker.models.rope import RotaryEmbedding, Rotation
-from gpu_worker.step_inputs import StepInputs
-from gpu_worker.tensor_ops import take_rows
+from worker.inputs.step_inputs import StepInputs
+from worker.layers.rotary import RotaryEmbedding, Rotation
+from worker.layers.row_gather import take_rows
 
 QUERY_TILE = 256
 MAX_SCORE_ELEMENTS = 1 << 24

@@ -9,7 +9,7 @@ bfloat16 the activations are rounded after sums whose order depends on how a ste
 most), so a draw that falls near a boundary between two tokens may differ. Logprobs come from the raw
 model logits.
 
-The draw is the kernels' sample_rows (gpu_worker/token_draw.py in Paddle ops; on a CPU the custom op
+The draw is the kernels' sample_rows (worker/sample/paddle_draw.py in Paddle ops; on a CPU the custom op
 bs_sample_rows): rows without top_k/top_p draw over the vocabulary in id order (no sort); rows that
 truncate walk their top tokens from the largest down.
 
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from gpu_worker.kernels import PaddleKernels
-from gpu_worker.penalties import SamplingRequest, apply_logit_bias, apply_penalties
-from gpu_worker.tensor_ops import in_row_order, log_softmax, take_rows
 from service import wire
+from worker.kernels.selection import PaddleKernels
+from worker.layers.row_gather import in_row_order, log_softmax, take_rows
+from worker.sample.penalties import SamplingRequest, apply_logit_bias, apply_penalties
 
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is argmax
 
@@ -77,7 +77,7 @@ class Sampler:
         sample_rows: Callable[[paddle.Tensor, np.ndarray], paddle.Tensor] | None = None,
     ):
         self._rng = np.random.default_rng(seed)
-        # The worker passes its kernels' argmax_rows and sample_rows (gpu_worker/token_draw.py's draw).
+        # The worker passes its kernels' argmax_rows and sample_rows (worker/sample/paddle_draw.py's draw).
         self._argmax = argmax or PaddleKernels().argmax_rows
         self._sample_rows = sample_rows or PaddleKernels().sample_rows
 

@@ -1,5 +1,5 @@
 """Where the worker computes: its device (BLOCKSERVE_DEVICE) and, on a GPU, its KV cache's size from the
-device memory left once the weights are loaded (the dtype is the precision's: gpu_worker/precision.py).
+device memory left once the weights are loaded (the dtype is the precision's: worker/layers/precision.py).
 
 Pure decisions over what the caller read from Paddle and the device, so the CPU tests cover them.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpu_worker.kv_cache import DTYPE_BYTES
-from gpu_worker.model_config import ModelConfig
+from worker.attention.kv_cache import DTYPE_BYTES
+from worker.models.config import ModelConfig
 
 ALLOCATOR_SLACK_BYTES = 256 * 2**20  # fragmentation of Paddle's caching allocator, the CUDA graphs of cuBLAS
 

@@ -1,11 +1,11 @@
 """The paged KV cache: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim], in
-the precision's dtype (gpu_worker/precision.py): float32 or bfloat16 on a CPU, also float16 on a GPU."""
+the precision's dtype (worker/layers/precision.py): float32 or bfloat16 on a CPU, also float16 on a GPU."""
 
 from __future__ import annotations
 
 import paddle
 
-from gpu_worker.model_config import ModelConfig
+from worker.models.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from gpu_worker.model_config import ModelConfig, config_from_hf
-from gpu_worker.tokenizer import TokenizerInfo, tokenizer_from_folder
+from worker.loading.tokenizer import TokenizerInfo, tokenizer_from_folder
+from worker.models.config import ModelConfig, config_from_hf
 
 
 class FolderCheckpoint:

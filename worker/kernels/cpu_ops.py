@@ -20,7 +20,7 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-BUILD_SCRIPT = Path(__file__).resolve().parents[1] / "custom_ops" / "build.py"
+BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "custom_ops" / "build.py"
 REQUIRED_CPU_FEATURES = ("avx2", "fma", "f16c")
 # The ops' `isa` attribute bits (custom_ops/cpu/isa.h): extensions allowed beyond AVX2 + FMA + F16C.
 ISA_AVX512, ISA_AVX512_BF16, ISA_AVX512_VNNI = 1, 2, 4

@@ -1,5 +1,5 @@
 """The worker's kernels, chosen once at start-up: blockserve's custom ops (C++ on a CPU, CUDA on a GPU:
-gpu_worker/cuda_kernels.py) or plain Paddle.
+worker/kernels/cuda.py) or plain Paddle.
 
 Both paths offer the same calls to the model: `add_rms_norm`, `silu_and_mul` and an attention
 backend (`prepare(inputs)` once per step, `attend_qkv(qkv, caches, metadata)` per layer, which
@@ -18,12 +18,12 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from gpu_worker import token_draw
-from gpu_worker.attention import PagedAttentionBackend, RotaryPagedAttention
-from gpu_worker.custom_attention import CustomPagedAttention
-from gpu_worker.custom_ops import REQUIRED_CPU_FEATURES, CustomOpsUnavailable, IsaSet, cpu_features, load_ops
-from gpu_worker.model_config import ModelConfig
-from gpu_worker.models.rope import RotaryEmbedding
+from worker.attention.custom_kernels import CustomPagedAttention
+from worker.attention.reference import PagedAttentionBackend, RotaryPagedAttention
+from worker.kernels.cpu_ops import REQUIRED_CPU_FEATURES, CustomOpsUnavailable, IsaSet, cpu_features, load_ops
+from worker.layers.rotary import RotaryEmbedding
+from worker.models.config import ModelConfig
+from worker.sample import paddle_draw as token_draw
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class PaddleKernels:
         return paddle.argmax(logits, axis=-1).astype("int64")
 
     def sample_rows(self, logits, params):
-        """int64 [rows]: each row's draw (temperature, min_p, top_k, top_p: gpu_worker/token_draw.py)."""
+        """int64 [rows]: each row's draw (temperature, min_p, top_k, top_p: worker/sample/paddle_draw.py)."""
         return token_draw.sample_rows(logits, params)
 
     def attention(self, config: ModelConfig, block_size: int, rotary: RotaryEmbedding) -> RotaryPagedAttention:
@@ -254,8 +254,8 @@ def select_kernels(mode: str, isa_cap: str = "all") -> KernelChoice:
 
 def _custom_kernels(isa_cap: str) -> CustomKernels:
     if paddle.get_device().startswith("gpu"):
-        from gpu_worker.cuda_kernels import CudaKernels  # it builds on this module's classes
-        from gpu_worker.cuda_ops import load_cuda_ops
+        from worker.kernels.cuda import CudaKernels  # it builds on this module's classes
+        from worker.kernels.cuda_ops import load_cuda_ops
 
         return CudaKernels(load_cuda_ops())
     if paddle.get_device() != "cpu":

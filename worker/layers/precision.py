@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpu_worker.weight_format import GgufBlocks, WeightFormat
+from worker.layers.weight_format import GgufBlocks, WeightFormat
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "gguf")

@@ -59,7 +59,7 @@ def _map_tensors(value: object, convert: Callable[[paddle.Tensor], paddle.Tensor
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         changes = {f.name: _map_tensors(getattr(value, f.name), convert) for f in dataclasses.fields(value) if f.init}
         return dataclasses.replace(value, **changes)
-    if type(value).__module__.startswith("gpu_worker.") and hasattr(value, "__dict__"):  # e.g. RotaryEmbedding
+    if type(value).__module__.startswith("worker.") and hasattr(value, "__dict__"):  # e.g. RotaryEmbedding
         for name, item in vars(value).items():
             setattr(value, name, _map_tensors(item, convert))
     return value

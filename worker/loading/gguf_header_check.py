@@ -11,7 +11,7 @@ from pathlib import Path
 from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
-from gpu_worker.model_file_error import ModelFileError
+from worker.loading.model_file_error import ModelFileError
 
 _SUPPORTED_VERSIONS = (2, 3)
 _MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp reads no tensor with more

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 from gguf.quants import dequantize
 
-from gpu_worker.gguf_header_check import read_gguf
-from gpu_worker.model_config import ModelConfig, config_from_gguf
-from gpu_worker.tokenizer import TokenizerInfo, tokenizer_from_gguf
-from gpu_worker.weight_format import GgufBlocks, served_blocks
+from worker.layers.weight_format import GgufBlocks, served_blocks
+from worker.loading.gguf_header_check import read_gguf
+from worker.loading.tokenizer import TokenizerInfo, tokenizer_from_gguf
+from worker.models.config import ModelConfig, config_from_gguf
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

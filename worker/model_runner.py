@@ -8,23 +8,23 @@ from dataclasses import dataclass, field
 
 import paddle
 
-from gpu_worker.compute_clock import ComputeClock, gpu_event
-from gpu_worker.cpu_memory import keep_freed_memory
-from gpu_worker.custom_attention import CustomPagedAttention
-from gpu_worker.device import activation_bytes, choose_device, kv_cache_budget
-from gpu_worker.device_model import move_model, on_host
-from gpu_worker.huge_pages import collapse
-from gpu_worker.kernels import CPU_ISA_CAPS, select_kernels
-from gpu_worker.kv_cache import KVCache, num_blocks_for
-from gpu_worker.model_loader import load_model
-from gpu_worker.precision import resolve_precision
-from gpu_worker.sampler import Sampler
-from gpu_worker.step_inputs import RequestState, StepError, StepInputs, build_step_inputs, fill_pending_tokens
-from gpu_worker.step_upload import DeviceInputs, HostInputs, ModelInputs
-from gpu_worker.tensor_ops import take_rows
 from service import wire
 from service.config import Settings
 from service.limits import sampling_problem
+from worker.attention.custom_kernels import CustomPagedAttention
+from worker.attention.kv_cache import KVCache, num_blocks_for
+from worker.host.compute_clock import ComputeClock, gpu_event
+from worker.host.cpu_memory import keep_freed_memory
+from worker.host.huge_pages import collapse
+from worker.host.model_to_device import move_model, on_host
+from worker.host.placement import activation_bytes, choose_device, kv_cache_budget
+from worker.inputs.model_inputs import DeviceInputs, HostInputs, ModelInputs
+from worker.inputs.step_inputs import RequestState, StepError, StepInputs, build_step_inputs, fill_pending_tokens
+from worker.kernels.selection import CPU_ISA_CAPS, select_kernels
+from worker.layers.precision import resolve_precision
+from worker.layers.row_gather import take_rows
+from worker.loading.model_loader import load_model
+from worker.sample.sampler import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class ModelRunner:
         )
 
     def _move_to_huge_pages(self, settings: Settings) -> str:
-        """The weights and the KV cache into 2 MiB pages (gpu_worker/huge_pages.py) unless BLOCKSERVE_HUGE_PAGES=0;
+        """The weights and the KV cache into 2 MiB pages (worker/host/huge_pages.py) unless BLOCKSERVE_HUGE_PAGES=0;
         the MiB moved, as reported."""
         if not settings.huge_pages:
             log.info("huge pages: off (BLOCKSERVE_HUGE_PAGES=0)")

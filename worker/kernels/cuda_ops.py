@@ -12,11 +12,11 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-from gpu_worker.custom_ops import CustomOpsUnavailable, build_definition
+from worker.kernels.cpu_ops import CustomOpsUnavailable, build_definition
 
 log = logging.getLogger(__name__)
 
-BUILD_SCRIPT = Path(__file__).resolve().parents[1] / "custom_ops" / "cuda_build.py"
+BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "custom_ops" / "cuda_build.py"
 
 
 @functools.cache

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from gpu_worker.model_config import RopeConfig
-from gpu_worker.tensor_ops import take_rows
+from worker.layers.row_gather import take_rows
+from worker.models.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:

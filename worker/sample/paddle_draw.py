@@ -13,7 +13,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from gpu_worker.tensor_ops import in_row_order, take_rows
+from worker.layers.row_gather import in_row_order, take_rows
 
 
 def sample_rows(logits: paddle.Tensor, params: np.ndarray) -> paddle.Tensor:

@@ -2,7 +2,7 @@
 
 The pure-Paddle path (the reference and fallback) and the CUDA kernels ("cuda": Paddle's matmul, cuBLAS)
 call F.linear on an [in, out] weight made in fp32; on a GPU the runner moves it there in the model's
-dtype (gpu_worker/device_model.py). The custom CPU path packs every weight once at load into the
+dtype (worker/host/model_to_device.py). The custom CPU path packs every weight once at load into the
 bs_linear op's 16-column panels, in the format the precision picks (fp32, bf16, int8 with a scale per
 output feature, or a GGUF file's own blocks). A tied embedding is the packed lm_head itself: the lookup
 reads its columns back, so the table is held once. Projections that read the same input are fused into
@@ -19,11 +19,11 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from gpu_worker.precision import Precision
-from gpu_worker.weight_format import GgufBlocks, WeightFormat, dense, quantize_int8
+from worker.layers.precision import Precision
+from worker.layers.weight_format import GgufBlocks, WeightFormat, dense, quantize_int8
 
 if TYPE_CHECKING:
-    from gpu_worker.kernels import Kernels
+    from worker.kernels.selection import Kernels
 
 Weight = np.ndarray | GgufBlocks  # [out_features, in_features], Hugging Face's layout
 

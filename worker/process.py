@@ -222,10 +222,10 @@ def serve_pipelined(runner: PipelinedRunner, link: SchedulerLink, serving: Calla
 def run_worker(settings: Settings) -> None:
     """Load the model and serve it. A model or settings this worker cannot serve raise ConfigurationError, saying
     which setting to change: no restart would mend them."""
-    from gpu_worker.cpu_threads import set_thread_defaults
+    from worker.host.cpu_threads import set_thread_defaults
 
     set_thread_defaults()  # before Paddle and the custom ops load their OpenMP runtimes
-    from gpu_worker.model_runner import ModelRunner
+    from worker.model_runner import ModelRunner
 
     try:
         runner = ModelRunner(settings)
@@ -239,12 +239,12 @@ def run_worker(settings: Settings) -> None:
 
 def _setting_to_change(error: Exception, settings: Settings) -> str | None:
     """What to change for an error of loading the model; None for one a restart may mend."""
-    from gpu_worker.custom_ops import CustomOpsUnavailable
-    from gpu_worker.device import PlacementError
-    from gpu_worker.model_config import UnsupportedModelError
-    from gpu_worker.model_file_error import ModelFileError
-    from gpu_worker.precision import PrecisionUnavailable
-    from gpu_worker.tokenizer import UnsupportedTokenizerError
+    from worker.host.placement import PlacementError
+    from worker.kernels.cpu_ops import CustomOpsUnavailable
+    from worker.layers.precision import PrecisionUnavailable
+    from worker.loading.model_file_error import ModelFileError
+    from worker.loading.tokenizer import UnsupportedTokenizerError
+    from worker.models.config import UnsupportedModelError
 
     model_errors = UnsupportedModelError, UnsupportedTokenizerError, ModelFileError
     if isinstance(error, (*model_errors, FileNotFoundError, IsADirectoryError, PermissionError)):

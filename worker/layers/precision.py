@@ -11,6 +11,7 @@ from worker.layers.weight_format import GgufBlocks, WeightFormat
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "gguf")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class PrecisionUnavailable(ValueError):

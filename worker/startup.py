@@ -59,10 +59,17 @@ def assemble_worker(settings: Settings) -> WorkerParts:
     log.info("kernels: %s (%s)", " ".join(f"{k}={v}" for k, v in choice.describe().items()), choice.reason)
     checkpoint = open_checkpoint(settings.model_path())
     config = checkpoint.config
-    if (attention_problem := kernels.attention_problem(config)) is not None:
+    # The attention before the precision: where the kernels' own cannot take the model's heads, the pure-Paddle
+    # attention serves them, and it computes and caches in float32.
+    attention_problem = kernels.attention_problem(config)
+    if attention_problem is not None:
         log.warning("%s: pure-Paddle attention", attention_problem)
     precision = resolve_precision(
-        settings.dtype, settings.quantization, kernels.name, bf16_dot=kernels.name == "custom" and kernels.isa.bf16
+        settings.dtype,
+        settings.quantization,
+        kernels.name,
+        bf16_dot=kernels.name == "custom" and kernels.isa.bf16,
+        attention_problem=attention_problem,
     )
     log.info(
         "device=%s dtype=%s quantization=%s (%s)", device, precision.dtype, precision.quantization, precision.reason

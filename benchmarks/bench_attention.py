@@ -22,7 +22,8 @@ import paddle  # noqa: E402
 
 from service import wire  # noqa: E402
 from worker.inputs.step_inputs import RequestState, build_step_inputs  # noqa: E402
-from worker.kernels.selection import PaddleKernels, select_kernels  # noqa: E402
+from worker.kernels.reference import PaddleKernels  # noqa: E402
+from worker.kernels.selection import select_kernels  # noqa: E402
 from worker.layers.rotary import RotaryEmbedding  # noqa: E402
 from worker.models.config import ModelConfig, RopeConfig  # noqa: E402
 

@@ -24,7 +24,8 @@ import paddle  # noqa: E402
 
 from service import wire  # noqa: E402
 from worker.inputs.step_inputs import RequestState  # noqa: E402
-from worker.kernels.selection import PaddleKernels, select_kernels  # noqa: E402
+from worker.kernels.reference import PaddleKernels  # noqa: E402
+from worker.kernels.selection import select_kernels  # noqa: E402
 from worker.sample.sampler import Sampler  # noqa: E402
 
 VOCAB_SIZE = 49152

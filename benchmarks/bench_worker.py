@@ -48,8 +48,8 @@ import torch  # noqa: E402
 import worker.model_runner as model_runner_module  # noqa: E402
 from service import wire  # noqa: E402
 from service.config import load_settings  # noqa: E402
-from worker.kernels.selection import STACK_STAGES, FusedDecoderStack  # noqa: E402
 from worker.model_runner import ModelRunner  # noqa: E402
+from worker.models.llama_decoder_stack import STACK_STAGES, FusedDecoderStack  # noqa: E402
 
 CONTEXT_LEN = 128
 DECODE_BATCHES = (1, 8, 32, 64)

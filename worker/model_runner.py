@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import paddle
@@ -11,20 +10,10 @@ import paddle
 from service import wire
 from service.config import Settings
 from service.limits import sampling_problem
-from worker.attention.custom_kernels import CustomPagedAttention
-from worker.attention.kv_cache import KVCache, num_blocks_for
-from worker.host.compute_clock import ComputeClock, gpu_event
-from worker.host.cpu_memory import keep_freed_memory
-from worker.host.huge_pages import collapse
-from worker.host.model_to_device import move_model, on_host
-from worker.host.placement import activation_bytes, choose_device, kv_cache_budget
-from worker.inputs.model_inputs import DeviceInputs, HostInputs, ModelInputs
+from worker.inputs.model_inputs import ModelInputs
 from worker.inputs.step_inputs import RequestState, StepError, StepInputs, build_step_inputs, fill_pending_tokens
-from worker.kernels.selection import CPU_ISA_CAPS, select_kernels
-from worker.layers.precision import resolve_precision
 from worker.layers.row_gather import take_rows
-from worker.loading.model_loader import load_model
-from worker.sample.sampler import Sampler
+from worker.startup import assemble_worker
 
 log = logging.getLogger(__name__)
 
@@ -52,96 +41,22 @@ class ModelRunner:
     """The model, its paged KV cache and the state of the requests the scheduler has sent."""
 
     def __init__(self, settings: Settings):
-        compiled_with_cuda = paddle.is_compiled_with_cuda()
-        gpu_count = paddle.device.cuda.device_count() if compiled_with_cuda else 0
-        self.device = choose_device(settings.device, compiled_with_cuda, gpu_count)
-        paddle.set_device(self.device)
-        if self.device == "cpu":
-            keep_freed_memory()
-        choice = select_kernels(settings.kernels, CPU_ISA_CAPS[settings.cpu_isa])
-        custom = choice.kernels.name == "custom"
-        precision = resolve_precision(
-            settings.dtype, settings.quantization, choice.kernels.name, bf16_dot=custom and choice.kernels.isa.bf16
-        )
-        log.info("kernels: %s (%s)", " ".join(f"{k}={v}" for k, v in choice.describe().items()), choice.reason)
-        log.info(
-            "device=%s dtype=%s quantization=%s (%s)",
-            self.device,
-            precision.dtype,
-            precision.quantization,
-            precision.reason,
-        )
-        with on_host():  # on a GPU the weights are read in host memory and moved once, cast to the dtype
-            # On a CPU with huge pages, the weights in one buffer, so that all of them move into 2 MiB pages.
-            loaded = load_model(
-                settings, choice.kernels, precision, one_buffer=self.device == "cpu" and settings.huge_pages
-            )
-        if self.device != "cpu":
-            move_model(loaded.model, self.device, precision.dtype)
-        weight_bytes = loaded.model.weight_bytes()  # after the move: on a GPU in the precision's dtype
-        # Reported in the hello and the scheduler's settings_info (worker_kernels, worker_device, worker_dtype, ...).
-        self.kernels = {
-            **choice.describe(),
-            "device": self.device,
-            "dtype": precision.dtype,
-            "quantization": precision.quantization,
-            "weights_mib": f"{weight_bytes / 2**20:.1f}",
-        }
-        config = loaded.config
-        self.model = loaded.model
-        self.model_info = loaded.info
-        self.block_size = settings.block_size
-        budget = kv_cache_budget(
-            int(settings.kv_cache_memory) if "kv_cache_memory" in settings.model_fields_set else None,
-            int(settings.kv_cache_memory),
-            self.device,
-            _free_and_total_memory(self.device),
-            settings.gpu_memory_utilization,
-            activation_bytes(config, settings.max_num_batched_tokens, settings.max_num_seqs, precision.dtype),
-        )
-        self.num_kv_blocks = num_blocks_for(
-            config, self.block_size, budget.num_bytes, settings.num_kv_blocks, precision.kv_cache_dtype
-        )
-        self.kv_cache = KVCache(config, self.num_kv_blocks, self.block_size, precision.kv_cache_dtype)
-        self.kernels["huge_pages_mib"] = self._move_to_huge_pages(settings) if self.device == "cpu" else "-"
-        self.attention = choice.kernels.attention(config, self.block_size, self.model.rotary)
-        if choice.kernels.name == "cuda" and isinstance(self.attention, CustomPagedAttention):
-            max_blocks = -(-self.model_info.max_model_len // self.block_size)
-            self.step_inputs = DeviceInputs(choice.kernels.ops, self.block_size, settings.max_num_seqs, max_blocks)
-        else:
-            self.step_inputs = HostInputs(self.attention)
-        self.clock = ComputeClock(gpu_event if self.device != "cpu" else None)
-        self.sampler = Sampler(argmax=choice.kernels.argmax_rows, sample_rows=choice.kernels.sample_rows)
+        parts = assemble_worker(settings)
+        self.device = parts.device
+        self.model = parts.model
+        self.model_info = parts.model_info
+        self.block_size = parts.block_size
+        self.num_kv_blocks = parts.num_kv_blocks
+        self.kv_cache = parts.kv_cache
+        self.attention = parts.attention
+        self.step_inputs = parts.step_inputs
+        self.sampler = parts.sampler
+        self.clock = parts.clock
+        self.kernels = parts.reported
         self.requests: dict[str, RequestState] = {}
         # Requests refused for their own parameters, and why: never computed (no token; each result that skips
         # one says why, and the scheduler ends it alone with that reason), until the scheduler says they finished.
         self.refused_requests: dict[str, str] = {}
-        log.info(
-            "KV cache on %s: %d blocks of %d tokens, %s, %.1f MiB (%s)",
-            self.device,
-            self.num_kv_blocks,
-            self.block_size,
-            self.kv_cache.dtype,
-            self.kv_cache.num_bytes / 2**20,
-            budget.reason if settings.num_kv_blocks is None else "BLOCKSERVE_NUM_KV_BLOCKS",
-        )
-
-    def _move_to_huge_pages(self, settings: Settings) -> str:
-        """The weights and the KV cache into 2 MiB pages (worker/host/huge_pages.py) unless BLOCKSERVE_HUGE_PAGES=0;
-        the MiB moved, as reported."""
-        if not settings.huge_pages:
-            log.info("huge pages: off (BLOCKSERVE_HUGE_PAGES=0)")
-            return "0.0"
-        started = time.perf_counter()
-        moved = collapse(self.model.weight_tensors() + self.kv_cache.key_caches + self.kv_cache.value_caches)
-        log.info(
-            "huge pages: %.1f of the weights' and KV cache's %.1f MiB in 2 MiB pages, in %.2f s%s",
-            moved.collapsed_bytes / 2**20,
-            moved.tensor_bytes / 2**20,
-            time.perf_counter() - started,
-            f"; the kernel refused the rest ({moved.refused})" if moved.refused else "",
-        )
-        return f"{moved.collapsed_bytes / 2**20:.1f}"
 
     def execute(self, step: wire.SchedulerOutput) -> wire.StepResult:
         """Run one step; a failure becomes StepResult(error=...) rather than an exception."""
@@ -198,7 +113,7 @@ class ModelRunner:
         try:
             if error is None and launched.logits is not None:
                 draw = self.sampler.draw(launched.logits, sampling)
-                self.step_inputs.record(launched.model_inputs, draw)
+                self.step_inputs.record(launched.model_inputs, draw.tokens)
                 sampled = draw.fetch()  # waits for the device: the step's one copy to the host
                 self.clock.finished()
                 for state, token in zip(sampling, sampled):
@@ -274,11 +189,3 @@ def _sampling_rows(hidden: paddle.Tensor, logits_indices) -> paddle.Tensor:
     if len(logits_indices) == hidden.shape[0]:
         return hidden
     return take_rows(hidden, paddle.to_tensor(logits_indices))
-
-
-def _free_and_total_memory(device: str) -> tuple[int, int] | None:
-    """(free, total) bytes of a GPU once Paddle's cache of freed blocks is returned; None on a CPU."""
-    if device == "cpu":
-        return None
-    paddle.device.cuda.empty_cache()
-    return paddle.cuda.mem_get_info(device)

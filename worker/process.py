@@ -240,7 +240,7 @@ def run_worker(settings: Settings) -> None:
 def _setting_to_change(error: Exception, settings: Settings) -> str | None:
     """What to change for an error of loading the model; None for one a restart may mend."""
     from worker.host.placement import PlacementError
-    from worker.kernels.cpu_ops import CustomOpsUnavailable
+    from worker.kernels.op_build import CustomOpsUnavailable
     from worker.layers.precision import PrecisionUnavailable
     from worker.loading.model_file_error import ModelFileError
     from worker.loading.tokenizer import UnsupportedTokenizerError

@@ -11,8 +11,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from tests.support.numerics import bf16_rounded
-from worker.kernels.cpu_ops import cpu_features
-from worker.kernels.selection import PaddleKernels, select_kernels
+from worker.kernels.cpu_isa import cpu_features
+from worker.kernels.reference import PaddleKernels
+from worker.kernels.selection import select_kernels
 from worker.layers.linear import PackedLinear, embedding_and_lm_head, fused_linear, linear
 from worker.layers.precision import Precision
 from worker.layers.weight_format import GgufBlocks, WeightFormat, quantize_int8

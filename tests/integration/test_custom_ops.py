@@ -23,8 +23,11 @@ from tests.support.numerics import attention_config, bf16_rounded
 from tests.support.processes import ROOT, loopback_env, metric_samples, start, stop_all
 from worker.attention.reference import PagedAttentionBackend
 from worker.inputs.step_inputs import RequestState, build_step_inputs
-from worker.kernels.cpu_ops import CustomOpsUnavailable, cpu_features, load_ops
-from worker.kernels.selection import PaddleKernels, select_kernels
+from worker.kernels.cpu_isa import cpu_features
+from worker.kernels.cpu_ops import load_ops
+from worker.kernels.op_build import CustomOpsUnavailable
+from worker.kernels.reference import PaddleKernels
+from worker.kernels.selection import select_kernels
 from worker.layers.rotary import RotaryEmbedding
 from worker.sample.sampler import Sampler
 
@@ -402,7 +405,8 @@ def seeded_extension_dir(tmp_path: Path) -> Path:
     shared cache's (under its lock), or built here."""
     from paddle.utils.cpp_extension import get_build_directory
 
-    from worker.kernels.cpu_ops import BUILD_SCRIPT, build_definition
+    from worker.kernels.cpu_ops import BUILD_SCRIPT
+    from worker.kernels.op_build import build_definition
 
     build = build_definition(BUILD_SCRIPT, "blockserve_custom_ops_build")
     name = f"{build.EXTENSION_NAME}_{build.source_hash()}"

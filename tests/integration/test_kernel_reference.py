@@ -11,10 +11,10 @@ from service import wire
 from tests.gpu.kernel_checks import ATTENTION_GEOMETRIES, mixed_batch
 from tests.support import kernel_reference as ref
 from tests.support.numerics import attention_config
-from worker.inputs.model_inputs import DeviceInputs
+from worker.inputs.device_inputs import DeviceInputs
 from worker.inputs.step_delta import StepRecord
 from worker.inputs.step_inputs import RequestState, StepInputs, build_step_inputs, fill_pending_tokens
-from worker.kernels.selection import PaddleKernels
+from worker.kernels.reference import PaddleKernels
 from worker.layers.rotary import RotaryEmbedding
 from worker.models.config import RopeConfig
 

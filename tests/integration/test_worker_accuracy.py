@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.accuracy import Float32Reference, load_runner
 from tests.support.gguf_q4_k import write_with_q4_k
-from worker.kernels.cpu_ops import cpu_features
+from worker.kernels.cpu_isa import cpu_features
 from worker.layers.weight_format import WeightFormat
 
 # precision (DTYPE:QUANTIZATION) -> (largest mean KL in nats, smallest greedy agreement). Where VNNI multiplies

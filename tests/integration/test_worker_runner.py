@@ -15,14 +15,14 @@ from service import wire
 from service.config import load_settings
 from tests.support.accuracy import ENGLISH_TEXT, encode, load_runner, paged_logits
 from tests.support.model_engine import LocalEngine
-from worker.attention.custom_kernels import HostAttentionMetadata, step_layout
 from worker.attention.kv_cache import block_bytes, num_blocks_for
+from worker.attention.metadata import HostAttentionMetadata
 from worker.inputs.model_inputs import ModelInputs
 from worker.inputs.step_inputs import RequestState, build_step_inputs
-from worker.kernels.selection import STACK_STAGES, FusedDecoderStack
 from worker.layers.linear import linear
 from worker.layers.precision import Precision
 from worker.model_runner import ModelRunner
+from worker.models.llama_decoder_stack import STACK_STAGES, FusedDecoderStack, step_layout
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314, 253, 1345, 1185, 28, 284, 260, 1345, 282]
 

@@ -4,7 +4,8 @@ precisions are held to float32 in test_worker_accuracy.py).
 Three models: SmolLM2 from its Q4_1 GGUF (llama, tied embeddings), a tiny random Qwen2 folder
 (q/k/v biases, untied lm_head, fp32 safetensors) and a tiny random Llama folder with llama3 rope
 scaling stored in bf16. Greedy generation goes through chunked prefill, mixed prefill+decode
-steps and preemptions with recompute, driven by the real scheduler and engine loop.
+steps and preemptions with recompute, driven by the real scheduler and engine loop. A fourth, a tiny random
+Llama whose head_dim (20) the custom attention kernels cannot take, is served at the default precision.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import numpy as np
 import pytest
 import torch
 
+import worker.process as worker_process
 from service import wire
 from service.config import load_settings
+from service.configuration_exit import ConfigurationError
 from tests.support.accuracy import REFERENCE_PROMPTS, encode, paged_logits
 from tests.support.model_engine import LocalEngine
+from worker.attention.reference import RotaryPagedAttention
 from worker.model_runner import ModelRunner
 
 NUM_KV_BLOCKS = 128
@@ -157,3 +161,50 @@ def test_prefix_cache_hit_reads_blocks_another_request_computed(models):
 
     assert engine.finished["second"].num_cached_tokens == 2 * runner.block_size
     assert outputs["second"] == reference_greedy(reference, second_prompt, 8)
+
+
+@pytest.fixture(scope="module")
+def head_dim_20_folder(tmp_path_factory, hf_smollm_tokenizer):
+    """A tiny random Llama whose heads are 20 wide (OpenLLaMA-3B's are 100): a multiple of neither 16 (the C++
+    attention) nor 8 (the CUDA one)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("llama-head-dim-20")
+    dims = {**TINY_DIMS, "hidden_size": 80, "head_dim": 20}
+    torch.manual_seed(2)
+    LlamaForCausalLM(LlamaConfig(**dims, tie_word_embeddings=False)).save_pretrained(folder)
+    hf_smollm_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_model_whose_heads_the_custom_attention_cannot_take_is_served_in_float32_and_matches_transformers(
+    head_dim_20_folder,
+):
+    """The attention is chosen before the precision: the pure-Paddle attention computes and caches in float32, so
+    the default precision of the custom kernels (bfloat16) gives way to float32 for weights and cache alike."""
+    from transformers import AutoModelForCausalLM
+
+    settings = load_settings(model=os.fspath(head_dim_20_folder), num_kv_blocks=NUM_KV_BLOCKS, kernels="custom")
+    runner = ModelRunner(settings)
+    token_ids = encode(runner, LONG_TEXT)
+
+    ours = paged_logits(runner, token_ids, chunk_size=7)
+
+    assert isinstance(runner.attention, RotaryPagedAttention)
+    assert runner.kernels["kernels"] == "custom" and runner.kernels["dtype"] == "float32"
+    assert runner.kv_cache.dtype == "float32"
+    reference = AutoModelForCausalLM.from_pretrained(os.fspath(head_dim_20_folder), dtype=torch.float32).eval()
+    assert relative_error(ours, reference_logits(reference, token_ids)) < 1e-3
+
+
+def test_an_explicit_bfloat16_for_such_a_model_is_refused_at_start_up_naming_its_head_dim(
+    head_dim_20_folder, monkeypatch
+):
+    settings = load_settings(model=os.fspath(head_dim_20_folder), kernels="custom", dtype="bfloat16")
+    monkeypatch.setattr(worker_process, "serve_worker", lambda *_: pytest.fail("the worker served the model"))
+
+    with pytest.raises(ConfigurationError) as refused:
+        worker_process.run_worker(settings)
+
+    assert "BLOCKSERVE_DTYPE=bfloat16" in str(refused.value) and "head_dim 20" in str(refused.value)
+    assert "computes in float32" in str(refused.value)

@@ -91,6 +91,27 @@ def test_a_quantization_on_a_gpu_refuses_to_start_since_only_the_cpu_kernels_pac
         resolve_precision("auto", quantization, "cuda")
 
 
+@pytest.mark.parametrize("kernels", ["custom", "cuda"])
+def test_heads_only_the_paddle_attention_takes_make_the_precision_float32_and_refuse_another_dtype(kernels):
+    problem = "head_dim 100 is not a multiple of 16"  # OpenLLaMA-3B's heads
+
+    auto = resolve_precision("auto", "none", kernels, bf16_dot=True, attention_problem=problem)
+    assert auto.dtype == auto.kv_cache_dtype == "float32" and problem in auto.reason
+    assert resolve_precision("float32", "none", kernels, attention_problem=problem).dtype == "float32"
+    for dtype in ("bfloat16", "float16"):
+        with pytest.raises(PrecisionUnavailable, match=f"BLOCKSERVE_DTYPE={dtype}: .*{problem}.* float32"):
+            resolve_precision(dtype, "none", kernels, attention_problem=problem)
+
+
+def test_the_paddle_attention_keeps_the_cpu_quantizations_and_a_gpu_still_refuses_them():
+    problem = "head_dim 20 is not a multiple of 16"
+    assert resolve_precision("auto", "int8", "custom", attention_problem=problem) == Precision(
+        "float32", "int8", f"auto: the pure-Paddle attention ({problem}) computes in float32"
+    )
+    with pytest.raises(PrecisionUnavailable, match="BLOCKSERVE_QUANTIZATION=int8 .* CPU kernels only"):
+        resolve_precision("auto", "int8", "cuda", attention_problem=problem)
+
+
 def test_kv_cache_takes_what_gpu_memory_utilization_leaves_after_the_weights_and_activations():
     # An 80 GiB device: 16 GiB of bf16 weights and 1 GiB of CUDA context in use, 63 GiB free.
     reserve = activation_bytes(LLAMA_8B, max_num_batched_tokens=2048, max_num_seqs=64, dtype="bfloat16")

@@ -1,13 +1,12 @@
 """The paged KV cache: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim], in
-the precision's dtype (worker/layers/precision.py): float32 or bfloat16 on a CPU, also float16 on a GPU."""
+the precision's dtype (layers/precision.py): float32 or bfloat16 on a CPU, also float16 on a GPU."""
 
 from __future__ import annotations
 
 import paddle
 
+from worker.layers.precision import DTYPE_BYTES
 from worker.models.config import ModelConfig
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def block_bytes(config: ModelConfig, block_size: int, dtype: str = "float32") -> int:

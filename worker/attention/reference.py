@@ -1,4 +1,5 @@
-"""Paged attention in plain Paddle: the reference the custom kernels are tested against.
+"""Paged attention in plain Paddle: the reference the custom kernels are tested against, and the fallback for heads
+they cannot take (in float32: layers/precision.py).
 
 Each request's queries are cut into segments of at most `query_tile` tokens; a decode is a
 segment of one. Segments of the same length are attended together: their keys and values are
@@ -21,6 +22,7 @@ import paddle.nn.functional as F
 from worker.inputs.step_inputs import StepInputs
 from worker.layers.rotary import RotaryEmbedding, Rotation
 from worker.layers.row_gather import take_rows
+from worker.models.config import ModelConfig
 
 QUERY_TILE = 256
 MAX_SCORE_ELEMENTS = 1 << 24
@@ -232,3 +234,10 @@ class RotaryPagedAttention:
         value = value.reshape([-1, backend.num_kv_heads, dim])
         backend.write_kv(key_cache, value_cache, key, value, metadata.paged)
         return backend.attend(query, key_cache, value_cache, metadata.paged)
+
+
+def paddle_paged_attention(config: ModelConfig, block_size: int, rotary: RotaryEmbedding) -> RotaryPagedAttention:
+    """The pure-Paddle attention for the model's heads."""
+    return RotaryPagedAttention(
+        PagedAttentionBackend(config.num_heads, config.num_kv_heads, config.head_dim, block_size), rotary
+    )

@@ -1,5 +1,5 @@
 """Where the worker computes: its device (BLOCKSERVE_DEVICE) and, on a GPU, its KV cache's size from the
-device memory left once the weights are loaded (the dtype is the precision's: worker/layers/precision.py).
+device memory left once the weights are loaded (the dtype is the precision's: layers/precision.py).
 
 Pure decisions over what the caller read from Paddle and the device, so the CPU tests cover them.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.attention.kv_cache import DTYPE_BYTES
+from worker.layers.precision import DTYPE_BYTES
 from worker.models.config import ModelConfig
 
 ALLOCATOR_SLACK_BYTES = 256 * 2**20  # fragmentation of Paddle's caching allocator, the CUDA graphs of cuBLAS

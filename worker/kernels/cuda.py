@@ -8,16 +8,12 @@ and a layer runs op by op (bs_decoder_stack is a CPU op only).
 
 from __future__ import annotations
 
-import logging
 from types import ModuleType
 
-from worker.attention.custom_kernels import CustomPagedAttention
-from worker.kernels.cpu_ops import IsaSet
-from worker.kernels.selection import CustomKernels, PaddleKernels
-from worker.layers.rotary import RotaryEmbedding
+from worker.kernels.cpu import CustomKernels
+from worker.kernels.cpu_isa import IsaSet
 from worker.models.config import ModelConfig
-
-log = logging.getLogger(__name__)
+from worker.sample import paddle_draw
 
 MAX_HEAD_DIM = 256  # custom_ops/gpu/attention_kernels.cuh: kMaxHeadDim, kMaxRows, 16-byte rows
 MAX_GROUP = 32
@@ -41,18 +37,15 @@ class CudaKernels(CustomKernels):
     def __init__(self, ops: ModuleType):
         super().__init__(ops, IsaSet(), fuse_layers=False)
 
-    def attention(self, config: ModelConfig, block_size: int, rotary: RotaryEmbedding):
-        if problem := attention_shape_problem(config):
-            log.warning("%s: pure-Paddle attention", problem)
-            return PaddleKernels().attention(config, block_size, rotary)
-        return CustomPagedAttention(self.ops, config.num_heads, config.num_kv_heads, rotary, self.isa.bits)
+    def attention_problem(self, config: ModelConfig) -> str | None:
+        return attention_shape_problem(config)
 
     def fused_stack(self, attention, config: ModelConfig):
         """None: there is no CUDA bs_decoder_stack, so the model runs its layers op by op."""
         return None
 
     def argmax_rows(self, logits):
-        return PaddleKernels().argmax_rows(logits)
+        return paddle_draw.argmax_rows(logits)
 
     def sample_rows(self, logits, params):
-        return PaddleKernels().sample_rows(logits, params)
+        return paddle_draw.sample_rows(logits, params)

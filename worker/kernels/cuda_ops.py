@@ -1,4 +1,4 @@
-"""Load blockserve's CUDA Paddle operators: JIT-built once from custom_ops/gpu (cuda_build.py) and
+"""Build and load blockserve's CUDA Paddle operators: JIT-built once from custom_ops/gpu (cuda_build.py) and
 cached, or the extension that custom_ops/setup.py installed on a CUDA Paddle (the GPU image)."""
 
 from __future__ import annotations
@@ -6,17 +6,16 @@ from __future__ import annotations
 import fcntl
 import functools
 import importlib
-import importlib.util
 import logging
 import os
 from pathlib import Path
 from types import ModuleType
 
-from worker.kernels.cpu_ops import CustomOpsUnavailable, build_definition
+from worker.kernels.op_build import CUSTOM_OPS_DIR, CustomOpsUnavailable, build_definition
 
 log = logging.getLogger(__name__)
 
-BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "custom_ops" / "cuda_build.py"
+BUILD_SCRIPT = CUSTOM_OPS_DIR / "cuda_build.py"
 
 
 @functools.cache

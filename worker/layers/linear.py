@@ -2,7 +2,7 @@
 
 The pure-Paddle path (the reference and fallback) and the CUDA kernels ("cuda": Paddle's matmul, cuBLAS)
 call F.linear on an [in, out] weight made in fp32; on a GPU the runner moves it there in the model's
-dtype (worker/host/model_to_device.py). The custom CPU path packs every weight once at load into the
+dtype (host/model_to_device.py). The custom CPU path packs every weight once at load into the
 bs_linear op's 16-column panels, in the format the precision picks (fp32, bf16, int8 with a scale per
 output feature, or a GGUF file's own blocks). A tied embedding is the packed lm_head itself: the lookup
 reads its columns back, so the table is held once. Projections that read the same input are fused into
@@ -23,7 +23,8 @@ from worker.layers.precision import Precision
 from worker.layers.weight_format import GgufBlocks, WeightFormat, dense, quantize_int8
 
 if TYPE_CHECKING:
-    from worker.kernels.selection import Kernels
+    from worker.kernels.cpu import CustomKernels
+    from worker.kernels.protocol import Kernels
 
 Weight = np.ndarray | GgufBlocks  # [out_features, in_features], Hugging Face's layout
 
@@ -148,7 +149,7 @@ def embedding_and_lm_head(
     return PackedEmbedding(packed_table), head
 
 
-def _packed(kernels: Kernels, weight: Weight, bias: paddle.Tensor | None, precision: Precision) -> PackedLinear:
+def _packed(kernels: CustomKernels, weight: Weight, bias: paddle.Tensor | None, precision: Precision) -> PackedLinear:
     weight_format = precision.weight_format(weight)
     ops = kernels.ops
     if weight_format.is_gguf_block:

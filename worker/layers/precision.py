@@ -11,6 +11,7 @@ from worker.layers.weight_format import GgufBlocks, WeightFormat
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "gguf")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class PrecisionUnavailable(ValueError):
@@ -36,9 +37,12 @@ class Precision:
         return WeightFormat.BF16 if self.dtype == "bfloat16" else WeightFormat.F32
 
 
-def resolve_precision(dtype: str, quantization: str, kernels: str, bf16_dot: bool = False) -> Precision:
+def resolve_precision(
+    dtype: str, quantization: str, kernels: str, bf16_dot: bool = False, attention_problem: str | None = None
+) -> Precision:
     """The precision for the settings on `kernels` (the chosen kernels' name); `bf16_dot`: the custom CPU ops
-    may multiply bf16 with AVX512-BF16.
+    may multiply bf16 with AVX512-BF16; `attention_problem`: why the kernels' attention cannot take the model's
+    heads (Kernels.attention_problem), so that the pure-Paddle attention serves them.
 
     - custom (the C++ CPU ops): float32 or bfloat16, any quantization; `auto` is bfloat16. With AVX512-BF16
       the ops multiply it natively; on AVX2 they widen it to float32 in registers, which measured faster
@@ -46,19 +50,18 @@ def resolve_precision(dtype: str, quantization: str, kernels: str, bf16_dot: boo
       on an AVX-512 CPU), with half the weight and KV-cache memory.
     - cuda (the CUDA ops on a GPU): float32, bfloat16 or float16, weights unquantized in that dtype (the
       linear layers are Paddle's matmul); `auto` is bfloat16.
-    - paddle: float32 only.
+    - paddle: float32 only; so too the custom and CUDA kernels where the pure-Paddle attention serves the model's
+      heads: it computes and caches in float32 (`auto` is float32 then).
 
     An explicit setting the kernels cannot serve raises PrecisionUnavailable rather than silently serving
     something else.
     """
     if dtype not in DTYPES or quantization not in QUANTIZATIONS:
         raise ValueError(f"dtype {dtype!r} / quantization {quantization!r} not in {DTYPES} / {QUANTIZATIONS}")
+    if attention_problem is not None and kernels != "paddle":
+        return _for_paddle_attention(dtype, quantization, kernels, attention_problem)
     if kernels == "cuda":
-        if quantization != "none":
-            raise PrecisionUnavailable(
-                f"BLOCKSERVE_QUANTIZATION={quantization} is served by the custom CPU kernels only; on a GPU the "
-                "weights are kept in BLOCKSERVE_DTYPE (set BLOCKSERVE_QUANTIZATION=none, or BLOCKSERVE_DEVICE=cpu)"
-            )
+        _check_gpu_quantization(quantization)
         if dtype == "auto":
             return Precision("bfloat16", "none", "auto: bfloat16 on a GPU with the CUDA kernels")
         return Precision(dtype, "none", f"BLOCKSERVE_DTYPE={dtype}")
@@ -79,3 +82,27 @@ def resolve_precision(dtype: str, quantization: str, kernels: str, bf16_dot: boo
     if bf16_dot:
         return Precision("bfloat16", quantization, "auto: the CPU multiplies bf16 natively (AVX512-BF16)")
     return Precision("bfloat16", quantization, "auto: bf16 storage, widened to float32 in registers (no AVX512-BF16)")
+
+
+def _for_paddle_attention(dtype: str, quantization: str, kernels: str, attention_problem: str) -> Precision:
+    """float32 for kernels whose own attention cannot take the model's heads: the pure-Paddle attention that serves
+    them computes and caches in float32 (in bfloat16 its cache and its float32 queries would not meet)."""
+    if kernels == "cuda":
+        _check_gpu_quantization(quantization)
+    if dtype not in ("auto", "float32"):
+        raise PrecisionUnavailable(
+            f"BLOCKSERVE_DTYPE={dtype}: this model's attention runs in pure Paddle ({attention_problem} for the "
+            f"{kernels} kernels), which computes in float32: BLOCKSERVE_DTYPE=float32 or auto serves it"
+        )
+    setting = "auto" if dtype == "auto" else "BLOCKSERVE_DTYPE=float32"
+    return Precision(
+        "float32", quantization, f"{setting}: the pure-Paddle attention ({attention_problem}) computes in float32"
+    )
+
+
+def _check_gpu_quantization(quantization: str) -> None:
+    if quantization != "none":
+        raise PrecisionUnavailable(
+            f"BLOCKSERVE_QUANTIZATION={quantization} is served by the custom CPU kernels only; on a GPU the "
+            "weights are kept in BLOCKSERVE_DTYPE (set BLOCKSERVE_QUANTIZATION=none, or BLOCKSERVE_DEVICE=cpu)"
+        )

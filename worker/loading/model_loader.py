@@ -11,9 +11,9 @@ from service import wire
 from service.config import Settings
 from worker.host.cpu_memory import release_freed_memory, resident_anonymous_bytes
 from worker.host.huge_pages import move_into_one_buffer
-from worker.kernels.selection import Kernels
+from worker.kernels.protocol import Kernels
 from worker.layers.precision import Precision, PrecisionUnavailable
-from worker.loading.checkpoint import Checkpoint, open_checkpoint, read_weights
+from worker.loading.checkpoint import Checkpoint, read_weights
 from worker.loading.gguf_checkpoint import GGUFCheckpoint
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM
@@ -66,13 +66,14 @@ def model_info(checkpoint: Checkpoint, settings: Settings) -> wire.ModelInfo:
     )
 
 
-def load_model(settings: Settings, kernels: Kernels, precision: Precision, one_buffer: bool = False) -> LoadedModel:
-    """Read `settings.model_path()` (BLOCKSERVE_MODEL) into Paddle tensors in `precision`, with `one_buffer` all of
-    them in one buffer that begins on a 2 MiB boundary (huge_pages.move_into_one_buffer: the worker on a CPU, for
-    2 MiB pages); logs the time it took and the memory the weights take."""
+def load_model(
+    checkpoint: Checkpoint, settings: Settings, kernels: Kernels, precision: Precision, one_buffer: bool = False
+) -> LoadedModel:
+    """Read the weights of `checkpoint` (BLOCKSERVE_MODEL, opened) into Paddle tensors in `precision`, with
+    `one_buffer` all of them in one buffer that begins on a 2 MiB boundary (huge_pages.move_into_one_buffer: the
+    worker on a CPU, for 2 MiB pages); logs the time it took and the memory the weights take."""
     started = time.perf_counter()
     resident_before = resident_anonymous_bytes()
-    checkpoint = open_checkpoint(settings.model_path())
     if precision.quantization == "gguf" and not isinstance(checkpoint, GGUFCheckpoint):
         raise PrecisionUnavailable(f"BLOCKSERVE_QUANTIZATION=gguf needs a GGUF model, not {checkpoint.path}")
     info = model_info(checkpoint, settings)

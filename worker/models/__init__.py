@@ -1,0 +1,1 @@
+"""Model families (one module each) and the shape of a model (config.py)."""

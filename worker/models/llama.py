@@ -1,9 +1,10 @@
 """Llama-family decoder (Llama, SmolLM2, Qwen2) over a flat batch of tokens with a paged KV cache.
 
-Projections that read the same input are one GEMM (q|k|v, gate|up: worker/layers/linear.py), and
+Projections that read the same input are one GEMM (q|k|v, gate|up: layers/linear.py), and
 residual adds are fused into the RMS norms. Weights are held in the precision's formats
-(worker/layers/precision.py); on a CPU norms stay fp32, on a GPU every tensor but the rotary tables takes
-the model's dtype (worker/host/model_to_device.py); every sum is fp32.
+(layers/precision.py); on a CPU norms stay fp32, on a GPU every tensor but the rotary tables takes
+the model's dtype (host/model_to_device.py); every sum is fp32. The layer is written twice: op by op here, the
+reference, and in one C++ op (models/llama_decoder_stack.py), which is tested against it.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from typing import TYPE_CHECKING
 
 import paddle
 
-from worker.attention.custom_kernels import step_layout
+from worker.attention.backend import AttentionBackend
 from worker.attention.kv_cache import KVCache
-from worker.kernels.selection import AttentionBackend, Kernels
+from worker.kernels.protocol import Kernels
 from worker.layers.linear import Linear, Weight, embedding_and_lm_head, fused_linear
 from worker.layers.precision import Precision
 from worker.layers.rotary import RotaryEmbedding
 from worker.models.config import ModelConfig
+from worker.models.llama_decoder_stack import step_layout
 
 if TYPE_CHECKING:
     from worker.inputs.model_inputs import ModelInputs
@@ -108,7 +110,7 @@ class LlamaForCausalLM:
         return self._norm(hidden, self.norm, residual)[0]
 
     def _layer_op_by_op(self, layer: DecoderLayer, hidden, residual, key_cache, value_cache, attention, attn_metadata):
-        """One decoder layer op by op: (hidden, residual) after it."""
+        """One decoder layer op by op: (hidden, residual) after it. The reference bs_decoder_stack is tested against."""
         x, residual = self._norm(hidden, layer.input_norm, residual)
         qkv = layer.qkv(x)
         attended = attention.attend_qkv(qkv, key_cache, value_cache, attn_metadata)  # rope, cache write, attention

@@ -1,7 +1,7 @@
-"""Each row's draw from its distribution in Paddle ops: temperature and min_p, then the inverse CDF, over the
-vocabulary in id order, or (with top_k or top_p) over the top_k largest cut to the smallest prefix holding
-top_p of their mass, from the largest down. The reference for the custom CPU op bs_sample_rows, and the path
-of the other kernels.
+"""Each row's draw in Paddle ops: the argmax (greedy), or from its distribution: temperature and min_p, then the
+inverse CDF, over the vocabulary in id order, or (with top_k or top_p) over the top_k largest cut to the smallest
+prefix holding top_p of their mass, from the largest down. The reference for the custom CPU ops bs_argmax_rows and
+bs_sample_rows, and the path of the other kernels.
 
 `params` rows are (temperature > 0, min_p in [0, 1], uniform in [0, 1), top_k (0: none), top_p (>= 1: none)),
 float64.
@@ -13,7 +13,12 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from worker.layers.row_gather import in_row_order, take_rows
+from worker.layers.row_gather import take_rows
+
+
+def argmax_rows(logits: paddle.Tensor) -> paddle.Tensor:
+    """int64 [rows]: each row's largest entry (greedy sampling)."""
+    return paddle.argmax(logits, axis=-1).astype("int64")
 
 
 def sample_rows(logits: paddle.Tensor, params: np.ndarray) -> paddle.Tensor:
@@ -70,3 +75,12 @@ def _inverse_cdf(probs: paddle.Tensor, uniforms: np.ndarray) -> paddle.Tensor:
     targets = paddle.to_tensor(uniforms[:, None]) * cdf[:, -1:]
     picked = paddle.searchsorted(cdf, targets, right=True)[:, 0]
     return paddle.minimum(picked, paddle.full_like(picked, probs.shape[-1] - 1)).astype("int64")
+
+
+def in_row_order(groups: list[np.ndarray], group_tokens: list[paddle.Tensor]) -> paddle.Tensor:
+    """The groups' tokens back in row order (groups: each group's rows, together every row once): row i is entry
+    position_of_row[i] of the groups' concatenation."""
+    if len(groups) == 1:  # the group is every row, in order
+        return group_tokens[0]
+    position_of_row = np.argsort(np.concatenate(groups))
+    return paddle.gather(paddle.concat(group_tokens), paddle.to_tensor(position_of_row))

@@ -9,7 +9,7 @@ bfloat16 the activations are rounded after sums whose order depends on how a ste
 most), so a draw that falls near a boundary between two tokens may differ. Logprobs come from the raw
 model logits.
 
-The draw is the kernels' sample_rows (worker/sample/paddle_draw.py in Paddle ops; on a CPU the custom op
+The draw is the kernels' sample_rows (sample/paddle_draw.py in Paddle ops; on a CPU the custom op
 bs_sample_rows): rows without top_k/top_p draw over the vocabulary in id order (no sort); rows that
 truncate walk their top tokens from the largest down.
 
@@ -27,8 +27,8 @@ import numpy as np
 import paddle
 
 from service import wire
-from worker.kernels.selection import PaddleKernels
-from worker.layers.row_gather import in_row_order, log_softmax, take_rows
+from worker.layers.row_gather import take_rows
+from worker.sample import paddle_draw
 from worker.sample.penalties import SamplingRequest, apply_logit_bias, apply_penalties
 
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is argmax
@@ -77,9 +77,9 @@ class Sampler:
         sample_rows: Callable[[paddle.Tensor, np.ndarray], paddle.Tensor] | None = None,
     ):
         self._rng = np.random.default_rng(seed)
-        # The worker passes its kernels' argmax_rows and sample_rows (worker/sample/paddle_draw.py's draw).
-        self._argmax = argmax or PaddleKernels().argmax_rows
-        self._sample_rows = sample_rows or PaddleKernels().sample_rows
+        # The worker passes its kernels' argmax_rows and sample_rows; by default the draw is Paddle's.
+        self._argmax = argmax or paddle_draw.argmax_rows
+        self._sample_rows = sample_rows or paddle_draw.sample_rows
 
     def sample(self, logits: paddle.Tensor, requests: Sequence[SamplingRequest]) -> list[wire.SampledToken]:
         return self.draw(logits, requests).fetch()
@@ -105,7 +105,7 @@ class Sampler:
             ]
             groups.append(drawn)
             group_tokens.append(self._sample_rows(_rows(penalised, ~greedy), np.array(table, dtype=np.float64)))
-        return _with_logprobs(logits, requests, in_row_order(groups, group_tokens))
+        return _with_logprobs(logits, requests, paddle_draw.in_row_order(groups, group_tokens))
 
     def _uniforms(self, requests: Sequence[SamplingRequest], needed: np.ndarray) -> np.ndarray:
         """One uniform in [0, 1) per request: seeded from (seed, length) or from the worker's generator."""
@@ -136,6 +136,12 @@ def _plain_greedy(params: wire.SamplingParams) -> bool:
 
 def _select(params: list[wire.SamplingParams], selected: np.ndarray) -> list[wire.SamplingParams]:
     return [params[i] for i in np.flatnonzero(selected)]
+
+
+def log_softmax(logits: paddle.Tensor) -> paddle.Tensor:
+    """log_softmax over the last axis (Paddle's own CPU kernel takes seconds on a [64, 49152] batch)."""
+    shifted = logits - logits.max(axis=-1, keepdim=True)
+    return shifted - paddle.log(paddle.exp(shifted).sum(axis=-1, keepdim=True))
 
 
 def _with_logprobs(logits: paddle.Tensor, requests: Sequence[SamplingRequest], tokens: paddle.Tensor) -> Draw:

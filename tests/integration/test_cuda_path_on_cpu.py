@@ -1,4 +1,4 @@
-"""The GPU worker's pieces that this CPU build can run: step inputs built from deltas by the device
+"""The CUDA path's pieces that this CPU build can run: step inputs built from deltas by the device
 op's own kernels (emulated) inside the real ModelRunner, the choice of the CUDA kernels on a GPU
 device, and moving a model onto its device in its dtype."""
 
@@ -20,10 +20,12 @@ from tests.gpu.kernel_library import HostArrays, KernelLibrary, build_emulated_l
 from tests.support.model_engine import LocalEngine
 from worker.attention.custom_kernels import CustomPagedAttention
 from worker.host.model_to_device import map_model_tensors
-from worker.inputs.model_inputs import DeviceInputs, HostInputs
+from worker.inputs.device_inputs import DeviceInputs
+from worker.inputs.model_inputs import HostInputs
 from worker.inputs.step_delta import StepDelta
 from worker.kernels.cuda import CudaKernels
-from worker.kernels.selection import PaddleKernels, select_kernels
+from worker.kernels.reference import PaddleKernels
+from worker.kernels.selection import select_kernels
 from worker.layers.linear import PaddleLinear, TiedLmHead, linear
 from worker.layers.precision import Precision
 from worker.model_runner import ModelRunner
@@ -126,6 +128,7 @@ def test_cuda_attention_takes_heads_it_can_hold_and_leaves_the_rest_to_paddle():
     rotary = SimpleNamespace()
     assert isinstance(kernels.attention(tiny_config(16), 16, rotary), CustomPagedAttention)
     assert not isinstance(kernels.attention(tiny_config(12), 16, rotary), CustomPagedAttention)  # not 16-byte rows
+    assert kernels.attention_problem(tiny_config(12)) == "head_dim 12 is not a multiple of 8 up to 256"
 
 
 def tiny_model(config: ModelConfig) -> LlamaForCausalLM:

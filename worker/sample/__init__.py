@@ -1,0 +1,1 @@
+"""Sampling: penalties and logit_bias, greedy and random draws (the pure-Paddle draw is the reference), logprobs."""

@@ -1,0 +1,170 @@
+"""The worker's parts, assembled once at start-up, each choice made before the one that depends on it: the device,
+the kernels, the model's shape (read from its files), the attention for its heads, the precision for kernels and
+attention together, the weights, the KV cache, and the way a step's inputs reach the model."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import paddle
+
+from service import wire
+from service.config import Settings
+from worker.attention.backend import AttentionBackend
+from worker.attention.custom_kernels import CustomPagedAttention
+from worker.attention.kv_cache import KVCache, num_blocks_for
+from worker.host.compute_clock import ComputeClock, gpu_event
+from worker.host.cpu_memory import keep_freed_memory
+from worker.host.huge_pages import collapse
+from worker.host.model_to_device import move_model, on_host
+from worker.host.placement import activation_bytes, choose_device, kv_cache_budget
+from worker.inputs.device_inputs import DeviceInputs
+from worker.inputs.model_inputs import HostInputs
+from worker.kernels.selection import CPU_ISA_CAPS, select_kernels
+from worker.layers.precision import resolve_precision
+from worker.loading.checkpoint import open_checkpoint
+from worker.loading.model_loader import load_model
+from worker.models.llama import LlamaForCausalLM
+from worker.sample.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerParts:
+    """What a ModelRunner computes with."""
+
+    device: str  # cpu | gpu:N
+    model: LlamaForCausalLM
+    model_info: wire.ModelInfo
+    block_size: int
+    num_kv_blocks: int
+    kv_cache: KVCache
+    attention: AttentionBackend
+    step_inputs: HostInputs | DeviceInputs
+    sampler: Sampler
+    clock: ComputeClock
+    # Reported in the hello and the scheduler's settings_info (worker_kernels, worker_device, worker_dtype, ...).
+    reported: dict[str, str]
+
+
+def assemble_worker(settings: Settings) -> WorkerParts:
+    """The parts for `settings`; an error names what cannot be served (worker/process.py says which setting to
+    change)."""
+    device = _choose_device(settings)
+    choice = select_kernels(settings.kernels, CPU_ISA_CAPS[settings.cpu_isa])
+    kernels = choice.kernels
+    log.info("kernels: %s (%s)", " ".join(f"{k}={v}" for k, v in choice.describe().items()), choice.reason)
+    checkpoint = open_checkpoint(settings.model_path())
+    config = checkpoint.config
+    # The attention before the precision: where the kernels' own cannot take the model's heads, the pure-Paddle
+    # attention serves them, and it computes and caches in float32.
+    attention_problem = kernels.attention_problem(config)
+    if attention_problem is not None:
+        log.warning("%s: pure-Paddle attention", attention_problem)
+    precision = resolve_precision(
+        settings.dtype,
+        settings.quantization,
+        kernels.name,
+        bf16_dot=kernels.name == "custom" and kernels.isa.bf16,
+        attention_problem=attention_problem,
+    )
+    log.info(
+        "device=%s dtype=%s quantization=%s (%s)", device, precision.dtype, precision.quantization, precision.reason
+    )
+    with on_host():  # on a GPU the weights are read in host memory and moved once, cast to the dtype
+        # On a CPU with huge pages, the weights in one buffer, so that all of them move into 2 MiB pages.
+        loaded = load_model(
+            checkpoint, settings, kernels, precision, one_buffer=device == "cpu" and settings.huge_pages
+        )
+    model = loaded.model
+    if device != "cpu":
+        move_model(model, device, precision.dtype)
+    reported = {
+        **choice.describe(),
+        "device": device,
+        "dtype": precision.dtype,
+        "quantization": precision.quantization,
+        "weights_mib": f"{model.weight_bytes() / 2**20:.1f}",  # after the move: on a GPU in the precision's dtype
+    }
+    block_size = settings.block_size
+    budget = kv_cache_budget(
+        int(settings.kv_cache_memory) if "kv_cache_memory" in settings.model_fields_set else None,
+        int(settings.kv_cache_memory),
+        device,
+        _free_and_total_memory(device),
+        settings.gpu_memory_utilization,
+        activation_bytes(config, settings.max_num_batched_tokens, settings.max_num_seqs, precision.dtype),
+    )
+    num_kv_blocks = num_blocks_for(
+        config, block_size, budget.num_bytes, settings.num_kv_blocks, precision.kv_cache_dtype
+    )
+    kv_cache = KVCache(config, num_kv_blocks, block_size, precision.kv_cache_dtype)
+    reported["huge_pages_mib"] = _move_to_huge_pages(settings, model, kv_cache) if device == "cpu" else "-"
+    attention = kernels.attention(config, block_size, model.rotary)
+    if kernels.name == "cuda" and isinstance(attention, CustomPagedAttention):
+        max_blocks = -(-loaded.info.max_model_len // block_size)
+        step_inputs = DeviceInputs(kernels.ops, block_size, settings.max_num_seqs, max_blocks)
+    else:
+        step_inputs = HostInputs(attention)
+    log.info(
+        "KV cache on %s: %d blocks of %d tokens, %s, %.1f MiB (%s)",
+        device,
+        num_kv_blocks,
+        block_size,
+        kv_cache.dtype,
+        kv_cache.num_bytes / 2**20,
+        budget.reason if settings.num_kv_blocks is None else "BLOCKSERVE_NUM_KV_BLOCKS",
+    )
+    return WorkerParts(
+        device=device,
+        model=model,
+        model_info=loaded.info,
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+        kv_cache=kv_cache,
+        attention=attention,
+        step_inputs=step_inputs,
+        sampler=Sampler(argmax=kernels.argmax_rows, sample_rows=kernels.sample_rows),
+        clock=ComputeClock(gpu_event if device != "cpu" else None),
+        reported=reported,
+    )
+
+
+def _choose_device(settings: Settings) -> str:
+    """BLOCKSERVE_DEVICE resolved and made Paddle's device; on a CPU, freed memory kept in the heap."""
+    compiled_with_cuda = paddle.is_compiled_with_cuda()
+    gpu_count = paddle.device.cuda.device_count() if compiled_with_cuda else 0
+    device = choose_device(settings.device, compiled_with_cuda, gpu_count)
+    paddle.set_device(device)
+    if device == "cpu":
+        keep_freed_memory()
+    return device
+
+
+def _move_to_huge_pages(settings: Settings, model: LlamaForCausalLM, kv_cache: KVCache) -> str:
+    """The weights and the KV cache into 2 MiB pages (host/huge_pages.py) unless BLOCKSERVE_HUGE_PAGES=0; the MiB
+    moved, as reported."""
+    if not settings.huge_pages:
+        log.info("huge pages: off (BLOCKSERVE_HUGE_PAGES=0)")
+        return "0.0"
+    started = time.perf_counter()
+    moved = collapse(model.weight_tensors() + kv_cache.key_caches + kv_cache.value_caches)
+    log.info(
+        "huge pages: %.1f of the weights' and KV cache's %.1f MiB in 2 MiB pages, in %.2f s%s",
+        moved.collapsed_bytes / 2**20,
+        moved.tensor_bytes / 2**20,
+        time.perf_counter() - started,
+        f"; the kernel refused the rest ({moved.refused})" if moved.refused else "",
+    )
+    return f"{moved.collapsed_bytes / 2**20:.1f}"
+
+
+def _free_and_total_memory(device: str) -> tuple[int, int] | None:
+    """(free, total) bytes of a GPU once Paddle's cache of freed blocks is returned; None on a CPU."""
+    if device == "cpu":
+        return None
+    paddle.device.cuda.empty_cache()
+    return paddle.cuda.mem_get_info(device)

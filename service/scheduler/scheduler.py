@@ -372,19 +372,21 @@ class Scheduler:
             return 1 if lacks_seat else len(kv.block_ids(request))
 
         protected = min(self.running, key=importance)
-        candidates = [
+        giving = [
             r
             for r in self.running
-            if r.tenant is not owner and r is not protected and held[r.tenant] - cost(r) >= shares[r.tenant]
+            if r.tenant is not owner and r is not protected and held[r.tenant] > shares[r.tenant]
         ]
-        if not candidates:
+        if not giving:
             return None
-        if not lacks_seat and not self.admission.fits(
-            head, sum(map(cost, candidates)) + self.admission.reserve_of(candidates)
-        ):
+        if not lacks_seat and not self.admission.fits(head, sum(map(cost, giving)) + self.admission.reserve_of(giving)):
             return None
-        furthest = max({r.tenant for r in candidates}, key=lambda tenant: held[tenant] / shares[tenant])
-        return self.preemption.lowest_priority_victim([r for r in candidates if r.tenant is furthest])
+        for tenant in sorted({r.tenant for r in giving}, key=lambda t: held[t] / shares[t], reverse=True):
+            # Within a tenant its priorities decide, as when blocks run out; it keeps at least its share.
+            victim = self.preemption.lowest_priority_victim([r for r in giving if r.tenant is tenant])
+            if held[tenant] - cost(victim) >= shares[tenant]:
+                return victim
+        return None
 
     def update(self, step: ScheduledStep, result: wire.StepResult, now: float) -> StepOutcome:
         """Apply the worker's sampled tokens for `step`; return what they produced."""

@@ -9,7 +9,7 @@ from fastapi import Request
 from service.api.engines import EngineSet
 from service.api.errors import ApiError
 from service.api.served_model import ServedModel
-from service.wire import ModelInfo
+from service.contract.wire import ModelInfo
 
 log = logging.getLogger(__name__)
 

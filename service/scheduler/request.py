@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from service.wire import RunningRequest, SamplingParams
+from service.contract.wire import RunningRequest, SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -18,8 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
 
-from service import wire
-from service.limits import priority_problem, prompt_problem, request_id_problem, sampling_problem
+from service.contract import wire
+from service.contract.limits import priority_problem, prompt_problem, request_id_problem, sampling_problem
 from service.scheduler import split_table as split
 from service.scheduler.admission import Admitted, ReserveAdmission
 from service.scheduler.counters import SchedulerCounters

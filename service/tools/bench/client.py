@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
-from service.workload import TraceRequest
+from service.tools.workload import TraceRequest
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from worker.host.cpu_threads import set_thread_defaults
 set_thread_defaults()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the measure lives in tests/support
 
-from service.config import default_model_path  # noqa: E402
+from service.contract.config import default_model_path  # noqa: E402
 from tests.support.accuracy import Float32Reference, load_runner  # noqa: E402
 
 PRECISIONS = ("bfloat16:none", "float32:int8", "bfloat16:int8", "float32:gguf", "bfloat16:gguf")

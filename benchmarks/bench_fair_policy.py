@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from service import wire  # noqa: E402
+from service.contract import wire  # noqa: E402
 from service.scheduler.scheduler import SchedulerConfig, build_scheduler  # noqa: E402
 
 NUM_RUNNING = 256

@@ -99,7 +99,7 @@ def main() -> None:
     env = loopback_env(PYTHONPATH=str(args.checkout.resolve()), **extra)
     logs = Path(tempfile.mkdtemp())
     roles = ("scheduler", "worker", "api")
-    processes = [start(["-m", "service.cli", role], env, logs / f"{role}.log") for role in roles]
+    processes = [start(["-m", "service.launch.cli", role], env, logs / f"{role}.log") for role in roles]
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
     try:
         wait_ready(url, timeout_s=600)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's service and tests, whatever else is installed
-from service.bench.command import add_arguments, build_trace  # noqa: E402
-from service.cli import main as blockserve  # noqa: E402
+from service.launch.cli import main as blockserve  # noqa: E402
+from service.tools.bench.command import add_arguments, build_trace  # noqa: E402
 from tests.support.processes import FakeStack, metric_samples, scrape  # noqa: E402
 from tests.support.tiny_model import tiny_model_info  # noqa: E402
 

@@ -22,7 +22,7 @@ set_thread_defaults()  # the worker's OpenMP settings, as in the service
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 
-from service import wire  # noqa: E402
+from service.contract import wire  # noqa: E402
 from worker.inputs.step_inputs import RequestState  # noqa: E402
 from worker.kernels.reference import PaddleKernels  # noqa: E402
 from worker.kernels.selection import select_kernels  # noqa: E402

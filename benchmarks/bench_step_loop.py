@@ -28,8 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's service and tests, whatever else is installed
-from service import wire  # noqa: E402
-from service.scheduler.fake_worker import FakeWorker  # noqa: E402
+from service.contract import wire  # noqa: E402
+from service.tools.fake_worker import FakeWorker  # noqa: E402
 from tests.support.api_peer import ApiPeer  # noqa: E402
 from tests.support.processes import loopback_env, stop  # noqa: E402
 
@@ -114,7 +114,7 @@ class FixedStepRunner:
 
 
 def run_worker(args: argparse.Namespace) -> None:
-    from service.config import load_settings
+    from service.contract.config import load_settings
     from worker.process import serve_worker
 
     settings = load_settings()
@@ -171,7 +171,7 @@ def run_case(mode: str, step_ms: int, running: int, waiting: int, max_tokens: in
     timings_path = log_dir / f"{name}.steps.json"
     processes = [
         subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "scheduler"],
+            [sys.executable, "-m", "service.launch.cli", "scheduler"],
             env=env,
             cwd=ROOT,
             stdout=open(log_dir / f"{name}.scheduler.log", "wb"),

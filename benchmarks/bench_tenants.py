@@ -27,8 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 
-from service.bench.client import run_trace  # noqa: E402
-from service.workload import LengthDistribution, TenantMix, Workload, make_trace  # noqa: E402
+from service.tools.bench.client import run_trace  # noqa: E402
+from service.tools.workload import LengthDistribution, TenantMix, Workload, make_trace  # noqa: E402
 from tests.support.processes import loopback_env, start, stop_all, wait_ready  # noqa: E402
 
 SEATS = 8
@@ -106,7 +106,7 @@ def main() -> None:
     env = loopback_env(**extra)
     logs = Path(tempfile.mkdtemp())
     processes = [
-        start(["-m", "service.cli", role], env, logs / f"{role}.log") for role in ("scheduler", "worker", "api")
+        start(["-m", "service.launch.cli", role], env, logs / f"{role}.log") for role in ("scheduler", "worker", "api")
     ]
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
     try:

@@ -46,8 +46,8 @@ import paddle  # noqa: E402
 import torch  # noqa: E402
 
 import worker.model_runner as model_runner_module  # noqa: E402
-from service import wire  # noqa: E402
-from service.config import load_settings  # noqa: E402
+from service.contract import wire  # noqa: E402
+from service.contract.config import load_settings  # noqa: E402
 from worker.model_runner import ModelRunner  # noqa: E402
 from worker.models.llama_decoder_stack import STACK_STAGES, FusedDecoderStack  # noqa: E402
 

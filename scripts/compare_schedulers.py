@@ -26,11 +26,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from service.cli import main as blockserve  # noqa: E402
+from service.launch.cli import main as blockserve  # noqa: E402
 from service.scheduler.scheduler import SchedulerConfig  # noqa: E402
-from service.scheduler.simulator import simulate  # noqa: E402
 from service.scheduler.split_table import SplitTableConfig  # noqa: E402
-from service.workload import LengthDistribution, Workload, make_trace  # noqa: E402
+from service.tools.simulator import simulate  # noqa: E402
+from service.tools.workload import LengthDistribution, Workload, make_trace  # noqa: E402
 from tests.support.processes import loopback_env, start, stop, wait_ready  # noqa: E402
 
 RATIOS = (0.3, 0.5, 0.75, 0.9)
@@ -54,7 +54,7 @@ def run_server(mode_ratio: float | None, workload: str, num_requests: int, logs:
         overrides.update(ENABLE_V1_KVCACHE_SCHEDULER="0", KV_CACHE_RATIO=str(mode_ratio))
     env = loopback_env(**overrides)
     processes = [
-        start(["-m", "service.cli", role], env, logs / f"{role}-{workload}-{mode_ratio}.log")
+        start(["-m", "service.launch.cli", role], env, logs / f"{role}-{workload}-{mode_ratio}.log")
         for role in ("scheduler", "worker", "api")
     ]
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"

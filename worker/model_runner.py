@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import paddle
 
-from service import wire
-from service.config import Settings
-from service.limits import sampling_problem
+from service.contract import wire
+from service.contract.config import Settings
+from service.contract.limits import sampling_problem
 from worker.inputs.model_inputs import ModelInputs
 from worker.inputs.step_inputs import RequestState, StepError, StepInputs, build_step_inputs, fill_pending_tokens
 from worker.layers.row_gather import take_rows

@@ -24,9 +24,9 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from service import socket_auth, wire
-from service.config import Settings
-from service.configuration_exit import ConfigurationError
+from service.contract import socket_auth, wire
+from service.contract.config import Settings
+from service.contract.configuration_exit import ConfigurationError
 
 log = logging.getLogger(__name__)
 

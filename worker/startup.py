@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import paddle
 
-from service import wire
-from service.config import Settings
+from service.contract import wire
+from service.contract.config import Settings
 from worker.attention.backend import AttentionBackend
 from worker.attention.custom_kernels import CustomPagedAttention
 from worker.attention.kv_cache import KVCache, num_blocks_for

@@ -14,7 +14,6 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from service import socket_auth
 from service.api import chat, completions
 from service.api.auth import ApiKeyMiddleware
 from service.api.body_limit import BodyLimitMiddleware
@@ -25,7 +24,8 @@ from service.api.metrics import ApiMetrics, MetricsMiddleware
 from service.api.openapi import errors, install_openapi
 from service.api.protocol import ChatCompletionChunk, CompletionResponse, Health, ModelCard, ModelList, Readiness
 from service.api.tenants import TenantResolver
-from service.config import Settings
+from service.contract import socket_auth
+from service.contract.config import Settings
 
 READY_TIMEOUT_S = 1.0
 

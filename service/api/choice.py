@@ -8,7 +8,7 @@ from tokenizers import Tokenizer
 
 from service.api.detokenizer import IncrementalDetokenizer
 from service.api.stop import StopMatcher
-from service.wire import RequestDelta, TokenLogprob
+from service.contract.wire import RequestDelta, TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from service.api.engines import EngineSet
 from service.api.errors import ApiError
 from service.api.served_model import ServedModel
 from service.api.tenants import TenantResolver
-from service.wire import ModelInfo
+from service.contract.wire import ModelInfo
 
 log = logging.getLogger(__name__)
 

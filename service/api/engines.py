@@ -21,9 +21,9 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from urllib.parse import urlsplit
 
-from service import socket_auth, wire
 from service.api.routing import Router, RoutingMode
 from service.api.scheduler_client import SchedulerClient, lost_delta
+from service.contract import socket_auth, wire
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from service.api.errors import ApiError
 from service.api.protocol import GenerationRequest
 from service.api.scheduler_client import SchedulerClient
 from service.api.served_model import ServedModel
-from service.wire import DEFAULT_TENANT, SamplingParams
+from service.contract.wire import DEFAULT_TENANT, SamplingParams
 
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer

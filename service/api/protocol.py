@@ -23,9 +23,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from service import limits
-from service.limits import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
-from service.wire import SamplingParams
+from service.contract import limits
+from service.contract.limits import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from service.contract.wire import SamplingParams
 
 MAX_CHOICES = 128
 # Choice i samples with seed + i. Below 2**53, as JSON's number type (a double) holds every integer:

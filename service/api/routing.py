@@ -1,7 +1,7 @@
 """Which engine takes a request: exact prefix knowledge and load (`BLOCKSERVE_ROUTING`).
 
 Every engine reports, in band with its deltas, its load and the hashes its prefix cache gains and
-evicts (service/block_hashes.py: the scheduler's own chained hash), so the api knows exactly which
+evicts (service/contract/block_hashes.py: the scheduler's own chained hash), so the api knows exactly which
 leading blocks of a prompt each engine holds. The blocks of a prompt that no engine holds count as
 held by the engine it was routed to, from then until its request ends (by then that engine has
 reported them), so prompts of a new prefix sent at once follow the first instead of each computing
@@ -26,8 +26,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Literal
 
-from service import wire
-from service.block_hashes import extend_block_hashes
+from service.contract import wire
+from service.contract.block_hashes import extend_block_hashes
 
 RoutingMode = Literal["prefix", "load", "round_robin"]
 LOAD_WEIGHT = 1.0

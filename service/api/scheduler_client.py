@@ -17,8 +17,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from service import socket_auth, wire
 from service.api.routing import EngineView
+from service.contract import socket_auth, wire
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders
 
 from service.api.chat_template import ChatTemplateError, render_chat
 from service.api.errors import ApiError
-from service.wire import ModelInfo
+from service.contract.wire import ModelInfo
 
 
 @functools.cache

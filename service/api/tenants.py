@@ -11,9 +11,9 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from service.api.errors import ApiError
-from service.config import Settings
-from service.limits import MAX_TENANT_CHARS
-from service.wire import DEFAULT_TENANT
+from service.contract.config import Settings
+from service.contract.limits import MAX_TENANT_CHARS
+from service.contract.wire import DEFAULT_TENANT
 
 KEY_TENANT = "tenant_of_key"  # where the key check leaves the key's (tenant, weight) in the request's scope state
 

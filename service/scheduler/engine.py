@@ -12,7 +12,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from service import wire
+from service.contract import wire
 from service.scheduler.counters import SchedulerCounters
 from service.scheduler.outcome import StepOutcome
 from service.scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig, build_scheduler

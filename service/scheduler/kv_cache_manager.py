@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.block_hashes import extend_block_hashes
+from service.contract.block_hashes import extend_block_hashes
 from service.scheduler.block_pool import BlockPool
 from service.scheduler.request import Request
 

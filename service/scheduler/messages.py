@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service import wire
+from service.contract import wire
 from service.scheduler.request import FinishReason, Request
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service import wire
+from service.contract import wire
 from service.scheduler.request import Request
 
 

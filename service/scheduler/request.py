@@ -8,8 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from service.contract.wire import RunningRequest, SamplingParams
 from service.scheduler.fair_share import Tenant
-from service.wire import RunningRequest, SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -18,8 +18,15 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
 
-from service import wire
-from service.limits import priority_problem, prompt_problem, request_id_problem, sampling_problem, tenant_problem
+from service.contract import wire
+from service.contract.limits import (
+    priority_problem,
+    prompt_problem,
+    request_id_problem,
+    sampling_problem,
+    tenant_problem,
+)
+from service.contract.wire import DEFAULT_TENANT
 from service.scheduler import split_table as split
 from service.scheduler.admission import Admitted, ReserveAdmission
 from service.scheduler.counters import SchedulerCounters
@@ -31,7 +38,6 @@ from service.scheduler.preemption import RecomputePreemption, importance
 from service.scheduler.request import FinishReason, Request, RequestStatus
 from service.scheduler.step_cost import StepCostModel
 from service.scheduler.waiting_queue import FairWaitingQueue, PriorityWaitingQueue, priority_key
-from service.wire import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from service import limits, socket_auth, wire
-from service.config import Settings
+from service.contract import limits, socket_auth, wire
+from service.contract.config import Settings
 from service.scheduler.counters import SchedulerCounters, TenantLabels
 from service.scheduler.engine import EngineLoop
 from service.scheduler.metrics import SchedulerMetrics

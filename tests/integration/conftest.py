@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service.config import default_model_path
+from service.contract.config import default_model_path
 from tests.support.fake_scheduler import ApiServer, FakeScheduler
 
 

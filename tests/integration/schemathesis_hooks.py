@@ -19,7 +19,7 @@ from pathlib import Path
 import schemathesis
 
 from service.api.protocol import MAX_CHOICES as ALLOWED_CHOICES
-from service.config import default_model_path
+from service.contract.config import default_model_path
 from worker.loading.gguf_checkpoint import GGUFCheckpoint
 
 MAX_CHOICES = 2

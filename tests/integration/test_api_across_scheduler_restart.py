@@ -65,9 +65,9 @@ def test_api_ends_in_flight_requests_and_then_serves_the_model_of_a_new_schedule
         env, BLOCKSERVE_WORKER_ADDR=f"tcp://127.0.0.1:{free_port()}", BLOCKSERVE_METRICS_PORT=str(free_port())
     )
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
-    scheduler = start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")
-    worker = start(["-m", "service.cli", "worker"], env, tmp_path / "worker.log")
-    api = start(["-m", "service.cli", "api"], env, tmp_path / "api.log")
+    scheduler = start(["-m", "service.launch.cli", "scheduler"], env, tmp_path / "scheduler.log")
+    worker = start(["-m", "service.launch.cli", "worker"], env, tmp_path / "worker.log")
+    api = start(["-m", "service.launch.cli", "api"], env, tmp_path / "api.log")
     processes = [api, scheduler, worker]
     try:
         wait_ready(url, timeout_s=180)
@@ -102,7 +102,7 @@ def test_api_ends_in_flight_requests_and_then_serves_the_model_of_a_new_schedule
         assert httpx.get(f"{url}/ready", timeout=10).status_code == 503
 
         processes += [
-            start(["-m", "service.cli", "scheduler"], second_env, tmp_path / "scheduler2.log"),
+            start(["-m", "service.launch.cli", "scheduler"], second_env, tmp_path / "scheduler2.log"),
             start(["-m", "tests.support.fake_worker_process"], second_env, tmp_path / "worker2.log"),
         ]
         wait_ready(url, timeout_s=60)
@@ -142,8 +142,8 @@ def test_a_live_scheduler_refuses_a_worker_of_another_model_and_takes_back_one_o
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
     worker = start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "worker.log")
     processes = [
-        start(["-m", "service.cli", "api"], env, tmp_path / "api.log"),
-        start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
+        start(["-m", "service.launch.cli", "api"], env, tmp_path / "api.log"),
+        start(["-m", "service.launch.cli", "scheduler"], env, tmp_path / "scheduler.log"),
         worker,
     ]
     try:

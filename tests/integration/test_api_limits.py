@@ -31,7 +31,7 @@ def base_url(tmp_path_factory):
             OMP_NUM_THREADS="1",
         )
         env.pop("BLOCKSERVE_API_KEY", None)
-        api = start(["-m", "service.cli", "api"], env, tmp_path_factory.mktemp("api") / "api.log")
+        api = start(["-m", "service.launch.cli", "api"], env, tmp_path_factory.mktemp("api") / "api.log")
         try:
             url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
             wait_ready(url, timeout_s=30)

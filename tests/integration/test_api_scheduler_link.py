@@ -7,7 +7,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service import wire
+from service.contract import wire
 from tests.support.fake_scheduler import ApiServer, FakeScheduler, free_tcp_addr, wait_until
 from tests.support.processes import loopback_env, start, stop, stop_all
 from tests.support.tiny_model import MODEL_NAME
@@ -83,7 +83,7 @@ def test_ready_says_what_is_missing(tmp_path):
             return answer.json()["reason"] if answer.status_code == 503 else None
 
         assert reason() == "no scheduler answers"
-        processes = [start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")]
+        processes = [start(["-m", "service.launch.cli", "scheduler"], env, tmp_path / "scheduler.log")]
         try:
             no_worker = "the scheduler answers, but no worker is registered with it"
             wait_until(lambda: reason() == no_worker, timeout_s=30)

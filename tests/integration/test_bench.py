@@ -24,7 +24,7 @@ def test_bench_report_is_well_formed_and_agrees_with_the_server_metrics(server, 
         [
             sys.executable,
             "-m",
-            "service.cli",
+            "service.launch.cli",
             "bench",
             "--url",
             url,

@@ -16,8 +16,8 @@ import httpx
 import numpy as np
 import pytest
 
-from service import supervisor
-from service.configuration_exit import CONFIGURATION_ERROR_STATUS, TERMINATION_MESSAGE_VARIABLE
+from service.contract.configuration_exit import CONFIGURATION_ERROR_STATUS, TERMINATION_MESSAGE_VARIABLE
+from service.launch import supervisor
 from tests.support.processes import ROOT, loopback_env, start, stop, wait_ready
 
 MODEL_LINE = re.compile(
@@ -44,7 +44,12 @@ def test_serve_on_an_unsupported_model_stops_every_role_within_10_s_with_one_lin
 
     started = time.monotonic()
     served = subprocess.run(
-        [sys.executable, "-m", "service.cli", "serve"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "service.launch.cli", "serve"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     elapsed_s = time.monotonic() - started
 
@@ -70,7 +75,12 @@ def test_a_worker_on_a_model_folder_it_does_not_support_leaves_its_line_as_the_t
     )
 
     worker = subprocess.run(
-        [sys.executable, "-m", "service.cli", "worker"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "service.launch.cli", "worker"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
     line = "blockserve worker: configuration error: model_type 'foo' is not supported"
@@ -109,7 +119,7 @@ def serve(tmp_path):
     """`blockserve serve` on the real model, ready; yields (process, its log, its api's URL)."""
     env = loopback_env(BLOCKSERVE_QUANTIZATION="gguf", BLOCKSERVE_HUGE_PAGES="0", BLOCKSERVE_NUM_KV_BLOCKS="16")
     log = tmp_path / "serve.log"
-    process = start(["-m", "service.cli", "serve"], env, log)
+    process = start(["-m", "service.launch.cli", "serve"], env, log)
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
     try:
         wait_ready(url, timeout_s=180)

@@ -14,8 +14,8 @@ import pytest
 
 import worker.kernels.cuda_ops as cuda_ops_module
 import worker.kernels.selection as kernels_module
-from service import wire
-from service.config import load_settings
+from service.contract import wire
+from service.contract.config import load_settings
 from tests.gpu.kernel_library import HostArrays, KernelLibrary, build_emulated_library
 from tests.support.model_engine import LocalEngine
 from worker.attention.custom_kernels import CustomPagedAttention

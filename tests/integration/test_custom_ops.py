@@ -17,7 +17,7 @@ import paddle
 import pytest
 
 import worker.kernels.selection as kernels_module
-from service import wire
+from service.contract import wire
 from tests.support.api_peer import ApiPeer
 from tests.support.numerics import attention_config, bf16_rounded
 from tests.support.processes import ROOT, loopback_env, metric_samples, start, stop_all
@@ -436,12 +436,12 @@ def test_a_corrupt_cached_build_is_rebuilt_once_and_only_a_failed_rebuild_falls_
     env = loopback_env(
         PADDLE_EXTENSION_DIR=str(extension_dir), BLOCKSERVE_NUM_KV_BLOCKS="16", BLOCKSERVE_KERNELS="auto"
     )
-    processes = [start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")]
+    processes = [start(["-m", "service.launch.cli", "scheduler"], env, tmp_path / "scheduler.log")]
     peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
 
     def serve_with(log_name: str, **overrides: str) -> tuple[str, str]:
         """A worker started on the cache; its kernels as the scheduler shows them, and its log."""
-        worker = start(["-m", "service.cli", "worker"], {**env, **overrides}, tmp_path / log_name)
+        worker = start(["-m", "service.launch.cli", "worker"], {**env, **overrides}, tmp_path / log_name)
         processes.append(worker)
         peer.wait_until(lambda: peer.status(timeout_s=30).ready, 600)
         (info,) = metric_samples(env["BLOCKSERVE_METRICS_PORT"], "blockserve_settings_info")

@@ -42,7 +42,7 @@ def service(tmp_path_factory):
     # A context the conformance run's requests fit in (its hooks cap their text); the README's examples fit too.
     env = loopback_env(BLOCKSERVE_MAX_MODEL_LEN="1024")
     env.pop("BLOCKSERVE_API_KEY", None)
-    serve = start(["-m", "service.cli", "serve"], env, logs / "serve.log")
+    serve = start(["-m", "service.launch.cli", "serve"], env, logs / "serve.log")
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
     try:
         wait_ready(url, timeout_s=180)

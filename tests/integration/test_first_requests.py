@@ -9,8 +9,8 @@ import msgspec
 import openai
 import pytest
 
-from service import wire
-from service.config import load_settings
+from service.contract import wire
+from service.contract.config import load_settings
 from service.scheduler.server import SchedulerServer
 from tests.support.api_peer import ApiPeer
 from tests.support.processes import loopback_env, metric_samples, start, stop_all, wait_ready
@@ -104,7 +104,8 @@ def fresh_stack(tmp_path_factory):
     logs = tmp_path_factory.mktemp("fresh_stack")
     env = loopback_env()
     processes = {
-        role: start(["-m", "service.cli", role], env, logs / f"{role}.log") for role in ("scheduler", "worker", "api")
+        role: start(["-m", "service.launch.cli", role], env, logs / f"{role}.log")
+        for role in ("scheduler", "worker", "api")
     }
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
     try:

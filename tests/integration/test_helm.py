@@ -27,8 +27,8 @@ import pytest
 import tomllib
 import yaml
 
-from service.config import Settings, env_name, load_settings
-from service.configuration_exit import CONFIGURATION_ERROR_STATUS
+from service.contract.config import Settings, env_name, load_settings
+from service.contract.configuration_exit import CONFIGURATION_ERROR_STATUS
 from tests.support.processes import free_port, start, stop, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -371,7 +371,7 @@ def test_every_container_leaves_a_configuration_error_as_its_termination_message
     pod_specs = [r["spec"]["template"]["spec"] for r in helm_template(*values) if r["kind"] in ("Deployment", "Job")]
     for container in (container for spec in pod_specs for container in spec["containers"]):
         # Kubernetes' default path, /dev/termination-log, is where blockserve writes the line
-        # (service/configuration_exit.py); the log's tail stands in for any other failure.
+        # (service/contract/configuration_exit.py); the log's tail stands in for any other failure.
         assert "terminationMessagePath" not in container, container["name"]
         assert container["terminationMessagePolicy"] == "FallbackToLogsOnError", container["name"]
 
@@ -467,7 +467,7 @@ def test_keys_from_values_or_an_existing_secret_need_no_job():
 
 
 def test_each_container_gets_only_its_own_curve_keys_and_they_work(tmp_path, monkeypatch):
-    from service import socket_auth
+    from service.contract import socket_auth
 
     resources = helm_template(*RENDERINGS["curve keys from an existing Secret"])
     assert not [r for r in resources if r["kind"] == "Secret"]
@@ -491,7 +491,9 @@ def test_each_container_gets_only_its_own_curve_keys_and_they_work(tmp_path, mon
         },
     }
     # The Secret of `blockserve keys`, mounted as each pod would see it, gives settings that fit together.
-    cli = subprocess.run([sys.executable, "-m", "service.cli", "keys"], capture_output=True, text=True, check=True)
+    cli = subprocess.run(
+        [sys.executable, "-m", "service.launch.cli", "keys"], capture_output=True, text=True, check=True
+    )
     secret = dict(line.split("=", 1) for line in cli.stdout.splitlines())
     settings = {}
     for name, files in mounted.items():
@@ -512,7 +514,7 @@ def test_each_container_gets_only_its_own_curve_keys_and_they_work(tmp_path, mon
 
 
 def test_the_chart_makes_the_curve_secret_from_values_and_a_new_key_rolls_the_pods(tmp_path):
-    from service import socket_auth
+    from service.contract import socket_auth
 
     def render(pairs: dict) -> list[dict]:
         values = tmp_path / f"curve-{len(list(tmp_path.iterdir()))}.yaml"  # a new name: renderings are cached
@@ -648,7 +650,7 @@ def fresh_ports_values(**ports: int) -> tuple[str, ...]:
 def test_with_curve_off_the_chart_opts_the_scheduler_out_of_protected_mode_which_needs_it(tmp_path):
     import zmq
 
-    from service import wire
+    from service.contract import wire
 
     resources = helm_template(*RENDERINGS["curve off"], *fresh_ports_values())
     assert curve_mounts(resources) == {}
@@ -657,11 +659,11 @@ def test_with_curve_off_the_chart_opts_the_scheduler_out_of_protected_mode_which
         "tcp://0.0.0.0:"
     )
     without = {k: v for k, v in env.items() if k != "BLOCKSERVE_ALLOW_UNAUTHENTICATED"}
-    refused = start(["-m", "service.cli", "scheduler"], without, tmp_path / "refused.log")
+    refused = start(["-m", "service.launch.cli", "scheduler"], without, tmp_path / "refused.log")
     # Protected mode: the opt-out is needed.
     assert refused.wait(60) == CONFIGURATION_ERROR_STATUS, (tmp_path / "refused.log").read_text()
 
-    scheduler = start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")
+    scheduler = start(["-m", "service.launch.cli", "scheduler"], env, tmp_path / "scheduler.log")
     context = zmq.Context()
     try:
         peer = context.socket(zmq.DEALER)
@@ -750,8 +752,8 @@ class FakeKubernetesApi:
         if token is not None:
             (self.account_dir / "token").write_text(token)
         code = (
-            "import sys; from pathlib import Path; import service.kube_secret as kube; "
-            "kube.SERVICE_ACCOUNT_DIR = Path(sys.argv[1]); from service.cli import main; sys.exit(main(sys.argv[2:]))"
+            "import sys; from pathlib import Path; import service.launch.kube_secret as kube; "
+            "kube.SERVICE_ACCOUNT_DIR = Path(sys.argv[1]); from service.launch.cli import main; sys.exit(main(sys.argv[2:]))"
         )
         env = {
             **os.environ,
@@ -782,7 +784,7 @@ def role_allows(role: dict, method: str, path: str) -> bool:
 
 
 def test_the_keys_job_makes_the_secret_once_with_keys_that_fit_together(tmp_path):
-    from service import socket_auth
+    from service.contract import socket_auth
 
     resources = helm_template()
     hooks = hook_resources(resources)
@@ -1048,7 +1050,7 @@ def test_rendered_containers_serve_and_drain_in_order(tmp_path):
     import httpx
     import zmq
 
-    from service import wire
+    from service.contract import wire
 
     api_port, metrics_port, scheduler_port = (free_port() for _ in range(3))
     resources = helm_template(
@@ -1081,7 +1083,7 @@ def test_rendered_containers_serve_and_drain_in_order(tmp_path):
         find(resources, "Service", "-engine-headless")["metadata"]["name"], "127.0.0.1"
     )
     startup_probe = by_name["scheduler"]["startupProbe"]["exec"]["command"]
-    processes = [start(["-m", "service.cli", "scheduler"], env("scheduler"), tmp_path / "scheduler.log")]
+    processes = [start(["-m", "service.launch.cli", "scheduler"], env("scheduler"), tmp_path / "scheduler.log")]
     try:
         deadline = time.monotonic() + 30
         while _exec(
@@ -1094,7 +1096,7 @@ def test_rendered_containers_serve_and_drain_in_order(tmp_path):
         while _exec(startup_probe, 10).returncode:
             assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
             time.sleep(0.2)
-        processes.append(start(["-m", "service.cli", "api"], api_env, tmp_path / "api.log"))
+        processes.append(start(["-m", "service.launch.cli", "api"], api_env, tmp_path / "api.log"))
         wait_ready(f"http://127.0.0.1:{api_port}", timeout_s=30)
         context = zmq.Context()  # a pod without the keys, on the scheduler's port
         try:

@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 import pytest
 
-from service.config import load_settings
+from service.contract.config import load_settings
 from worker.host.cpu_memory import resident_anonymous_bytes
 from worker.host.huge_pages import HUGE_PAGE_BYTES, TENSOR_ALIGNMENT, aligned_runs, collapse, move_into_one_buffer
 from worker.model_runner import ModelRunner

@@ -7,7 +7,7 @@ import numpy as np
 import paddle
 import pytest
 
-from service import wire
+from service.contract import wire
 from tests.gpu.kernel_checks import ATTENTION_GEOMETRIES, mixed_batch
 from tests.support import kernel_reference as ref
 from tests.support.numerics import attention_config

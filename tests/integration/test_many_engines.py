@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from service import socket_auth
+from service.contract import socket_auth
 from tests.support.fake_scheduler import wait_until
 from tests.support.processes import FakeStack, free_port, metric_samples, scrape, start, stop_all
 from tests.support.tiny_model import MODEL_NAME
@@ -112,7 +112,7 @@ def test_one_set_of_curve_keys_serves_every_engine(tmp_path):
         for engine in stack.engines:  # the handshakes were CURVE ones: none refused, on either socket
             assert scrape(engine["BLOCKSERVE_METRICS_PORT"]).get("blockserve_auth_failures_total", 0) == 0
         plain = stack.env | {"BLOCKSERVE_PORT": str(free_port())}  # an api without the keys gets nowhere
-        api = start(["-m", "service.cli", "api"], plain, tmp_path / "plain-api.log")
+        api = start(["-m", "service.launch.cli", "api"], plain, tmp_path / "plain-api.log")
         try:
             time.sleep(3)
             assert httpx.get(f"http://127.0.0.1:{plain['BLOCKSERVE_PORT']}/ready", timeout=5).status_code == 503
@@ -212,7 +212,7 @@ def test_an_engine_that_comes_back_is_used_again(tmp_path):
         assert all(complete(stack.url, [5, 6, i]).status_code == 200 for i in range(4))  # the other engine serves
         before = requests_per_engine(stack).get(stack.engines[0]["BLOCKSERVE_SCHEDULER_ADDR"], 0.0)
         stack.processes["scheduler-0"] = start(
-            ["-m", "service.cli", "scheduler"], stack.engines[0], tmp_path / "scheduler-0-again.log"
+            ["-m", "service.launch.cli", "scheduler"], stack.engines[0], tmp_path / "scheduler-0-again.log"
         )
         wait_ready(stack.url)
         deadline = threading.Event()

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from service import wire
+from service.contract import wire
 from tests.support.api_peer import ApiPeer
 from tests.support.processes import loopback_env, metric_samples, scrape, start, stop, stop_all
 
@@ -26,7 +26,7 @@ def cluster(request, tmp_path):
         FAKE_STEP_DELAY_S="0.03",
     )
     processes = {
-        "scheduler": start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
+        "scheduler": start(["-m", "service.launch.cli", "scheduler"], env, tmp_path / "scheduler.log"),
         "worker": start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "worker.log"),
     }
     peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
@@ -139,7 +139,7 @@ def test_legacy_mode_ends_a_request_the_decode_table_cannot_hold_at_once(tmp_pat
         BLOCKSERVE_LEGACY_DEC_BLOCKS="1",
     )
     processes = [
-        start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
+        start(["-m", "service.launch.cli", "scheduler"], env, tmp_path / "scheduler.log"),
         start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "worker.log"),
     ]
     peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from service import wire
+from service.contract import wire
 from service.scheduler.server import API_HEARTBEAT_TIMEOUT_MS, PING_INTERVAL_S
 from tests.support.api_peer import ApiPeer
 from tests.support.processes import FakeStack, loopback_env, metric_samples, start, stop_all
@@ -24,7 +24,7 @@ def start_cluster(tmp_path, **overrides: str):
     """Scheduler + fake worker process; returns (env, peer, processes) once the scheduler is ready."""
     env = loopback_env(**{"BLOCKSERVE_NUM_KV_BLOCKS": str(NUM_BLOCKS), "BLOCKSERVE_BLOCK_SIZE": "4", **overrides})
     processes = {
-        "scheduler": start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
+        "scheduler": start(["-m", "service.launch.cli", "scheduler"], env, tmp_path / "scheduler.log"),
         "worker": start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "worker.log"),
     }
     peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])

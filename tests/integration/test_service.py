@@ -41,10 +41,10 @@ def start_stack(logs, **overrides: str):
     )
     second_api = dict(env, BLOCKSERVE_PORT=str(int(env["BLOCKSERVE_PORT"]) + 1))
     processes = [
-        start(["-m", "service.cli", "scheduler"], env, logs / "scheduler.log"),
-        start(["-m", "service.cli", "worker"], env, logs / "worker.log"),
-        start(["-m", "service.cli", "api"], env, logs / "api1.log"),
-        start(["-m", "service.cli", "api"], second_api, logs / "api2.log"),
+        start(["-m", "service.launch.cli", "scheduler"], env, logs / "scheduler.log"),
+        start(["-m", "service.launch.cli", "worker"], env, logs / "worker.log"),
+        start(["-m", "service.launch.cli", "api"], env, logs / "api1.log"),
+        start(["-m", "service.launch.cli", "api"], second_api, logs / "api2.log"),
     ]
     urls = [f"http://127.0.0.1:{e['BLOCKSERVE_PORT']}" for e in (env, second_api)]
     try:
@@ -87,7 +87,7 @@ def reference_model():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from service.config import default_model_path
+    from service.contract.config import default_model_path
 
     path = default_model_path()
     folder, name = path.rsplit("/", 1)
@@ -450,9 +450,9 @@ def test_bad_requests_get_4xx_and_the_service_keeps_serving(stack, body, status,
 
 def test_killed_worker_ends_in_flight_requests_with_an_error_and_not_ready(tmp_path):
     env = loopback_env()
-    scheduler = start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")
-    worker = start(["-m", "service.cli", "worker"], env, tmp_path / "worker.log")
-    api = start(["-m", "service.cli", "api"], env, tmp_path / "api.log")
+    scheduler = start(["-m", "service.launch.cli", "scheduler"], env, tmp_path / "scheduler.log")
+    worker = start(["-m", "service.launch.cli", "worker"], env, tmp_path / "worker.log")
+    api = start(["-m", "service.launch.cli", "api"], env, tmp_path / "api.log")
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
     try:
         wait_ready(url, timeout_s=180)
@@ -494,7 +494,7 @@ def served(tmp_path_factory):
     """`blockserve serve` as one process with a short drain: (process, url, its log file)."""
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     env = loopback_env(BLOCKSERVE_DRAIN_TIMEOUT_S=str(SERVE_DRAIN_S))
-    serve = start(["-m", "service.cli", "serve"], env, log_path)
+    serve = start(["-m", "service.launch.cli", "serve"], env, log_path)
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
     try:
         wait_ready(url, timeout_s=180)

@@ -22,7 +22,7 @@ def settings_info(metrics_port: str) -> dict[str, str]:
 
 def greedy_texts(kernels: str, logs, **settings: str) -> tuple[list[str], dict[str, str]]:
     env = loopback_env(BLOCKSERVE_KERNELS=kernels, BLOCKSERVE_MAX_MODEL_LEN="256", OMP_NUM_THREADS="2", **settings)
-    serve = start(["-m", "service.cli", "serve"], env, logs / f"serve-{kernels}.log")
+    serve = start(["-m", "service.launch.cli", "serve"], env, logs / f"serve-{kernels}.log")
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
     try:
         wait_ready(url, timeout_s=180)

@@ -13,8 +13,8 @@ import msgspec
 import pytest
 import zmq
 
-from service import socket_auth, wire
-from service.configuration_exit import CONFIGURATION_ERROR_STATUS
+from service.contract import socket_auth, wire
+from service.contract.configuration_exit import CONFIGURATION_ERROR_STATUS
 from tests.support.api_peer import ApiPeer
 from tests.support.processes import FakeStack, free_port, loopback_env, scrape, start, stop_all, wait_ready
 from tests.support.tiny_model import tiny_model_info
@@ -35,13 +35,13 @@ def stack(tmp_path_factory):
         (worker_secrets / name).write_text(value + "\n")
     env = loopback_env(BLOCKSERVE_NUM_KV_BLOCKS=str(NUM_KV_BLOCKS), BLOCKSERVE_BLOCK_SIZE="4")
     processes = [
-        start(["-m", "service.cli", "scheduler"], {**env, **role_keys["scheduler"]}, logs / "scheduler.log"),
+        start(["-m", "service.launch.cli", "scheduler"], {**env, **role_keys["scheduler"]}, logs / "scheduler.log"),
         start(
             ["-m", "tests.support.fake_worker_process"],
             {**env, "BLOCKSERVE_SECRETS_DIR": str(worker_secrets)},
             logs / "worker.log",
         ),
-        start(["-m", "service.cli", "api"], {**env, **role_keys["api"]}, logs / "api.log"),
+        start(["-m", "service.launch.cli", "api"], {**env, **role_keys["api"]}, logs / "api.log"),
     ]
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
     try:
@@ -172,7 +172,7 @@ def plain_scheduler_env(**overrides: str) -> dict[str, str]:
 @pytest.mark.parametrize("setting", ["BLOCKSERVE_SCHEDULER_ADDR", "BLOCKSERVE_WORKER_ADDR"])
 def test_a_scheduler_beyond_loopback_without_curve_refuses_to_start_and_says_what_to_set(tmp_path, setting):
     env = plain_scheduler_env(**{setting: f"tcp://0.0.0.0:{free_port()}"})
-    scheduler = start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")
+    scheduler = start(["-m", "service.launch.cli", "scheduler"], env, tmp_path / "scheduler.log")
     try:
         assert scheduler.wait(60) == CONFIGURATION_ERROR_STATUS
     finally:
@@ -188,7 +188,7 @@ def test_a_scheduler_beyond_loopback_without_curve_refuses_to_start_and_says_wha
 def test_the_opt_out_runs_plain_beyond_loopback_with_a_warning(tmp_path):
     port = free_port()
     env = plain_scheduler_env(BLOCKSERVE_SCHEDULER_ADDR=f"tcp://0.0.0.0:{port}", BLOCKSERVE_ALLOW_UNAUTHENTICATED="1")
-    scheduler = start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")
+    scheduler = start(["-m", "service.launch.cli", "scheduler"], env, tmp_path / "scheduler.log")
     peer = ApiPeer(f"tcp://127.0.0.1:{port}")
     try:
         assert peer.status(timeout_s=60).num_workers == 0  # a plain peer is answered, as the opt-out says
@@ -208,7 +208,7 @@ def test_with_curve_the_scheduler_listens_beyond_loopback_without_a_warning(tmp_
         **plain_scheduler_env(BLOCKSERVE_SCHEDULER_ADDR=f"tcp://0.0.0.0:{port}"),
         **socket_auth.key_settings(pairs)["scheduler"],
     }
-    scheduler = start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")
+    scheduler = start(["-m", "service.launch.cli", "scheduler"], env, tmp_path / "scheduler.log")
     try:
         deadline = time.monotonic() + 60
         while not (

@@ -9,8 +9,9 @@ import sys
 import pytest
 import zmq
 
-from service import socket_auth, supervisor
-from service.config import SettingsError, load_settings
+from service.contract import socket_auth
+from service.contract.config import SettingsError, load_settings
+from service.launch import supervisor
 
 
 def test_half_configured_or_malformed_keys_fail_naming_the_setting():

@@ -26,7 +26,7 @@ def priority_cluster(tmp_path):
         FAKE_STEP_DELAY_S="0.02",
     )
     processes = [
-        start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
+        start(["-m", "service.launch.cli", "scheduler"], env, tmp_path / "scheduler.log"),
         start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "worker.log"),
     ]
     peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])

@@ -6,7 +6,7 @@ import numpy as np
 import paddle
 import pytest
 
-from service import wire
+from service.contract import wire
 from worker.attention.reference import PagedAttentionBackend
 from worker.inputs.step_inputs import RequestState, build_step_inputs
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from service import wire
+from service.contract import wire
 from tests.support.processes import ROOT
 
 

@@ -9,10 +9,10 @@ import msgspec
 import pytest
 import zmq
 
-from service import wire
-from service.config import load_settings
-from service.scheduler.fake_worker import FakeWorker
+from service.contract import wire
+from service.contract.config import load_settings
 from service.scheduler.server import SchedulerServer
+from service.tools.fake_worker import FakeWorker
 from tests.support.api_peer import ApiPeer
 from tests.support.processes import loopback_env, metric_samples, start, stop_all
 from tests.support.scripted_worker import BLOCK_SIZE, NUM_BLOCKS, ScriptedWorker
@@ -35,7 +35,7 @@ def link_env(**overrides: str) -> dict[str, str]:
 def scripted(tmp_path):
     """Scheduler process + scripted worker + api peer; yields (scheduler process, worker, peer)."""
     env = link_env()
-    scheduler = start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log")
+    scheduler = start(["-m", "service.launch.cli", "scheduler"], env, tmp_path / "scheduler.log")
     worker = ScriptedWorker(env["BLOCKSERVE_WORKER_ADDR"])
     peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
     worker.hello()
@@ -71,7 +71,7 @@ def test_status_names_the_asked_request_ids_the_scheduler_does_not_hold(scripted
 def test_another_connection_closing_on_the_worker_socket_leaves_the_worker_registered(tmp_path):
     env = link_env(FAKE_STEP_DELAY_S="0.01")
     processes = [
-        start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
+        start(["-m", "service.launch.cli", "scheduler"], env, tmp_path / "scheduler.log"),
         start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "worker.log"),
     ]
     peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])
@@ -250,7 +250,7 @@ def fake_worker_cluster(tmp_path):
     """Scheduler + model-free worker process (steps of 20 ms) + api peer; yields (env, processes, peer)."""
     env = link_env(FAKE_STEP_DELAY_S="0.02", BLOCKSERVE_WORKER_TIMEOUT_S="3")
     processes = {
-        "scheduler": start(["-m", "service.cli", "scheduler"], env, tmp_path / "scheduler.log"),
+        "scheduler": start(["-m", "service.launch.cli", "scheduler"], env, tmp_path / "scheduler.log"),
         "worker": start(["-m", "tests.support.fake_worker_process"], env, tmp_path / "worker.log"),
     }
     peer = ApiPeer(env["BLOCKSERVE_SCHEDULER_ADDR"])

@@ -11,8 +11,8 @@ import numpy as np
 import paddle
 import pytest
 
-from service import wire
-from service.config import load_settings
+from service.contract import wire
+from service.contract.config import load_settings
 from tests.support.accuracy import ENGLISH_TEXT, encode, load_runner, paged_logits
 from tests.support.model_engine import LocalEngine
 from worker.attention.kv_cache import block_bytes, num_blocks_for

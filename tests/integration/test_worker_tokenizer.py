@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from service.api.chat_template import ChatTemplateError, render_chat
-from service.config import load_settings
+from service.contract.config import load_settings
 from worker.loading.gguf_checkpoint import GGUFCheckpoint
 from worker.loading.model_loader import model_info
 from worker.loading.tokenizer import tokenizer_from_folder

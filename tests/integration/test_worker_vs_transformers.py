@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import worker.process as worker_process
-from service import wire
-from service.config import load_settings
-from service.configuration_exit import ConfigurationError
+from service.contract import wire
+from service.contract.config import load_settings
+from service.contract.configuration_exit import ConfigurationError
 from tests.support.accuracy import REFERENCE_PROMPTS, encode, paged_logits
 from tests.support.model_engine import LocalEngine
 from worker.attention.reference import RotaryPagedAttention

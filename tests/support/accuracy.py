@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from service import wire
-from service.config import load_settings
+from service.contract import wire
+from service.contract.config import load_settings
 from tests.support.model_engine import LocalEngine
 from worker.inputs.step_inputs import RequestState, build_step_inputs
 from worker.model_runner import ModelRunner

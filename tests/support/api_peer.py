@@ -8,7 +8,7 @@ import uuid
 
 import zmq
 
-from service import wire
+from service.contract import wire
 
 
 class ApiPeer:

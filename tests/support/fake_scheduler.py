@@ -20,9 +20,9 @@ import httpx
 import uvicorn
 import zmq
 
-from service import wire
 from service.api import create_app
-from service.config import Settings
+from service.contract import wire
+from service.contract.config import Settings
 from tests.support.tiny_model import EOS_TOKEN_ID, tiny_model_info, tiny_tokenizer
 
 

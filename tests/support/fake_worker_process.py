@@ -13,9 +13,9 @@ import time
 
 import msgspec
 
-from service import wire
-from service.config import load_settings
-from service.scheduler.fake_worker import FakeWorker
+from service.contract import wire
+from service.contract.config import load_settings
+from service.tools.fake_worker import FakeWorker
 from tests.support.tiny_model import tiny_model_info
 from worker.process import serve_worker
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from service import wire
+from service.contract import wire
 from service.scheduler.engine import EngineLoop
 from service.scheduler.request import Request
 from service.scheduler.scheduler import ScheduledStep, SchedulerConfig, build_scheduler

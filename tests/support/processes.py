@@ -128,14 +128,14 @@ class FakeStack:
     def __enter__(self) -> "FakeStack":
         for index, engine in enumerate(self.engines):
             for args, role in (
-                (["-m", "service.cli", "scheduler"], "scheduler"),
+                (["-m", "service.launch.cli", "scheduler"], "scheduler"),
                 (["-m", "tests.support.fake_worker_process"], "worker"),
             ):
                 name = f"{role}-{index}"
                 env = {**engine, **self.role_env.get(role, {})}
                 self.processes[name] = start(args, env, self.log_dir / f"{name}.log")
         api_env = {**self.env, **self.role_env.get("api", {})}
-        self.processes["api"] = start(["-m", "service.cli", "api"], api_env, self.log_dir / "api.log")
+        self.processes["api"] = start(["-m", "service.launch.cli", "api"], api_env, self.log_dir / "api.log")
         wait_ready(self.url, timeout_s=60)
         return self
 

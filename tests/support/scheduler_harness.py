@@ -6,15 +6,15 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import Callable
 
-from service import wire
+from service.contract import wire
+from service.contract.wire import DEFAULT_TENANT
 from service.scheduler.engine import EngineLoop
-from service.scheduler.fake_worker import FakeWorker, extend_prefix_hash, next_token
 from service.scheduler.outcome import StepOutcome
 from service.scheduler.request import RequestStatus
 from service.scheduler.scheduler import ScheduledStep, SchedulerConfig, build_scheduler
 from service.scheduler.split_table import SplitTableConfig, SplitTableKVCacheManager
 from service.scheduler.waiting_queue import priority_key
-from service.wire import DEFAULT_TENANT
+from service.tools.fake_worker import FakeWorker, extend_prefix_hash, next_token
 
 VOCAB_SIZE = 64
 EOS_TOKEN_ID = 0

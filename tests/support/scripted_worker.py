@@ -6,8 +6,8 @@ import time
 
 import zmq
 
-from service import wire
-from service.scheduler.fake_worker import FakeWorker
+from service.contract import wire
+from service.tools.fake_worker import FakeWorker
 from tests.support.tiny_model import tiny_model_info
 
 NUM_BLOCKS = 24

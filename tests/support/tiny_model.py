@@ -6,7 +6,7 @@ import functools
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from service import wire
+from service.contract import wire
 
 MODEL_NAME = "tiny-test-model"
 MAX_MODEL_LEN = 128

@@ -3,7 +3,7 @@ import math
 from service.api.choice import SampledLogprobs
 from service.api.logprobs import MIN_LOGPROB, chat_logprobs, completion_logprobs
 from service.api.served_model import ServedModel
-from service.wire import TokenLogprob
+from service.contract.wire import TokenLogprob
 from tests.support.tiny_model import tiny_model_info
 
 MODEL = ServedModel(tiny_model_info())

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from service import wire
 from service.api.routing import EngineView, Router
-from service.block_hashes import extend_block_hashes
+from service.contract import wire
+from service.contract.block_hashes import extend_block_hashes
 
 BLOCK = 4
 

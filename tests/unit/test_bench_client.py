@@ -7,8 +7,8 @@ import json
 
 import httpx
 
-from service.bench.client import RequestTiming, _one
-from service.workload import TraceRequest
+from service.tools.bench.client import RequestTiming, _one
+from service.tools.workload import TraceRequest
 
 
 def stream_of(texts: list[str]) -> bytes:

@@ -1,7 +1,7 @@
 import pytest
 
-from service import wire
-from service.config import SettingsError, load_settings
+from service.contract import wire
+from service.contract.config import SettingsError, load_settings
 
 
 def test_invalid_setting_names_the_environment_variable(monkeypatch):

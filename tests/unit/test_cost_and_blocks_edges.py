@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service import wire
+from service.contract import wire
 from service.scheduler.admission import ReserveAdmission
 from service.scheduler.block_pool import BlockPool
 from service.scheduler.kv_cache_manager import MAX_OUTPUT_TOKENS_CONSIDERED, KVCacheManager

@@ -3,7 +3,7 @@ free memory, decided from what Paddle and the device report (worker/host/placeme
 
 import pytest
 
-from service.config import load_settings
+from service.contract.config import load_settings
 from worker.attention.kv_cache import block_bytes, num_blocks_for
 from worker.host.placement import (
     ALLOCATOR_SLACK_BYTES,

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from service import wire
-from service.config import Settings
+from service.contract import wire
+from service.contract.config import Settings
 from service.scheduler.counters import SchedulerCounters
 from service.scheduler.engine import EngineLoop
 from service.scheduler.kv_cache_manager import KVCacheManager

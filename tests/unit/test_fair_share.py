@@ -11,13 +11,13 @@ from starlette.requests import Request
 
 from service.api.errors import ApiError
 from service.api.tenants import KEY_TENANT, TenantResolver
-from service.config import Settings, SettingsError, load_settings
+from service.contract.config import Settings, SettingsError, load_settings
+from service.contract.wire import DEFAULT_TENANT
 from service.scheduler.counters import TenantLabels
 from service.scheduler.fair_share import FairShare
 from service.scheduler.scheduler import RequestRejected, SchedulerConfig
-from service.scheduler.simulator import simulate
-from service.wire import DEFAULT_TENANT
-from service.workload import LengthDistribution, TenantMix, Workload, make_trace
+from service.tools.simulator import simulate
+from service.tools.workload import LengthDistribution, TenantMix, Workload, make_trace
 from tests.support.scheduler_harness import Harness, greedy
 
 PROMPT_COST, OUTPUT_COST = 1.0, 2.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from service import wire
+from service.contract import wire
 from service.scheduler.block_pool import BlockPool
 from service.scheduler.kv_cache_manager import KVCacheManager
 from service.scheduler.request import Request

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service import wire
+from service.contract import wire
 from service.scheduler.scheduler import SchedulerConfig
 from tests.support.scheduler_harness import Harness
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service import wire
+from service.contract import wire
 from service.scheduler.scheduler import SchedulerConfig
 from service.scheduler.step_cost import MIN_OBSERVATIONS, StepCostModel
 from tests.support.scheduler_harness import Harness, admitted_ids, greedy, reference_output

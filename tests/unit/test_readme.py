@@ -1,7 +1,7 @@
 import re
 from pathlib import Path
 
-from service.config import Settings, env_name
+from service.contract.config import Settings, env_name
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 

@@ -6,7 +6,7 @@ import numpy as np
 import paddle
 import pytest
 
-from service import wire
+from service.contract import wire
 from worker.inputs.step_inputs import RequestState
 from worker.sample.penalties import apply_penalties
 from worker.sample.sampler import Sampler

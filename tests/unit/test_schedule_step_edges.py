@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from service import wire
+from service.contract import wire
 from service.scheduler.scheduler import SchedulerConfig
 from service.scheduler.split_table import INCOMPLETE, SplitTableConfig
 from tests.support.scheduler_harness import Harness, admitted_ids, greedy, reference_output

@@ -2,13 +2,13 @@ from collections import deque
 
 import pytest
 
-from service import wire
+from service.contract import wire
 from service.scheduler.engine import EngineLoop
-from service.scheduler.fake_worker import FakeWorker
 from service.scheduler.preemption import lifo, min_recompute
 from service.scheduler.request import RequestStatus
 from service.scheduler.scheduler import RequestRejected, SchedulerConfig, build_scheduler
 from service.scheduler.split_table import SplitTableConfig
+from service.tools.fake_worker import FakeWorker
 from tests.support.scheduler_harness import Harness, greedy, reference_output
 
 

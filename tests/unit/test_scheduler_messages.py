@@ -4,7 +4,7 @@ reason, an error and its HTTP status), every plain token in its own replica's co
 
 from __future__ import annotations
 
-from service import wire
+from service.contract import wire
 from service.scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig, build_scheduler
 from tests.support.scheduler_harness import Harness, greedy
 

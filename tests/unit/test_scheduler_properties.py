@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service import wire
+from service.contract import wire
 from service.scheduler.scheduler import SchedulerConfig
 from service.scheduler.split_table import SplitTableConfig
 from tests.support.scheduler_harness import EOS_TOKEN_ID, Harness, reference_output

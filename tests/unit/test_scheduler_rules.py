@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from service import wire
+from service.contract import wire
 from service.scheduler import kv_cache_manager
 from service.scheduler.admission import ReserveAdmission
 from service.scheduler.block_pool import BlockPool

@@ -8,9 +8,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.config import Settings
+from service.contract.config import Settings
 from service.scheduler.counters import SchedulerCounters
-from service.scheduler.fake_worker import FakeWorker
 from service.scheduler.metrics import SchedulerMetrics
 from service.scheduler.scheduler import (
     DEFAULT_MAX_MODEL_LEN,
@@ -20,6 +19,7 @@ from service.scheduler.scheduler import (
     build_scheduler,
 )
 from service.scheduler.split_table import SplitTableConfig
+from service.tools.fake_worker import FakeWorker
 from tests.support.scheduler_harness import VOCAB_SIZE, Harness, greedy
 
 BLOCK_SIZE = 4

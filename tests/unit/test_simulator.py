@@ -2,10 +2,10 @@ import json
 
 import pytest
 
-from service.cli import main as blockserve
+from service.launch.cli import main as blockserve
 from service.scheduler.scheduler import SchedulerConfig
-from service.scheduler.simulator import simulate
-from service.workload import LengthDistribution, Workload, make_trace
+from service.tools.simulator import simulate
+from service.tools.workload import LengthDistribution, Workload, make_trace
 
 
 def small_trace(seed=3, rate=50.0):

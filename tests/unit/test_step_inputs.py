@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service import wire
+from service.contract import wire
 from worker.inputs.step_inputs import (
     PENDING_TOKEN,
     RequestState,

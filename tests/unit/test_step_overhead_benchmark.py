@@ -12,7 +12,7 @@ from collections import deque
 
 import pytest
 
-from service import wire
+from service.contract import wire
 from service.scheduler.messages import new_request_message
 from service.scheduler.scheduler import ScheduledStep, SchedulerConfig, build_scheduler
 from service.scheduler.split_table import SplitTableConfig

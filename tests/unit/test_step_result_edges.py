@@ -7,7 +7,7 @@ Each test pins one rule so that changing it (a mutant) fails a test with its nam
 
 from __future__ import annotations
 
-from service import wire
+from service.contract import wire
 from service.scheduler.admission import ReserveAdmission
 from service.scheduler.kv_cache_manager import KVCacheManager
 from service.scheduler.preemption import RecomputePreemption

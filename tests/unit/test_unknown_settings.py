@@ -8,8 +8,7 @@ import os
 
 import pytest
 
-from service import cli
-from service.config import (
+from service.contract.config import (
     OTHER_VARIABLES,
     Settings,
     SettingsError,
@@ -18,7 +17,8 @@ from service.config import (
     load_settings,
     unknown_names,
 )
-from service.configuration_exit import CONFIGURATION_ERROR_STATUS, TERMINATION_MESSAGE_VARIABLE
+from service.contract.configuration_exit import CONFIGURATION_ERROR_STATUS, TERMINATION_MESSAGE_VARIABLE
+from service.launch import cli
 
 
 @pytest.fixture
@@ -111,7 +111,7 @@ def test_an_invalid_setting_ends_a_role_the_same_way_and_no_termination_file_is_
 
 
 def test_serve_with_strict_settings_refuses_before_it_starts_a_role(environment, capsys, monkeypatch):
-    from service import supervisor
+    from service.launch import supervisor
 
     environment.setenv("BLOCKSERVE_STRICT_SETTINGS", "0")  # so that what the flag sets is undone after the test
     environment.setenv("BLOCKSERVE_MAX_NUM_SEQ", "4")

@@ -7,7 +7,7 @@ as one DeltaBatch.
 
 import pytest
 
-from service import wire
+from service.contract import wire
 
 NUM_REQUESTS = 1024
 REQUEST_IDS = [f"{index:032x}" for index in range(NUM_REQUESTS)]

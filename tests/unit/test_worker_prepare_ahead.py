@@ -5,7 +5,7 @@ import queue
 import numpy as np
 import pytest
 
-from service import wire
+from service.contract import wire
 from worker.inputs.step_inputs import PENDING_TOKEN, RequestState, StepError, build_step_inputs, fill_pending_tokens
 from worker.process import serve_pipelined
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service import wire
+from service.contract import wire
 
 PENDING_TOKEN = -1  # an input token the step in flight has yet to sample
 

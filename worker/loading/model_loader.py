@@ -7,8 +7,8 @@ import re
 import time
 from dataclasses import dataclass
 
-from service import wire
-from service.config import Settings
+from service.contract import wire
+from service.contract.config import Settings
 from worker.host.cpu_memory import release_freed_memory, resident_anonymous_bytes
 from worker.host.huge_pages import move_into_one_buffer
 from worker.kernels.protocol import Kernels

@@ -9,7 +9,7 @@ from typing import Protocol
 import numpy as np
 import paddle
 
-from service import wire
+from service.contract import wire
 
 
 class SamplingRequest(Protocol):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from service import wire
+from service.contract import wire
 from worker.layers.row_gather import take_rows
 from worker.sample import paddle_draw
 from worker.sample.penalties import SamplingRequest, apply_logit_bias, apply_penalties

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from service.bench.client import RequestTiming
+from service.tools.bench.client import RequestTiming
 
 
 @dataclass(frozen=True, slots=True)

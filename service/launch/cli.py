@@ -11,8 +11,12 @@ import signal
 import sys
 import time
 
-from service.config import Settings, SettingsError, check_setting_names, load_settings
-from service.configuration_exit import ConfigurationError, configuration_error_line, end_with_configuration_error
+from service.contract.config import Settings, SettingsError, check_setting_names, load_settings
+from service.contract.configuration_exit import (
+    ConfigurationError,
+    configuration_error_line,
+    end_with_configuration_error,
+)
 
 log = logging.getLogger("blockserve")
 
@@ -50,9 +54,9 @@ def _role(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """Run scheduler, worker and api as child processes (see service/supervisor.py) until SIGINT/SIGTERM, or until
+    """Run scheduler, worker and api as child processes (see service/launch/supervisor.py) until SIGINT/SIGTERM, or until
     a role ends with a configuration error: then exit with its line and status."""
-    from service.supervisor import Supervisor, role_environments
+    from service.launch.supervisor import Supervisor, role_environments
 
     if args.strict_settings:
         os.environ["BLOCKSERVE_STRICT_SETTINGS"] = "1"  # for the roles too: they inherit it
@@ -84,11 +88,11 @@ def _serve(args: argparse.Namespace) -> int:
 def _keys(args: argparse.Namespace) -> int:
     """Print a new set of CURVE key pairs as the entries of the chart's keys Secret, or (inside a pod)
     make that Secret unless it exists."""
-    from service.socket_auth import KEY_OWNERS, new_key_pair, secret_entries
+    from service.contract.socket_auth import KEY_OWNERS, new_key_pair, secret_entries
 
     entries = secret_entries({owner: new_key_pair() for owner in KEY_OWNERS})
     if args.kubernetes_secret:
-        from service.kube_secret import KubernetesError, create_secret_once
+        from service.launch.kube_secret import KubernetesError, create_secret_once
 
         try:
             created = create_secret_once(args.kubernetes_secret, entries, dict(args.label))
@@ -111,9 +115,9 @@ def _label(text: str) -> tuple[str, str]:
 
 def _simulate(args: argparse.Namespace) -> int:
     from service.scheduler.scheduler import SchedulerConfig
-    from service.scheduler.simulator import CostModel, simulate
     from service.scheduler.split_table import SplitTableConfig
-    from service.workload import NAMED_WORKLOADS, Workload, make_trace
+    from service.tools.simulator import CostModel, simulate
+    from service.tools.workload import NAMED_WORKLOADS, Workload, make_trace
 
     settings = load_settings()
     input_lengths, output_lengths = NAMED_WORKLOADS[args.workload]
@@ -213,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", action="store_true", help="print the reports as JSON")
     sim.set_defaults(handler=_simulate)
 
-    from service.bench import command as bench_command
+    from service.tools.bench import command as bench_command
 
     bench = commands.add_parser(
         "bench", help="benchmark an OpenAI-compatible server (or the simulator) on a seeded trace"

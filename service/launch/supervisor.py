@@ -6,7 +6,7 @@ has run for a minute), and the log says so. The other roles keep running meanwhi
 drain at once, against one deadline (`drain_timeout_s`); the worker, which the drain needs, is
 stopped after the scheduler has gone.
 
-A role that exits with a configuration error (status 78, service/configuration_exit.py) is not
+A role that exits with a configuration error (status 78, service/contract/configuration_exit.py) is not
 restarted: no restart would mend it, so every role is stopped and `serve` ends with that role's line.
 The line comes from a file per role (BLOCKSERVE_TERMINATION_MESSAGE_PATH, as Kubernetes reads a
 container's /dev/termination-log), so the roles' stderr stays the terminal's, with no relay.
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from service import socket_auth
-from service.configuration_exit import CONFIGURATION_ERROR_STATUS, TERMINATION_MESSAGE_VARIABLE
+from service.contract import socket_auth
+from service.contract.configuration_exit import CONFIGURATION_ERROR_STATUS, TERMINATION_MESSAGE_VARIABLE
 
 log = logging.getLogger("blockserve.serve")
 
@@ -74,7 +74,7 @@ class Child:
         Path(self.env[TERMINATION_MESSAGE_VARIABLE]).write_text("")  # this run's line only
         # A session of its own: a terminal's Ctrl-C reaches `serve`, which stops the roles in order.
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", self.role], env=self.env, start_new_session=True
+            [sys.executable, "-m", "service.launch.cli", self.role], env=self.env, start_new_session=True
         )
         self.started_at, self.restart_at = now, None
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
-from service.wire import DEFAULT_TENANT
-from service.workload import TraceRequest
+from service.contract.wire import DEFAULT_TENANT
+from service.tools.workload import TraceRequest
 
 
 @dataclass(slots=True)

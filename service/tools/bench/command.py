@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from service.workload import NAMED_WORKLOADS, LengthDistribution, TenantMix, Workload, make_trace
+from service.tools.workload import NAMED_WORKLOADS, LengthDistribution, TenantMix, Workload, make_trace
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,10 +93,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace, trace) -> dict:
-    from service.config import load_settings
+    from service.contract.config import load_settings
     from service.scheduler.scheduler import SchedulerConfig
-    from service.scheduler.simulator import simulate
     from service.scheduler.split_table import split_table_config_from
+    from service.tools.simulator import simulate
 
     settings = load_settings()
     config = SchedulerConfig.from_settings(settings, args.num_blocks)
@@ -110,9 +110,9 @@ def _simulate(args: argparse.Namespace, trace) -> dict:
 async def _serve(args: argparse.Namespace, trace) -> dict:
     import time
 
-    from service.bench.client import first_model, run_trace
-    from service.bench.metrics_sampler import MetricsTimeline, sample_until
-    from service.bench.report import format_report, summarize
+    from service.tools.bench.client import first_model, run_trace
+    from service.tools.bench.metrics_sampler import MetricsTimeline, sample_until
+    from service.tools.bench.report import format_report, summarize
 
     model = args.model or await first_model(args.url)
     timeline, stop, first_sample = MetricsTimeline(), asyncio.Event(), asyncio.Event()
@@ -146,7 +146,7 @@ async def _serve(args: argparse.Namespace, trace) -> dict:
         result["server"]["max_kv_usage"] = max(timeline.series["kv_usage"], default=0.0)
         print(f"server: {result['server']}")
     if args.result_dir is not None:
-        from service.bench.plots import kv_timeline, latency_cdfs
+        from service.tools.bench.plots import kv_timeline, latency_cdfs
 
         args.result_dir.mkdir(parents=True, exist_ok=True)
         latency_cdfs(timings, args.result_dir / "latency_cdf.png")

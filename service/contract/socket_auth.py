@@ -25,7 +25,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from service.config import Settings, SettingsError
+from service.contract.config import Settings, SettingsError
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
 
-from service.bench.client import RequestTiming  # noqa: E402
-from service.bench.metrics_sampler import MetricsTimeline  # noqa: E402
-from service.bench.report import tpot, ttft  # noqa: E402
+from service.tools.bench.client import RequestTiming  # noqa: E402
+from service.tools.bench.metrics_sampler import MetricsTimeline  # noqa: E402
+from service.tools.bench.report import tpot, ttft  # noqa: E402
 
 
 def latency_cdfs(timings: list[RequestTiming], path: Path) -> None:

@@ -89,7 +89,7 @@ class EngineReport(msgspec.Struct, frozen=True, array_like=True, gc=False):
 class ApiWelcome(Message, tag="api_welcome"):
     model: ModelInfo
     ready: bool
-    block_size: int = 0  # of the prefix cache's blocks (service/block_hashes.py hashes prompts alike)
+    block_size: int = 0  # of the prefix cache's blocks (service/contract/block_hashes.py hashes prompts alike)
     cached_block_hashes: list[int] = []  # the prefix cache now; reports carry its changes from here on
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service import wire
+from service.contract import wire
 
 HASH_MULTIPLIER = 1_000_003
 HASH_MODULUS = (1 << 61) - 1

@@ -12,13 +12,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from service import wire
+from service.contract import wire
 from service.scheduler.engine import EngineLoop
-from service.scheduler.fake_worker import FakeWorker
 from service.scheduler.request import FinishReason, Request
 from service.scheduler.scheduler import RequestRejected, ScheduledStep, SchedulerConfig, build_scheduler
 from service.scheduler.split_table import SplitTableConfig
-from service.workload import TraceRequest
+from service.tools.fake_worker import FakeWorker
+from service.tools.workload import TraceRequest
 
 
 @dataclass(frozen=True, slots=True)

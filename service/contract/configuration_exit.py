@@ -3,7 +3,7 @@
 The line goes to stderr and to the termination-message file where one exists: a Kubernetes container's
 (/dev/termination-log, shown in `kubectl describe pod`), or the one `blockserve serve` gives each role
 (BLOCKSERVE_TERMINATION_MESSAGE_PATH), whence its supervisor reads it. The status tells that supervisor to stop
-every role instead of restarting this one (service/supervisor.py).
+every role instead of restarting this one (service/launch/supervisor.py).
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ class Settings(BaseSettings):
         "(0 = a warning naming it and the closest setting)",
     )
 
-    # Internal sockets: CURVE keys (Z85, e.g. from `blockserve keys`); see service/socket_auth.py
+    # Internal sockets: CURVE keys (Z85, e.g. from `blockserve keys`); see service/contract/socket_auth.py
     secrets_dir: str = Field(
         default="", description="Folder of files named like settings (a mounted Secret); a set variable wins"
     )

@@ -11,7 +11,7 @@ from typing import Literal
 
 import numpy as np
 
-from service.wire import DEFAULT_TENANT
+from service.contract.wire import DEFAULT_TENANT
 
 LengthKind = Literal["fixed", "uniform", "chat"]
 

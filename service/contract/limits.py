@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from service import wire
+from service.contract import wire
 
 MAX_TEMPERATURE = 2.0
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]

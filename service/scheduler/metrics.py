@@ -13,8 +13,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
+from service.contract.wire import DEFAULT_TENANT
 from service.scheduler.batch_histogram import BatchHistogram
-from service.scheduler.counters import SchedulerCounters
+from service.scheduler.counters import SchedulerCounters, TenantTotals
 from service.scheduler.outcome import StepOutcome
 from service.scheduler.request import Request
 from service.scheduler.scheduler import Scheduler
@@ -166,13 +167,16 @@ class _LiveCollector(Collector):
                 "blockserve_tenant_preemptions", "Preemptions of requests, by tenant.", labels=TENANT
             ),
         }
-        for label, totals in list(self.counters.by_tenant.items()):
+        by_tenant = list(self.counters.by_tenant.items()) or [
+            (DEFAULT_TENANT, TenantTotals())
+        ]  # a series from the start
+        for label, totals in by_tenant:
             for field, family in families.items():
                 family.add_metric([model, label], getattr(totals, field))
         yield from families.values()
         fair_share = scheduler.fair_share if scheduler else None
         spread = GaugeMetricFamily(
-            "blockserve_tenant_counter_spread",
+            "blockserve_tenant_served_spread",
             "The largest difference between two active tenants' counters: weighted tokens served over weight "
             "(BLOCKSERVE_SCHEDULING_POLICY=fair keeps it bounded).",
             labels=["model_name"],
@@ -334,6 +338,8 @@ class SchedulerMetrics:
         for family, by_priority in self._model_histograms:
             for labels in [(model, name) for name in PRIORITY_CLASSES] if by_priority else [(model,)]:
                 family.labels(*labels)
+        for family in (self.tenant_ttft, self.tenant_queue):
+            family.labels(model, DEFAULT_TENANT)
 
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)

@@ -151,7 +151,7 @@ template <Format kFormat, int kRows>
 static inline __attribute__((flatten)) void tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t depth, const float* start, float* y,
                         int64_t ldy, int cols, const uint8_t* ahead, bool non_temporal) {
   using D = Decoder<kFormat>;
-  constexpr Geometry kGeometry = geometry(kFormat);
+  constexpr Geometry kGeometry = FormatTraits<kFormat>::kGeometry;
   constexpr int kBlockK = static_cast<int>(kGeometry.block_k);
   // A short tile has too few accumulators to cover the FMA latency: it keeps kSplit independent sums
   // over alternating k and adds them at the end (8 chains of FMAs in flight in all).
@@ -203,7 +203,7 @@ static inline __attribute__((flatten)) void tile(const float* x, int64_t ldx, co
 
 // y[m, n] = x[m, k] @ W (+ bias) with W packed in kFormat. Threads split the weight panels; each panel meets
 // a block of x rows small enough to stay in L2 (block_rows) over the whole depth, so every output tile is
-// summed in registers and written once. GGUF panels ask from one row (kAsksFromOneRow, linear_gemm.h): gguf decode
+// summed in registers and written once. GGUF panels ask from one row (FormatTraits::kAsksFromOneRow, weight_format.h): gguf decode
 // steps of one sequence on this code (BLOCKSERVE_CPU_ISA=avx2 and avx512 on an AMD EPYC Zen 4, 2 threads),
 // paired in one process as in linear_vnni.h, median pair ratio asking / before: AVX2 0.970, 0.968, 0.994;
 // AVX-512F 0.983, 0.988.
@@ -211,7 +211,7 @@ template <Format kFormat>
 static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, const float* bias,
                     float* y) {
   // AVX2 has 16 registers: a Q block's scales and offsets (4) leave room for 8 accumulators, not 12.
-  constexpr int kTileRows = kVecs > 1 && geometry(kFormat).block_k == 32 ? 4 : kMaxRows;
+  constexpr int kTileRows = kVecs > 1 && FormatTraits<kFormat>::kGeometry.block_k == 32 ? 4 : kMaxRows;
   const int64_t panels = num_panels(n), bytes = panel_bytes(kFormat, k);
   const int64_t fitting_rows = kBlockBytes / (k * static_cast<int64_t>(sizeof(float))) / kTileRows * kTileRows;
   const int64_t block_rows = fitting_rows > kTileRows ? fitting_rows : kTileRows;
@@ -226,7 +226,7 @@ static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed,
       for (int64_t r0 = m0; r0 < m_end; r0 += kTileRows) {
         const int rows = static_cast<int>(m_end - r0 < kTileRows ? m_end - r0 : kTileRows);
         with_rows<kTileRows>(rows, [&](auto tile_rows) {
-          const bool asks = (kAsksFromOneRow<kFormat> && r0 == 0) || asks_ahead(m, r0);
+          const bool asks = (FormatTraits<kFormat>::kAsksFromOneRow && r0 == 0) || asks_ahead(m, r0);
           const uint8_t* ahead = asks && p + 1 < panels ? packed + (p + 1) * bytes : nullptr;
           tile<kFormat, decltype(tile_rows)::value>(x + r0 * k, k, packed + p * bytes, k, start,
                                                     y + r0 * n + p * kPanelWidth, n, cols, ahead,
@@ -239,18 +239,5 @@ static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed,
 
 static void gemm(Format format, const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n,
                  const float* bias, float* y) {
-  switch (format) {
-    case Format::kF32:
-      return gemm_of<Format::kF32>(x, m, k, packed, n, bias, y);
-    case Format::kBF16:
-      return gemm_of<Format::kBF16>(x, m, k, packed, n, bias, y);
-    case Format::kInt8:
-      return gemm_of<Format::kInt8>(x, m, k, packed, n, bias, y);
-    case Format::kQ8_0:
-      return gemm_of<Format::kQ8_0>(x, m, k, packed, n, bias, y);
-    case Format::kQ4_0:
-      return gemm_of<Format::kQ4_0>(x, m, k, packed, n, bias, y);
-    case Format::kQ4_1:
-      return gemm_of<Format::kQ4_1>(x, m, k, packed, n, bias, y);
-  }
+  visit_format(format, [&](auto tag) { gemm_of<tag.value>(x, m, k, packed, n, bias, y); });
 }

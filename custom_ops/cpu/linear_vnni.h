@@ -54,7 +54,7 @@ template <>
 struct Group<Format::kQ8_0> {
   template <class Use>
   static inline void words(const uint8_t* blocks, int64_t g, int64_t, __m512& d, __m512& offset, Use&& use) {
-    const uint8_t* block = blocks + g * geometry(Format::kQ8_0).block_bytes;
+    const uint8_t* block = blocks + g * FormatTraits<Format::kQ8_0>::kGeometry.block_bytes;
     d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
     offset = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
     static_for<kGroupWords>([&](auto w) { use(w, _mm512_loadu_si512(block + 32 + w * 64)); });
@@ -65,7 +65,7 @@ template <Format kFormat>
 struct Q4Group {
   template <class Use>
   static inline void words(const uint8_t* blocks, int64_t g, int64_t, __m512& d, __m512& offset, Use&& use) {
-    const uint8_t* block = blocks + g * geometry(kFormat).block_bytes;
+    const uint8_t* block = blocks + g * FormatTraits<kFormat>::kGeometry.block_bytes;
     d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
     offset = kFormat == Format::kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)))
                                       : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
@@ -94,7 +94,7 @@ struct PreparedRows {
 
 // A tile asks for the next panel (`ahead`, or null), each group's bytes as it reaches the same group of its
 // own: the first tile of rows, from kAskingRows rows (asks_ahead), and a GGUF block panel's from one row
-// (kAsksFromOneRow, linear_gemm.h). A 4-bit panel takes more instructions per byte than the loads alone, so even one row's loop
+// (FormatTraits::kAsksFromOneRow, weight_format.h). A 4-bit panel takes more instructions per byte than the loads alone, so even one row's loop
 // issues its loads too slowly to keep enough misses in flight. Measured on one sequence's decode of the
 // default model (gguf, AMD EPYC Zen 5, 2 threads, the decoder stack timed per GEMM, runs alternated): the 30
 // layers' gate_up 578 us a step without (mean of 8 runs), 481 with (10 runs), down 328 and 296; whole steps
@@ -117,7 +117,7 @@ static inline __attribute__((flatten)) void tile(const PreparedRows& x, const ui
                                                  float* y, int64_t ldy, int cols, const uint8_t* ahead,
                                                  bool non_temporal) {
   constexpr int kSplit = kRows >= 4 ? 1 : 2;  // a short tile sums even and odd words apart (latency)
-  const uint8_t* blocks = panel + geometry(kFormat).header_bytes;
+  const uint8_t* blocks = panel + FormatTraits<kFormat>::kGeometry.header_bytes;
   __m512 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < x.num_groups; ++g) {
@@ -126,7 +126,7 @@ static inline __attribute__((flatten)) void tile(const PreparedRows& x, const ui
       for (int r = 0; r < kRows; ++r) sums[s][r] = _mm512_setzero_si512();
     }
     if (ahead != nullptr) {
-      constexpr Geometry kGeometry = geometry(kFormat);
+      constexpr Geometry kGeometry = FormatTraits<kFormat>::kGeometry;
       constexpr int64_t kGroupBytes = kGeometry.block_bytes * (kGroup / kGeometry.block_k);  // INT8: 8 blocks
       const uint8_t* group = ahead + kGeometry.header_bytes + g * kGroupBytes;
       if (non_temporal) {
@@ -164,7 +164,7 @@ template <Format kFormat>
 static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, const float* bias, float* y,
                     uint32_t* words, float* scales, float* scaled_sums) {
   const int64_t panels = num_panels(n), bytes = panel_bytes(kFormat, k);
-  const int64_t num_words = num_blocks(kFormat, k) * (geometry(kFormat).block_k / 4);
+  const int64_t num_words = num_blocks(kFormat, k) * (FormatTraits<kFormat>::kGeometry.block_k / 4);
   const int64_t num_groups = (num_words + kGroupWords - 1) / kGroupWords;
   const int64_t fitting_rows = kBlockBytes / (num_words * 4) / kMaxRows * kMaxRows;
   const int64_t block_rows = fitting_rows > kMaxRows ? fitting_rows : kMaxRows;
@@ -192,7 +192,7 @@ static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed,
           const PreparedRows rows{words + r0 * num_words, scales + r0 * num_groups, scaled_sums + r0 * num_groups,
                                   num_words, num_groups};
           with_rows<kMaxRows>(count, [&](auto tile_rows) {
-            const bool asks = (kAsksFromOneRow<kFormat> && r0 == 0) || asks_ahead(m, r0);
+            const bool asks = (FormatTraits<kFormat>::kAsksFromOneRow && r0 == 0) || asks_ahead(m, r0);
             const uint8_t* ahead = asks && p + 1 < panels ? packed + (p + 1) * bytes : nullptr;
             tile<kFormat, decltype(tile_rows)::value>(rows, packed + p * bytes, start, y + r0 * n + p * kPanelWidth, n,
                                                       cols, ahead, m < kAskingRows);
@@ -205,16 +205,9 @@ static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed,
 
 static void gemm(Format format, const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n,
                  const float* bias, float* y, uint32_t* words, float* scales, float* scaled_sums) {
-  switch (format) {
-    case Format::kInt8:
-      return gemm_of<Format::kInt8>(x, m, k, packed, n, bias, y, words, scales, scaled_sums);
-    case Format::kQ8_0:
-      return gemm_of<Format::kQ8_0>(x, m, k, packed, n, bias, y, words, scales, scaled_sums);
-    case Format::kQ4_0:
-      return gemm_of<Format::kQ4_0>(x, m, k, packed, n, bias, y, words, scales, scaled_sums);
-    case Format::kQ4_1:
-      return gemm_of<Format::kQ4_1>(x, m, k, packed, n, bias, y, words, scales, scaled_sums);
-    default:
-      return;
-  }
+  visit_format(format, [&](auto tag) {
+    if constexpr (FormatTraits<tag.value>::kDot == Dot::kInt8) {
+      gemm_of<tag.value>(x, m, k, packed, n, bias, y, words, scales, scaled_sums);
+    }
+  });
 }

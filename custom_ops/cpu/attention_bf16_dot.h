@@ -9,7 +9,7 @@
 // a multiple of 32): vdpbf16ps multiplies a key's raw bf16 pairs with them and sums in fp32, so a key is
 // not widened first.
 template <int ROWS, class Ahead>
-static inline void score_rows_dot(const uint32_t* words, int64_t head_dim, const bf16* const* keys, int64_t num_keys,
+static inline void score_rows_dot(const uint32_t* words, int64_t head_dim, const Bf16* const* keys, int64_t num_keys,
                                   float* scores, Ahead& ahead) {
   const int64_t row_words = head_dim / 2;
   for (int64_t j = 0; j < num_keys; j += 4) {
@@ -37,7 +37,7 @@ static inline void score_rows_dot(const uint32_t* words, int64_t head_dim, const
 // (store_unpermuted puts them back): lane 4L + i of the first 16 is dim 8L + i, of the second 16 dim 8L + 4 + i.
 // ahead() is called once per 2 pairs of keys and 32 dims.
 template <int ROWS, class Ahead>
-static inline void accumulate_values_dot(float* acc, const float* probs, const bf16* const* values, int64_t num_keys,
+static inline void accumulate_values_dot(float* acc, const float* probs, const Bf16* const* values, int64_t num_keys,
                                          int64_t head_dim, Ahead& ahead) {
   uint32_t pairs[ROWS][kKeySpan / 2];
   for (int r = 0; r < ROWS; ++r) to_bf16_pairs(probs + r * kKeySpan, num_keys, pairs[r]);
@@ -48,8 +48,8 @@ static inline void accumulate_values_dot(float* acc, const float* probs, const b
     for (int r = 0; r < ROWS; ++r) a[r][0] = Vec::load(acc + r * head_dim + d), a[r][1] = Vec::load(acc + r * head_dim + d + 16);
     for (int64_t p = 0; p < num_pairs; ++p) {
       if (p % 2 == 0) ahead();
-      const bf16* first = values[2 * p];
-      const bf16* second = 2 * p + 1 < num_keys ? values[2 * p + 1] : first;  // its probability is 0
+      const Bf16* first = values[2 * p];
+      const Bf16* second = 2 * p + 1 < num_keys ? values[2 * p + 1] : first;  // its probability is 0
       const __m512i x = _mm512_loadu_si512(first + d), y = _mm512_loadu_si512(second + d);
       const __m512bh low = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(x, y));
       const __m512bh high = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(x, y));
@@ -68,7 +68,7 @@ static inline void accumulate_values_dot(float* acc, const float* probs, const b
 // so that each slot's heads, adjacent in the cache, are read together; key j's head h is at
 // head_values + slot_offsets[j] + h * head_dim. ahead() is called once per 2 pairs of keys and 32 dims.
 template <int ROWS, int HEADS, class Ahead>
-static inline void accumulate_values_by_slot(float* const* accs, const float* const* probs, const bf16* head_values,
+static inline void accumulate_values_by_slot(float* const* accs, const float* const* probs, const Bf16* head_values,
                                              const int64_t* slot_offsets, int64_t num_keys, int64_t head_dim,
                                              Ahead& ahead) {
   uint32_t pairs[HEADS][ROWS][kKeySpan / 2];
@@ -84,8 +84,8 @@ static inline void accumulate_values_by_slot(float* const* accs, const float* co
         a[h][r][0] = Vec::load(accs[h] + r * head_dim + d), a[h][r][1] = Vec::load(accs[h] + r * head_dim + d + 16);
     for (int64_t p = 0; p < num_pairs; ++p) {
       if (p % 2 == 0) ahead();
-      const bf16* first = head_values + slot_offsets[2 * p] + d;
-      const bf16* second = 2 * p + 1 < num_keys ? head_values + slot_offsets[2 * p + 1] + d : first;  // probability 0
+      const Bf16* first = head_values + slot_offsets[2 * p] + d;
+      const Bf16* second = 2 * p + 1 < num_keys ? head_values + slot_offsets[2 * p + 1] + d : first;  // probability 0
 #pragma GCC unroll 4
       for (int h = 0; h < HEADS; ++h) {
         const __m512i x = _mm512_loadu_si512(first + h * head_dim), y = _mm512_loadu_si512(second + h * head_dim);
@@ -133,7 +133,7 @@ static inline void transpose_16x16(__m512i r[16]) {
 // Keys in lanes: kt[w * kKeySpan + j] = word w (the bf16 pair of dims 2w, 2w + 1) of key j, for num_keys keys (a
 // multiple of 16; head_dim a multiple of 32), so that one vdpbf16ps scores 16 keys for a row against its
 // broadcast query word, with no horizontal sum. Rewritten once per span, shared by all the rows of a prefill tile.
-static inline void keys_in_lanes(const bf16* const* keys, int64_t num_keys, int64_t head_dim, uint32_t* kt) {
+static inline void keys_in_lanes(const Bf16* const* keys, int64_t num_keys, int64_t head_dim, uint32_t* kt) {
   for (int64_t j = 0; j < num_keys; j += 16) {
     for (int64_t w = 0; w < head_dim / 2; w += 16) {
       __m512i r[16];
@@ -209,17 +209,17 @@ static inline void store_unpermuted(const float* acc, float scale, int64_t head_
 #else
 // Declared for attend_rows' discarded branch; only the AVX512-BF16 kernels define and use it.
 template <int ROWS, class Ahead>
-void score_rows_dot(const uint32_t* words, int64_t head_dim, const bf16* const* keys, int64_t num_keys, float* scores,
+void score_rows_dot(const uint32_t* words, int64_t head_dim, const Bf16* const* keys, int64_t num_keys, float* scores,
                     Ahead& ahead);
 void to_bf16_pairs(const float* x, int64_t n, uint32_t* words);
 template <int ROWS, class Ahead>
-void accumulate_values_dot(float* acc, const float* probs, const bf16* const* values, int64_t num_keys, int64_t head_dim,
+void accumulate_values_dot(float* acc, const float* probs, const Bf16* const* values, int64_t num_keys, int64_t head_dim,
                            Ahead& ahead);
 template <int ROWS, int HEADS, class Ahead>
-void accumulate_values_by_slot(float* const* accs, const float* const* probs, const bf16* head_values,
+void accumulate_values_by_slot(float* const* accs, const float* const* probs, const Bf16* head_values,
                                const int64_t* slot_offsets, int64_t num_keys, int64_t head_dim, Ahead& ahead);
 void store_unpermuted(const float* acc, float scale, int64_t head_dim, float* dst);
-void keys_in_lanes(const bf16* const* keys, int64_t num_keys, int64_t head_dim, uint32_t* kt);
+void keys_in_lanes(const Bf16* const* keys, int64_t num_keys, int64_t head_dim, uint32_t* kt);
 template <class Ahead>
 void score_span_in_lanes(const uint32_t* words, int64_t first_row, int64_t rows, int64_t dim, const uint32_t* kt,
                          int64_t num_keys, float* scores, Ahead& ahead);

@@ -17,7 +17,7 @@ static inline void score_rows(const float* q, int64_t head_dim, const Cache* con
       reg qv[ROWS];
       for (int r = 0; r < ROWS; ++r) qv[r] = Vec::load(q + r * head_dim + d);
       for (int c = 0; c < 4; ++c) {
-        reg k = Vec::load(keys[j + c] + d);
+        reg k = KvElement<Cache>::load(keys[j + c] + d);
         for (int r = 0; r < ROWS; ++r) acc[r][c] = Vec::fmadd(qv[r], k, acc[r][c]);
       }
     }
@@ -42,7 +42,7 @@ static inline void accumulate_values(float* acc, const float* probs, const Cache
     for (int64_t j = 0; j < num_keys; ++j) {
       if (j % 4 == 0) ahead();
       reg v[CHUNK];
-      for (int c = 0; c < CHUNK; ++c) v[c] = Vec::load(values[j] + d + c * W);
+      for (int c = 0; c < CHUNK; ++c) v[c] = KvElement<Cache>::load(values[j] + d + c * W);
       for (int r = 0; r < ROWS; ++r) {
         const reg p = Vec::set1(probs[r * kKeySpan + j]);
         for (int c = 0; c < CHUNK; ++c) a[r][c] = Vec::fmadd(p, v[c], a[r][c]);
@@ -54,7 +54,7 @@ static inline void accumulate_values(float* acc, const float* probs, const Cache
   for (; d < head_dim; d += W) {
     for (int r = 0; r < ROWS; ++r) {
       reg a = Vec::load(acc + r * head_dim + d);
-      for (int64_t j = 0; j < num_keys; ++j) a = Vec::fmadd(Vec::set1(probs[r * kKeySpan + j]), Vec::load(values[j] + d), a);
+      for (int64_t j = 0; j < num_keys; ++j) a = Vec::fmadd(Vec::set1(probs[r * kKeySpan + j]), KvElement<Cache>::load(values[j] + d), a);
       Vec::store(acc + r * head_dim + d, a);
     }
   }

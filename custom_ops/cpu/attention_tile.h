@@ -74,7 +74,7 @@ static inline void score_span_by_slot(const AttentionTile<Cache>& t, const HeadR
 #ifdef BS_BF16_DOT
 template <int ROWS, class Ahead>
 static inline void values_of_heads(int64_t num_heads, float* const* accs, const float* const* probs,
-                                   const bf16* head_values, const int64_t* slot_offsets, int64_t num_keys,
+                                   const Bf16* head_values, const int64_t* slot_offsets, int64_t num_keys,
                                    int64_t head_dim, Ahead& ahead) {
   if (num_heads == 3) accumulate_values_by_slot<ROWS, 3>(accs, probs, head_values, slot_offsets, num_keys, head_dim, ahead);
   if (num_heads == 2) accumulate_values_by_slot<ROWS, 2>(accs, probs, head_values, slot_offsets, num_keys, head_dim, ahead);
@@ -84,7 +84,7 @@ static inline void values_of_heads(int64_t num_heads, float* const* accs, const 
 // The values of a span (its probabilities in `scores`, as score_span_by_slot lays them out) for every kv head
 // of the tile, 3 rows of 3 heads at a time: each pair of keys' heads read together.
 template <class Ahead>
-static inline void values_span_by_slot(const AttentionTile<bf16>& t, const HeadRows* heads,
+static inline void values_span_by_slot(const AttentionTile<Bf16>& t, const HeadRows* heads,
                                        const int64_t* slot_offsets, int64_t span, int64_t span_keys,
                                        int64_t first_row, int64_t rows, const float* scores, Ahead& ahead) {
   const int64_t dim = t.head_dim;
@@ -100,7 +100,7 @@ static inline void values_span_by_slot(const AttentionTile<bf16>& t, const HeadR
         accs[i] = heads[h0 + i].acc + r * dim;
         probs[i] = scores + (h0 + i) * rows * kKeySpan + r * kKeySpan;
       }
-      const bf16* head_values = t.value_cache + h0 * dim;
+      const Bf16* head_values = t.value_cache + h0 * dim;
       if (count == 3) values_of_heads<3>(num_heads, accs, probs, head_values, slot_offsets, num_keys, dim, ahead);
       if (count == 2) values_of_heads<2>(num_heads, accs, probs, head_values, slot_offsets, num_keys, dim, ahead);
       if (count == 1) values_of_heads<1>(num_heads, accs, probs, head_values, slot_offsets, num_keys, dim, ahead);
@@ -109,7 +109,7 @@ static inline void values_span_by_slot(const AttentionTile<bf16>& t, const HeadR
 }
 #else
 template <class Ahead>
-void values_span_by_slot(const AttentionTile<bf16>& t, const HeadRows* heads, const int64_t* slot_offsets,
+void values_span_by_slot(const AttentionTile<Bf16>& t, const HeadRows* heads, const int64_t* slot_offsets,
                          int64_t span, int64_t span_keys, int64_t first_row, int64_t rows, const float* scores,
                          Ahead& ahead);
 #endif
@@ -252,12 +252,14 @@ static void attend_tile_of(const AttentionTile<Cache>& t) {
   attend_tile_with<Cache, kDot, false>(t);
 }
 
-static void attend_tile(const AttentionTile<float>& tile) { attend_tile_of(tile); }
+// KernelSet's attend_tile for a cache of element type T: by vdpbf16ps where the kernel set has it (BS_BF16_DOT), the
+// elements are bf16 and head_dim a multiple of 32.
+template <class T>
+static void attend_tile(const AttentionTile<T>& tile) {
 #ifdef BS_BF16_DOT
-static void attend_tile_bf16(const AttentionTile<bf16>& tile) {
-  if (tile.head_dim % 32 == 0) return attend_tile_of<bf16, true>(tile);
-  attend_tile_of<bf16, false>(tile);
-}
-#else
-static void attend_tile_bf16(const AttentionTile<bf16>& tile) { attend_tile_of(tile); }
+  if constexpr (KvElement<T>::kBf16Pairs) {
+    if (tile.head_dim % 32 == 0) return attend_tile_of<T, true>(tile);
+  }
 #endif
+  attend_tile_of<T, false>(tile);
+}

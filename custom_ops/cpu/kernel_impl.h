@@ -7,12 +7,13 @@ using reg = Vec::reg;
 constexpr int W = Vec::W;
 
 #include "vector_exp.h"  // vexp, silu_times
+#include "kv_element.h"  // KvElement<T>: the cache element types' loads, stores and rounding
 
 static inline float sexp(float x) { return __builtin_expf(x); }
 
 #include "elementwise_kernels.h"   // rms_norm_row, silu_and_mul_row
 #include "sampling_kernels.h"      // argmax_row, draw_masses
-#include "rope_kernels.h"          // rotate_head, the cache writes
+#include "rope_kernels.h"          // rotate_head_to, store_row
 // The attention, in this order: GCC allocates registers in the bf16 decode tiles' value sums as it did in one file
 // only with the vdpbf16ps micro-kernels defined before attention_span.h's (after them, it kept their 18
 // accumulators on the stack).
@@ -21,5 +22,11 @@ static inline float sexp(float x) { return __builtin_expf(x); }
 #include "attention_prefetch.h"    // what a tile asks for as it computes
 #include "attention_tile.h"        // attend_tile
 
-static const KernelSet kKernels = {rms_norm_row, silu_and_mul_row, rotate_head, rotate_head_bf16, store_bf16,
-                                   attend_tile,  attend_tile_bf16, argmax_row,  draw_masses};
+// The cache kernels of every element type of the list.
+template <class... Ts>
+static constexpr KvKernelsOf<TypeList<Ts...>> kv_kernels(TypeList<Ts...>) {
+  return {KvKernels<Ts>{rotate_head_to<Ts>, store_row<Ts>, attend_tile<Ts>}...};
+}
+
+static const KernelSet kKernels = {rms_norm_row, silu_and_mul_row, rotate_head_to<float>, argmax_row, draw_masses,
+                                   kv_kernels(KvElementTypes{})};

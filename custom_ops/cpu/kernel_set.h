@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "isa.h"
+#include "kv_types.h"
 
 namespace bs {
 
@@ -17,10 +18,8 @@ constexpr int64_t kMaxTileKvHeads = 16;
 // passively; since they spin a while (gpu_worker/cpu_threads.py) a lower bound may pay, not measured).
 constexpr int64_t kParallelFloats = 1 << 15;
 
-// The KV cache's element type: fp32, or bf16 (the upper half of an fp32, rounded to nearest even).
-typedef uint16_t bf16;
-
-// Queries of one request at consecutive positions (a query tile), for one or more consecutive kv heads.
+// Queries of one request at consecutive positions (a query tile), for one or more consecutive kv heads, over caches
+// of element type Cache (kv_types.h).
 template <class Cache>
 struct AttentionTile {
   const float* query;        // [tokens, num_heads, head_dim]
@@ -61,6 +60,22 @@ constexpr float kMinDrawnMass = 1e-30f;
 // Entries per sum of draw_masses (whole vectors of every instruction set).
 constexpr int64_t kDrawGroup = 16;
 
+// The kernels that write or read a KV cache of element type T (kv_types.h).
+template <class T>
+struct KvKernels {
+  // Rotary embedding of one key head into the cache: KernelSet::rotate_head's, each value stored as a T.
+  void (*rotate_head)(const float* x, const float* cos, const float* sin, T* out, int64_t head_dim);
+  // out[0..width) = x as T (a token's values).
+  void (*store)(const float* x, T* out, int64_t width);
+  void (*attend_tile)(const AttentionTile<T>& tile);
+};
+
+// One KvKernels per element type of a TypeList.
+template <class List>
+struct KvKernelsOf;
+template <class... Ts>
+struct KvKernelsOf<TypeList<Ts...>> : KvKernels<Ts>... {};
+
 struct KernelSet {
   // out = x_sum * rsqrt(mean(x_sum^2) + eps) * weight, x_sum = x + residual (residual may be null);
   // x_sum is stored to `summed` unless it is null.
@@ -70,10 +85,6 @@ struct KernelSet {
   void (*silu_and_mul_row)(const float* gate_up, float* out, int64_t width);
   // Rotary embedding of one head, Hugging Face layout (halves): cos/sin are the position's first half_dim entries.
   void (*rotate_head)(const float* x, const float* cos, const float* sin, float* out, int64_t head_dim);
-  void (*rotate_head_bf16)(const float* x, const float* cos, const float* sin, bf16* out, int64_t head_dim);
-  void (*store_bf16)(const float* x, bf16* out, int64_t width);
-  void (*attend_tile)(const AttentionTile<float>& tile);
-  void (*attend_tile_bf16)(const AttentionTile<bf16>& tile);
   // The index of the largest of x[0..width), the first if tied (greedy sampling).
   int64_t (*argmax_row)(const float* x, int64_t width);
   // The masses of a draw from softmax(x / temperature) over x[0..width): masses[i] = exp(x[i] / temperature - the
@@ -82,11 +93,17 @@ struct KernelSet {
   // the sum of group_sums in fp64.
   double (*draw_masses)(const float* x, int64_t width, float temperature, float min_p, float* masses,
                         float* group_sums);
+  KvKernelsOf<KvElementTypes> kv;  // the cache kernels of every element type: for_cache<T>()
+
+  template <class T>
+  const KvKernels<T>& for_cache() const {
+    return kv;
+  }
 };
 
 const KernelSet& avx2_kernels();
 const KernelSet& avx512_kernels();
-const KernelSet& avx512_bf16_kernels();  // AVX-512's, with a bf16 cache's keys scored by vdpbf16ps
+const KernelSet& avx512_bf16_kernels();  // AVX-512's, with a bf16 cache's attention by vdpbf16ps
 
 inline const KernelSet& kernels_for(const Isa& isa) {
   return isa.bf16 ? avx512_bf16_kernels() : isa.avx512 ? avx512_kernels() : avx2_kernels();

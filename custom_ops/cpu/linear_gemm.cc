@@ -2,6 +2,7 @@
 
 #include <immintrin.h>
 
+#include <iterator>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -13,6 +14,37 @@ namespace {
 // GEMM's two panels of 16 rows and more, 2 x 48 KiB) it stays in a 512 KiB L2.
 constexpr int64_t kBlockBytes = 256 << 10;
 
+// One GEMM's operands: y[m, n] = x[m, k] @ W (+ bias, which may be null), W packed.
+struct GemmCall {
+  const float* x;
+  int64_t m, k;
+  const uint8_t* packed;
+  int64_t n;
+  const float* bias;
+  float* y;
+};
+
+// What a micro-kernel prepares x in (x rounded to bf16 pairs, or quantized with scales per group), allocated here:
+// no library code is instantiated inside the instruction-set regions.
+struct ScratchSize {
+  int64_t words, floats;
+};
+struct Scratch {
+  uint32_t* words;
+  float* floats;
+};
+
+// A region's entry points (gemm_driver.h's, over the formats its micro-kernel reads).
+struct MicroKernelEntries {
+  bool (*reads)(Format);
+  ScratchSize (*scratch)(Format, int64_t m, int64_t k);
+  void (*gemm)(Format, const GemmCall&, const Scratch&);
+  bool (*fuses_silu_and_mul)(Format, int64_t m);
+  void (*gemm_silu_and_mul)(Format, const GemmCall&, const Scratch&);
+};
+
+// One region per micro-kernel and instruction set: its header (the policy gemm_driver.h drives), the formats it
+// serves as MicroKernel<format>, and gemm_driver.h for its entry points.
 namespace avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -21,8 +53,15 @@ constexpr int kMaxRows = 6;  // 12 accumulators + 2 weight registers of the 16 y
 static inline Vec load_halves(const uint8_t* from) {
   return reinterpret_cast<Vec>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from))));
 }
+static inline Vec fused_multiply_add(Vec a, Vec b, Vec c) {
+  return reinterpret_cast<Vec>(
+      _mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b), reinterpret_cast<__m256>(c)));
+}
 #include "unroll.h"
 #include "linear_tile.h"
+template <Format kFormat>
+using MicroKernel = WideningKernel<kFormat>;
+#include "gemm_driver.h"
 #pragma GCC pop_options
 }  // namespace avx2
 
@@ -34,8 +73,15 @@ constexpr int kMaxRows = 12;  // 12 accumulators of the 32 zmm: one weight load 
 static inline Vec load_halves(const uint8_t* from) {
   return reinterpret_cast<Vec>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(from))));
 }
+static inline Vec fused_multiply_add(Vec a, Vec b, Vec c) {
+  return reinterpret_cast<Vec>(
+      _mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b), reinterpret_cast<__m512>(c)));
+}
 #include "unroll.h"
 #include "linear_tile.h"
+template <Format kFormat>
+using MicroKernel = WideningKernel<kFormat>;
+#include "gemm_driver.h"
 #pragma GCC pop_options
 }  // namespace avx512
 
@@ -44,6 +90,9 @@ namespace avx512_bf16 {
 #pragma GCC target("avx512f,avx512bf16,avx2,fma,f16c")
 #include "unroll.h"
 #include "linear_bf16.h"
+template <Format kFormat>
+using MicroKernel = Bf16DotKernel<kFormat>;
+#include "gemm_driver.h"
 #pragma GCC pop_options
 }  // namespace avx512_bf16
 
@@ -52,39 +101,60 @@ namespace avx512_vnni {
 #pragma GCC target("avx512f,avx512vnni,avx2,fma,f16c")
 #include "unroll.h"
 #include "linear_vnni.h"
+template <Format kFormat>
+using MicroKernel = Int8DotKernel<kFormat>;
+#include "gemm_driver.h"
 #pragma GCC pop_options
 }  // namespace avx512_vnni
+
+// A micro-kernel as the dispatch sees it: the instruction set it needs (null: every CPU the ops run on) and its
+// region's entry points.
+struct MicroKernelRow {
+  bool Isa::*needs;
+  MicroKernelEntries entries;
+};
+
+// The micro-kernels, fastest first: a GEMM runs on the first that the CPU and the op's isa bits allow and that
+// reads the weight's format. vdpbf16ps for BF16 (x rounded to bf16), vpdpbusd for INT8 and the GGUF blocks (x
+// quantized per 32 inputs to int8), else the weights widened to fp32 (x as it is).
+const MicroKernelRow kMicroKernels[] = {
+    {&Isa::bf16, avx512_bf16::entry::kEntries},
+    {&Isa::vnni, avx512_vnni::entry::kEntries},
+    {&Isa::avx512, avx512::entry::kEntries},
+    {nullptr, avx2::entry::kEntries},
+};
+
+const MicroKernelEntries& micro_kernel(const Isa& isa, Format format) {
+  for (const MicroKernelRow& row : kMicroKernels) {
+    if ((row.needs == nullptr || isa.*row.needs) && row.entries.reads(format)) return row.entries;
+  }
+  return kMicroKernels[std::size(kMicroKernels) - 1].entries;
+}
+
+// Scratch for x prepared as the micro-kernel reads it.
+struct ScratchBuffers {
+  std::vector<uint32_t> words;
+  std::vector<float> floats;
+  explicit ScratchBuffers(const ScratchSize& size) : words(size.words), floats(size.floats) {}
+  Scratch view() { return {words.data(), floats.data()}; }
+};
 
 }  // namespace
 
 bool gemm_silu_and_mul(const Isa& isa, Format format, const float* x, int64_t m, int64_t k, const uint8_t* packed,
                        int64_t n, const float* bias, float* out) {
-  if (format != Format::kBF16 || !isa.bf16 || bias != nullptr || m < avx512_bf16::kTwoPanelRows ||
-      n % (2 * kPanelWidth) != 0) {
-    return false;
-  }
-  std::vector<uint32_t> words(m * num_blocks(format, k));
-  avx512_bf16::gemm_silu_and_mul(x, m, k, packed, n, out, words.data());
+  const MicroKernelEntries& kernel = micro_kernel(isa, format);
+  if (bias != nullptr || n % (2 * kPanelWidth) != 0 || !kernel.fuses_silu_and_mul(format, m)) return false;
+  ScratchBuffers scratch(kernel.scratch(format, m, k));
+  kernel.gemm_silu_and_mul(format, {x, m, k, packed, n, nullptr, out}, scratch.view());
   return true;
 }
 
 void gemm(const Isa& isa, Format format, const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n,
           const float* bias, float* y) {
-  // Scratch for x prepared as words is allocated here: no library code is instantiated inside the ISA regions.
-  const int64_t num_words = num_blocks(format, k) * (format == Format::kBF16 ? 1 : geometry(format).block_k / 4);
-  if (format == Format::kBF16 && isa.bf16) {
-    std::vector<uint32_t> words(m * num_words);
-    avx512_bf16::gemm(x, m, k, packed, n, bias, y, words.data());
-  } else if (isa.vnni && format != Format::kF32 && format != Format::kBF16) {
-    const int64_t num_groups = (num_words + 7) / 8;
-    std::vector<uint32_t> words(m * num_words);
-    std::vector<float> scales(m * num_groups), scaled_sums(m * num_groups);
-    avx512_vnni::gemm(format, x, m, k, packed, n, bias, y, words.data(), scales.data(), scaled_sums.data());
-  } else if (isa.avx512) {
-    avx512::gemm(format, x, m, k, packed, n, bias, y);
-  } else {
-    avx2::gemm(format, x, m, k, packed, n, bias, y);
-  }
+  const MicroKernelEntries& kernel = micro_kernel(isa, format);
+  ScratchBuffers scratch(kernel.scratch(format, m, k));
+  kernel.gemm(format, {x, m, k, packed, n, bias, y}, scratch.view());
 }
 
 }  // namespace bs::linear

@@ -20,9 +20,4 @@ void gemm(const Isa& isa, Format format, const float* x, int64_t m, int64_t k, c
 bool gemm_silu_and_mul(const Isa& isa, Format format, const float* x, int64_t m, int64_t k, const uint8_t* packed,
                        int64_t n, const float* bias, float* out);
 
-// Whether the GEMM bodies' GGUF block panels ask for the next panel from one row (below 8 rows
-// non-temporally): see linear_vnni.h, where the measurements are.
-template <Format kFormat>
-constexpr bool kAsksFromOneRow = kFormat == Format::kQ4_0 || kFormat == Format::kQ4_1 || kFormat == Format::kQ8_0;
-
 }  // namespace bs::linear

@@ -36,10 +36,10 @@ void check_packed(const paddle::Tensor& packed, Format format, int64_t k, int64_
 std::vector<paddle::Tensor> LinearPack(const paddle::Tensor& weight, int format_id) {
   check_matrix(weight, paddle::DataType::FLOAT32, "weight");
   const Format format = format_of(format_id);
-  PD_CHECK(format == Format::kF32 || format == Format::kBF16, "bs_linear_pack packs F32 or BF16");
+  PD_CHECK(bs::linear::packs_from<bs::linear::DenseWeights>(format), "bs_linear_pack packs F32 or BF16");
   const int64_t k = weight.shape()[0], n = weight.shape()[1];
   auto packed = empty_packed(format, k, n, weight.place());
-  bs::linear::pack_float(format, weight.data<float>(), k, n, packed.data<uint8_t>());
+  bs::linear::pack(format, bs::linear::DenseWeights{weight.data<float>(), n}, k, n, packed.data<uint8_t>());
   return {packed};
 }
 
@@ -49,7 +49,8 @@ std::vector<paddle::Tensor> LinearPackInt8(const paddle::Tensor& q, const paddle
   const int64_t k = q.shape()[0], n = q.shape()[1];
   PD_CHECK(scales.dtype() == paddle::DataType::FLOAT32 && scales.numel() == n, "one float32 scale per column");
   auto packed = empty_packed(Format::kInt8, k, n, q.place());
-  bs::linear::pack_int8(q.data<int8_t>(), scales.data<float>(), k, n, packed.data<uint8_t>());
+  bs::linear::pack(Format::kInt8, bs::linear::Int8Weights{q.data<int8_t>(), scales.data<float>(), n}, k, n,
+                   packed.data<uint8_t>());
   return {packed};
 }
 
@@ -57,11 +58,13 @@ std::vector<paddle::Tensor> LinearPackInt8(const paddle::Tensor& q, const paddle
 std::vector<paddle::Tensor> LinearPackGguf(const paddle::Tensor& rows, int format_id, int64_t in_features) {
   check_matrix(rows, paddle::DataType::UINT8, "rows");
   const Format format = format_of(format_id);
-  PD_CHECK(bs::linear::is_gguf_block(format) && in_features % 32 == 0, "GGUF Q4_0, Q4_1 or Q8_0 rows of whole blocks");
+  PD_CHECK(bs::linear::packs_from<bs::linear::GgufRows>(format) && in_features % 32 == 0,
+           "GGUF Q4_0, Q4_1 or Q8_0 rows of whole blocks");
   const int64_t n = rows.shape()[0], row_bytes = rows.shape()[1];
   PD_CHECK(row_bytes == bs::linear::gguf_row_bytes(format, in_features), "rows hold in_features values each");
   auto packed = empty_packed(format, in_features, n, rows.place());
-  bs::linear::pack_gguf(format, rows.data<uint8_t>(), row_bytes, in_features, n, packed.data<uint8_t>());
+  bs::linear::pack(format, bs::linear::GgufRows{rows.data<uint8_t>(), row_bytes}, in_features, n,
+                   packed.data<uint8_t>());
   return {packed};
 }
 

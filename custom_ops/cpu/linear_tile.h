@@ -1,8 +1,9 @@
-// The packed-weight GEMM body for every weight format, widened to fp32 in registers: included once per
-// instruction set inside a `#pragma GCC target` region of linear_gemm.cc (no include guard, no includes:
-// standard headers come before the region, and nothing from the standard library is instantiated
-// here). Needs unroll.h, `Vec` (the instruction set's native fp32 vector), `kMaxRows` (rows of x per
-// register tile) and `load_halves` (kLanes IEEE halves -> floats).
+// The widening GEMM micro-kernel for every weight format: a panel's blocks widened to fp32 in registers (one
+// Decoder per format), multiplied with x by FMA. Included once per instruction set inside a `#pragma GCC target`
+// region of linear_gemm.cc (no include guard, no includes: standard headers come before the region, and nothing
+// from the standard library is instantiated here). Needs unroll.h, `Vec` (the instruction set's native fp32
+// vector), `kMaxRows` (rows of x per register tile), `load_halves` (kLanes IEEE halves -> floats) and
+// `fused_multiply_add` (a * b + c in one rounding).
 
 constexpr int kLanes = sizeof(Vec) / sizeof(float);
 constexpr int kVecs = kPanelWidth / kLanes;  // vectors per row of a tile
@@ -28,23 +29,28 @@ static inline Row halves_row(const uint8_t* from) {
 }
 
 // Each decoder calls use(Index<kk>{}, w) for the block's input rows kk = 0..block_k, w holding W[k0 + kk, 16
-// columns] in fp32; `finish` applies what is per column and not per block (INT8's scales).
+// columns] in fp32; `finish` makes vector v of an output row from its sums and `start` (the bias or zeros),
+// applying what is per column and not per block (INT8's scales).
 template <Format kFormat>
 struct Decoder;
 
+// The sums as they are, plus start.
+struct SumsFinish {
+  static inline Vec finish(const uint8_t*, int, Vec sums, Vec start) { return sums + start; }
+};
+
 template <>
-struct Decoder<Format::kF32> {
+struct Decoder<Format::kF32> : SumsFinish {
   template <class Use>
   static inline void decode(const uint8_t* block, Use&& use) {
     Row w;
     for (int v = 0; v < kVecs; ++v) w.v[v] = load(block + v * sizeof(Vec));
     use(Index<0>{}, w);
   }
-  static inline void finish(const uint8_t*, Row&) {}
 };
 
 template <>
-struct Decoder<Format::kBF16> {
+struct Decoder<Format::kBF16> : SumsFinish {
   // Each row is widened from its own load (an L1 hit): fewer registers live beside the accumulators.
   template <class Use>
   static inline void decode(const uint8_t* block, Use&& use) {
@@ -54,7 +60,6 @@ struct Decoder<Format::kBF16> {
     for (int v = 0; v < kVecs; ++v) odd.v[v] = reinterpret_cast<Vec>(load_lanes(block + v * sizeof(Vec)) & 0xffff0000u);
     use(Index<1>{}, odd);
   }
-  static inline void finish(const uint8_t*, Row&) {}
 };
 
 // Byte j of each lane holding a value + 128, as the value in floats.
@@ -74,13 +79,15 @@ struct Decoder<Format::kInt8> {
       use(j, w);
     });
   }
-  static inline void finish(const uint8_t* panel, Row& acc) {
-    for (int v = 0; v < kVecs; ++v) acc.v[v] *= load(panel + v * sizeof(Vec));
+  // sums * scale + start in one rounding, whichever way the tile was inlined (GCC contracted it into an FMA only in
+  // some of the tiles it inlined, so a tile's rows could round differently by its size).
+  static inline Vec finish(const uint8_t* panel, int v, Vec sums, Vec start) {
+    return fused_multiply_add(sums, load(panel + v * sizeof(Vec)), start);
   }
 };
 
 template <>
-struct Decoder<Format::kQ8_0> {
+struct Decoder<Format::kQ8_0> : SumsFinish {
   template <class Use>
   static inline void decode(const uint8_t* block, Use&& use) {
     const Row d = halves_row(block);
@@ -95,12 +102,11 @@ struct Decoder<Format::kQ8_0> {
       });
     });
   }
-  static inline void finish(const uint8_t*, Row&) {}
 };
 
 // Q4_0 and Q4_1: w = q * d + offset, offset = -8 d or m.
 template <Format kFormat>
-struct Q4Decoder {
+struct Q4Decoder : SumsFinish {
   template <class Use>
   static inline void decode(const uint8_t* block, Use&& use) {
     const Row d = halves_row(block);
@@ -125,7 +131,6 @@ struct Q4Decoder {
       });
     });
   }
-  static inline void finish(const uint8_t*, Row&) {}
 };
 
 template <>
@@ -143,114 +148,99 @@ static inline void multiply_add(Row (&acc)[kRows], const Row& w, const float* x,
   }
 }
 
-// y[rows, 0:cols] = start + x[rows, 0:depth] @ W[0:depth, panel's 16 columns]; `start` holds the bias (or
-// zeros) of the panel's columns. `ahead` (or null): the next panel, asked for block by block (asks_ahead, or
-// kAsksFromOneRow), non-temporally where `non_temporal`.
-// flatten: every decoder and lambda inlined, so the accumulators stay in registers.
-template <Format kFormat, int kRows>
-static inline __attribute__((flatten)) void tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t depth, const float* start, float* y,
-                        int64_t ldy, int cols, const uint8_t* ahead, bool non_temporal) {
-  using D = Decoder<kFormat>;
-  constexpr Geometry kGeometry = geometry(kFormat);
-  constexpr int kBlockK = static_cast<int>(kGeometry.block_k);
-  // A short tile has too few accumulators to cover the FMA latency: it keeps kSplit independent sums
-  // over alternating k and adds them at the end (8 chains of FMAs in flight in all).
-  constexpr int kSplit = kRows * kVecs >= 8 ? 1 : 8 / (kRows * kVecs);
-  constexpr int kUnroll = kSplit > kBlockK ? kSplit / kBlockK : 1;  // blocks per step: whole rounds of the split
-  Row acc[kSplit][kRows] = {};
-  const uint8_t* blocks = panel + kGeometry.header_bytes;
-  const int64_t full_blocks = depth / kBlockK;
-  int64_t b = 0;
-  for (; b + kUnroll <= full_blocks; b += kUnroll) {
-    if (ahead != nullptr) {
-      const uint8_t* next = ahead + kGeometry.header_bytes + b * kGeometry.block_bytes;
-      if (non_temporal) {
-        for (int64_t line = 0; line < kUnroll * kGeometry.block_bytes; line += 64) __builtin_prefetch(next + line, 0, 0);
-      } else {
-        for (int64_t line = 0; line < kUnroll * kGeometry.block_bytes; line += 64) __builtin_prefetch(next + line, 0, 2);
-      }
-    }
-    static_for<kUnroll>([&](auto u) {
-      constexpr int kFirst = decltype(u)::value * kBlockK;
-      D::decode(blocks + (b + decltype(u)::value) * kGeometry.block_bytes, [&](auto kk, const Row& w) {
-        multiply_add<kRows>(acc[(kFirst + decltype(kk)::value) % kSplit], w, x + b * kBlockK + kFirst + kk, ldx);
-      });
-    });
-  }
-  for (; b < full_blocks; ++b) {
-    D::decode(blocks + b * kGeometry.block_bytes, [&](auto kk, const Row& w) {
-      multiply_add<kRows>(acc[decltype(kk)::value % kSplit], w, x + b * kBlockK + kk, ldx);
-    });
-  }
-  if (const int64_t rest = depth - full_blocks * kBlockK; rest > 0) {  // x has no columns past depth
-    D::decode(blocks + full_blocks * kGeometry.block_bytes, [&](auto kk, const Row& w) {
-      if (kk < rest) multiply_add<kRows>(acc[0], w, x + full_blocks * kBlockK + kk, ldx);
-    });
-  }
-  for (int s = 1; s < kSplit; ++s) {
-    for (int r = 0; r < kRows; ++r) {
-      for (int v = 0; v < kVecs; ++v) acc[0][r].v[v] += acc[s][r].v[v];
-    }
-  }
-  for (int r = 0; r < kRows; ++r) {
-    D::finish(panel, acc[0][r]);
-    float partial[kPanelWidth];
-    float* to = cols == kPanelWidth ? y + r * ldy : partial;
-    for (int v = 0; v < kVecs; ++v) store(to + v * kLanes, acc[0][r].v[v] + load(start + v * kLanes));
-    if (cols < kPanelWidth) __builtin_memcpy(y + r * ldy, partial, cols * sizeof(float));
-  }
-}
-
-// y[m, n] = x[m, k] @ W (+ bias) with W packed in kFormat. Threads split the weight panels; each panel meets
-// a block of x rows small enough to stay in L2 (block_rows) over the whole depth, so every output tile is
-// summed in registers and written once. GGUF panels ask from one row (kAsksFromOneRow, linear_gemm.h): gguf decode
-// steps of one sequence on this code (BLOCKSERVE_CPU_ISA=avx2 and avx512 on an AMD EPYC Zen 4, 2 threads),
-// paired in one process as in linear_vnni.h, median pair ratio asking / before: AVX2 0.970, 0.968, 0.994;
-// AVX-512F 0.983, 0.988.
+// The widening micro-kernel (gemm_driver.h): a panel's blocks widened to fp32 in registers by Decoder<kFormat>
+// and multiplied with x as it is, kTileRows rows by one panel per tile. It reads every format: the GEMM of every
+// CPU without the dot product a format's blocks feed (FormatTraits::kDot).
 template <Format kFormat>
-static void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, const float* bias,
-                    float* y) {
+struct WideningKernel {
+  static constexpr bool kReads = true;
   // AVX2 has 16 registers: a Q block's scales and offsets (4) leave room for 8 accumulators, not 12.
-  constexpr int kTileRows = kVecs > 1 && geometry(kFormat).block_k == 32 ? 4 : kMaxRows;
-  const int64_t panels = num_panels(n), bytes = panel_bytes(kFormat, k);
-  const int64_t fitting_rows = kBlockBytes / (k * static_cast<int64_t>(sizeof(float))) / kTileRows * kTileRows;
-  const int64_t block_rows = fitting_rows > kTileRows ? fitting_rows : kTileRows;
-#pragma omp parallel
-  for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
-    const int64_t m_end = m < m0 + block_rows ? m : m0 + block_rows;
-    for_each_panel(panels, m <= kTileRows, [&](int64_t p) {
-      const int64_t remaining = n - p * kPanelWidth;
-      const int cols = static_cast<int>(remaining < kPanelWidth ? remaining : kPanelWidth);
-      float start[kPanelWidth] = {};
-      if (bias != nullptr) __builtin_memcpy(start, bias + p * kPanelWidth, cols * sizeof(float));
-      for (int64_t r0 = m0; r0 < m_end; r0 += kTileRows) {
-        const int rows = static_cast<int>(m_end - r0 < kTileRows ? m_end - r0 : kTileRows);
-        with_rows<kTileRows>(rows, [&](auto tile_rows) {
-          const bool asks = (kAsksFromOneRow<kFormat> && r0 == 0) || asks_ahead(m, r0);
-          const uint8_t* ahead = asks && p + 1 < panels ? packed + (p + 1) * bytes : nullptr;
-          tile<kFormat, decltype(tile_rows)::value>(x + r0 * k, k, packed + p * bytes, k, start,
-                                                    y + r0 * n + p * kPanelWidth, n, cols, ahead,
-                                                    m < kAskingRows);
-        });
-      }
-    });
-  }
-}
+  static constexpr int kTileRows = kVecs > 1 && FormatTraits<kFormat>::kGeometry.block_k == 32 ? 4 : kMaxRows;
+  // kTileRows rows a tile: a short tile's sums depend on its rows (kSplit), and even tiles were not measured here.
+  static constexpr bool kEvenRowTiles = false;
+  static constexpr int kMaxPanels = 1;
 
-static void gemm(Format format, const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n,
-                 const float* bias, float* y) {
-  switch (format) {
-    case Format::kF32:
-      return gemm_of<Format::kF32>(x, m, k, packed, n, bias, y);
-    case Format::kBF16:
-      return gemm_of<Format::kBF16>(x, m, k, packed, n, bias, y);
-    case Format::kInt8:
-      return gemm_of<Format::kInt8>(x, m, k, packed, n, bias, y);
-    case Format::kQ8_0:
-      return gemm_of<Format::kQ8_0>(x, m, k, packed, n, bias, y);
-    case Format::kQ4_0:
-      return gemm_of<Format::kQ4_0>(x, m, k, packed, n, bias, y);
-    case Format::kQ4_1:
-      return gemm_of<Format::kQ4_1>(x, m, k, packed, n, bias, y);
+  static ScratchSize scratch(int64_t, int64_t) { return {0, 0}; }
+
+  // Rows of x from a tile's first: x[r, 0:k] at x + r * k.
+  struct Rows {
+    const float* x;
+    int64_t k;
+  };
+  struct Input {
+    static constexpr bool kPrepares = false;
+    const float* x;
+    int64_t k;
+    Input(const float* x, int64_t, int64_t k, const Scratch&) : x(x), k(k) {}
+    void prepare(int64_t) const {}
+    Rows rows(int64_t r0) const { return {x + r0 * k, k}; }
+    int64_t row_bytes() const { return k * static_cast<int64_t>(sizeof(float)); }
+  };
+
+  // y[kRows, 0:cols] = start + x[kRows, 0:k] @ W[0:k, panel's 16 columns]; `start` holds the bias (or zeros) of
+  // the panel's columns. `ahead` (or null): the next panel, asked for block by block.
+  // flatten: every decoder and lambda inlined, so the accumulators stay in registers. Rows by value (two registers):
+  // the tiles then inline where they did as functions of scalars.
+  template <int kRows, int kPanels, bool kSiluMul>
+  static inline __attribute__((flatten)) void tile(Rows rows, const uint8_t* panel, int64_t, const float* start,
+                                                   float* y, int64_t ldy, int cols, const uint8_t* ahead,
+                                                   bool non_temporal) {
+    static_assert(kPanels == 1 && !kSiluMul, "a widening tile computes one panel");
+    const float* x = rows.x;
+    const int64_t ldx = rows.k, depth = rows.k;
+    using D = Decoder<kFormat>;
+    constexpr Geometry kGeometry = FormatTraits<kFormat>::kGeometry;
+    constexpr int kBlockK = static_cast<int>(kGeometry.block_k);
+    // A short tile has too few accumulators to cover the FMA latency: it keeps kSplit independent sums
+    // over alternating k and adds them at the end (8 chains of FMAs in flight in all).
+    constexpr int kSplit = kRows * kVecs >= 8 ? 1 : 8 / (kRows * kVecs);
+    constexpr int kUnroll = kSplit > kBlockK ? kSplit / kBlockK : 1;  // blocks per step: whole rounds of the split
+    Row acc[kSplit][kRows] = {};
+    const uint8_t* blocks = panel + kGeometry.header_bytes;
+    const int64_t full_blocks = depth / kBlockK;
+    int64_t b = 0;
+    for (; b + kUnroll <= full_blocks; b += kUnroll) {
+      if (ahead != nullptr) {
+        const uint8_t* next = ahead + kGeometry.header_bytes + b * kGeometry.block_bytes;
+        if (non_temporal) {
+          for (int64_t line = 0; line < kUnroll * kGeometry.block_bytes; line += 64) {
+            __builtin_prefetch(next + line, 0, 0);
+          }
+        } else {
+          for (int64_t line = 0; line < kUnroll * kGeometry.block_bytes; line += 64) {
+            __builtin_prefetch(next + line, 0, 2);
+          }
+        }
+      }
+      static_for<kUnroll>([&](auto u) {
+        constexpr int kFirst = decltype(u)::value * kBlockK;
+        D::decode(blocks + (b + decltype(u)::value) * kGeometry.block_bytes, [&](auto kk, const Row& w) {
+          multiply_add<kRows>(acc[(kFirst + decltype(kk)::value) % kSplit], w, x + b * kBlockK + kFirst + kk, ldx);
+        });
+      });
+    }
+    for (; b < full_blocks; ++b) {
+      D::decode(blocks + b * kGeometry.block_bytes, [&](auto kk, const Row& w) {
+        multiply_add<kRows>(acc[decltype(kk)::value % kSplit], w, x + b * kBlockK + kk, ldx);
+      });
+    }
+    if (const int64_t rest = depth - full_blocks * kBlockK; rest > 0) {  // x has no columns past depth
+      D::decode(blocks + full_blocks * kGeometry.block_bytes, [&](auto kk, const Row& w) {
+        if (kk < rest) multiply_add<kRows>(acc[0], w, x + full_blocks * kBlockK + kk, ldx);
+      });
+    }
+    for (int s = 1; s < kSplit; ++s) {
+      for (int r = 0; r < kRows; ++r) {
+        for (int v = 0; v < kVecs; ++v) acc[0][r].v[v] += acc[s][r].v[v];
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      float partial[kPanelWidth];
+      float* to = cols == kPanelWidth ? y + r * ldy : partial;
+      for (int v = 0; v < kVecs; ++v) {
+        store(to + v * kLanes, D::finish(panel, v, acc[0][r].v[v], load(start + v * kLanes)));
+      }
+      if (cols < kPanelWidth) __builtin_memcpy(y + r * ldy, partial, cols * sizeof(float));
+    }
   }
-}
+};

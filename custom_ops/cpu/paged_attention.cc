@@ -4,11 +4,34 @@
 #include <atomic>
 #include <cmath>
 #include <omp.h>
+#include <string>
 #include <type_traits>
+#include <variant>
 #include <vector>
 
 namespace bs {
 namespace {
+
+// The Paddle dtype of each KV element type (kv_types.h): a type without one does not compile.
+template <class T>
+struct KvDtype;
+template <>
+struct KvDtype<float> {
+  static constexpr paddle::DataType value = paddle::DataType::FLOAT32;
+};
+template <>
+struct KvDtype<Bf16> {
+  static constexpr paddle::DataType value = paddle::DataType::BFLOAT16;
+};
+
+// "float32, bfloat16": the dtypes a cache may have.
+std::string kv_dtype_names() {
+  std::string names;
+  for_each_type(KvElementTypes{}, [&](auto tag) {
+    names += (names.empty() ? "" : ", ") + phi::DataTypeToString(KvDtype<typename decltype(tag)::type>::value);
+  });
+  return names;
+}
 
 // Each token asks for the cache lines of the token this many after it (its K and V slots, for writing) before it
 // computes its own. A slot's lines are not in cache, and a store to a missing line waits for it: at 64 decodes the
@@ -33,6 +56,7 @@ template <class Cache>
 inline void rope_write_token(const KernelSet& kernels, const float* token, int64_t position, int64_t slot,
                              const float* cos_table, const float* sin_table, float* q_row, Cache* k_cache,
                              Cache* v_cache, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  const KvKernels<Cache>& cache_kernels = kernels.for_cache<Cache>();
   const int64_t kv_width = num_kv_heads * head_dim;
   const float *c = cos_table + position * head_dim, *s = sin_table + position * head_dim;
   for (int64_t h = 0; h < num_heads; ++h) {
@@ -40,18 +64,10 @@ inline void rope_write_token(const KernelSet& kernels, const float* token, int64
   }
   const float* key = token + num_heads * head_dim;
   Cache* key_slot = k_cache + slot * kv_width;
-  Cache* value_slot = v_cache + slot * kv_width;
-  if constexpr (std::is_same_v<Cache, float>) {
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      kernels.rotate_head(key + h * head_dim, c, s, key_slot + h * head_dim, head_dim);
-    }
-    std::copy(key + kv_width, key + 2 * kv_width, value_slot);
-  } else {
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      kernels.rotate_head_bf16(key + h * head_dim, c, s, key_slot + h * head_dim, head_dim);
-    }
-    kernels.store_bf16(key + kv_width, value_slot, kv_width);
+  for (int64_t h = 0; h < num_kv_heads; ++h) {
+    cache_kernels.rotate_head(key + h * head_dim, c, s, key_slot + h * head_dim, head_dim);
   }
+  cache_kernels.store(key + kv_width, v_cache + slot * kv_width, kv_width);
 }
 
 template <class Cache>
@@ -72,15 +88,15 @@ void rope_write(const KernelSet& kernels, const float* src, const StepTokens& to
 constexpr int64_t kMinSplitKeys = 32;
 
 template <class Cache>
-AttentionTile<Cache> tile_of(const TileWork& item, const float* q, const KvCaches& caches,
-                             const StepRequests& requests, int64_t num_heads, float* scratch, float* out,
-                             float* partials) {
+AttentionTile<Cache> tile_of(const TileWork& item, const float* q, const KvStorage<Cache>& storage,
+                             const KvCaches& caches, const StepRequests& requests, int64_t num_heads, float* scratch,
+                             float* out, float* partials) {
   const int64_t start = requests.query_start[item.request];
   const int64_t num_queries = requests.query_start[item.request + 1] - start;
   const int64_t first_position = requests.context_lens[item.request] - num_queries + item.first_query;
   return {q,
-          static_cast<const Cache*>(caches.key),
-          static_cast<const Cache*>(caches.value),
+          storage.key,
+          storage.value,
           requests.block_table + item.request * requests.table_width,
           out,
           scratch,
@@ -133,8 +149,8 @@ void merge_splits(const std::vector<Split>& splits, const float* partials, const
 // and 0.995 of the counter's, steps paired in one process.)
 template <class Cache>
 void attend(void (*attend_tile)(const AttentionTile<Cache>&), const std::vector<TileWork>& work, const float* q,
-            const KvCaches& caches, const StepRequests& requests, int64_t num_heads, int64_t scratch_floats,
-            float* out, float* partials, const DecodeRope* rope) {
+            const KvStorage<Cache>& storage, const KvCaches& caches, const StepRequests& requests, int64_t num_heads,
+            int64_t scratch_floats, float* out, float* partials, const DecodeRope* rope) {
   const int64_t num_items = static_cast<int64_t>(work.size());
   std::atomic<int64_t> next_item{0};
 #pragma omp parallel if (num_items > 1)
@@ -145,23 +161,23 @@ void attend(void (*attend_tile)(const AttentionTile<Cache>&), const std::vector<
     while (current < num_items) {
       const int64_t following = next_item.fetch_add(1);
       AttentionTile<Cache> tile =
-          tile_of<Cache>(work[current], q, caches, requests, num_heads, scratch.data(), out, partials);
+          tile_of<Cache>(work[current], q, storage, caches, requests, num_heads, scratch.data(), out, partials);
       AttentionTile<Cache> next_tile{};
       if (following < num_items) {
-        next_tile = tile_of<Cache>(work[following], q, caches, requests, num_heads, scratch.data(), out, partials);
+        next_tile =
+            tile_of<Cache>(work[following], q, storage, caches, requests, num_heads, scratch.data(), out, partials);
         tile.next = &next_tile;
       }
       tile.first_span_prefetched = prefetched;
       if (rope != nullptr) {
         const int64_t t = tile.first_token, head_dim = caches.head_dim, kv_width = caches.num_kv_heads * head_dim;
         if (following < num_items) {
-          ask_to_write(static_cast<const Cache*>(caches.key), static_cast<const Cache*>(caches.value),
-                       rope->tokens.slots[next_tile.first_token], kv_width);
+          ask_to_write(storage.key, storage.value, rope->tokens.slots[next_tile.first_token], kv_width);
         }
         rope_write_token(*rope->kernels, rope->qkv + t * (num_heads + 2 * caches.num_kv_heads) * head_dim,
                          rope->tokens.positions[t], rope->tokens.slots[t], rope->cos, rope->sin,
-                         rope->query + t * num_heads * head_dim, static_cast<Cache*>(caches.key),
-                         static_cast<Cache*>(caches.value), num_heads, caches.num_kv_heads, head_dim);
+                         rope->query + t * num_heads * head_dim, storage.key, storage.value, num_heads,
+                         caches.num_kv_heads, head_dim);
       }
       attend_tile(tile);
       prefetched = true;
@@ -175,14 +191,21 @@ void attend(void (*attend_tile)(const AttentionTile<Cache>&), const std::vector<
 KvCaches kv_caches(const paddle::Tensor& key_cache, const paddle::Tensor& value_cache) {
   for (const paddle::Tensor* cache : {&key_cache, &value_cache}) {
     PD_CHECK(cache->is_cpu() && cache->shape().size() == 4, "a cache must be [num_blocks, block_size, kv_heads, head_dim]");
-    PD_CHECK(cache->dtype() == paddle::DataType::FLOAT32 || cache->dtype() == paddle::DataType::BFLOAT16,
-             "a cache must be float32 or bfloat16");
   }
   PD_CHECK(key_cache.dtype() == value_cache.dtype() && key_cache.shape() == value_cache.shape(),
            "the key and value caches must match");
   const auto& shape = key_cache.shape();
-  return {const_cast<void*>(key_cache.data()), const_cast<void*>(value_cache.data()), shape[0], shape[1], shape[2],
-          shape[3], key_cache.dtype() == paddle::DataType::BFLOAT16};
+  KvCaches caches{{}, shape[0], shape[1], shape[2], shape[3]};
+  bool typed = false;
+  for_each_type(KvElementTypes{}, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (key_cache.dtype() != KvDtype<T>::value) return;
+    caches.storage = KvStorage<T>{static_cast<T*>(const_cast<void*>(key_cache.data())),
+                                  static_cast<T*>(const_cast<void*>(value_cache.data()))};
+    typed = true;
+  });
+  PD_CHECK(typed, "a cache's dtype must be one of ", kv_dtype_names(), ", not ", key_cache.dtype());
+  return caches;
 }
 
 StepLayout step_layout(const paddle::Tensor& layout) {
@@ -213,13 +236,12 @@ void check_step_tokens(const StepTokens& tokens, int64_t max_position, int64_t n
 
 void rope_write_checked_kv(const KernelSet& kernels, const float* qkv, const StepTokens& tokens, const float* cos,
                            const float* sin, int64_t num_heads, KvCaches& caches, float* query) {
-  if (caches.bf16) {
-    rope_write(kernels, qkv, tokens, cos, sin, query, static_cast<bf16*>(caches.key), static_cast<bf16*>(caches.value),
-               num_heads, caches.num_kv_heads, caches.head_dim);
-  } else {
-    rope_write(kernels, qkv, tokens, cos, sin, query, static_cast<float*>(caches.key), static_cast<float*>(caches.value),
-               num_heads, caches.num_kv_heads, caches.head_dim);
-  }
+  std::visit(
+      [&](const auto& storage) {
+        rope_write(kernels, qkv, tokens, cos, sin, query, storage.key, storage.value, num_heads, caches.num_kv_heads,
+                   caches.head_dim);
+      },
+      caches.storage);
 }
 
 void rope_write_kv(const KernelSet& kernels, const float* qkv, const StepTokens& tokens, const float* cos,
@@ -312,12 +334,13 @@ void paged_attention(const KernelSet& kernels, const AttentionPlan& plan, const 
            "the caches are not the ones the attention was planned for");
   const int64_t num_heads = plan.num_heads, head_dim = caches.head_dim, group = num_heads / caches.num_kv_heads;
   std::vector<float> partials(plan.num_partial_floats);
-  if (caches.bf16) {
-    attend(kernels.attend_tile_bf16, plan.work, query, caches, requests, num_heads, plan.scratch_floats, out,
-           partials.data(), rope);
-  } else {
-    attend(kernels.attend_tile, plan.work, query, caches, requests, num_heads, plan.scratch_floats, out, partials.data(), rope);
-  }
+  std::visit(
+      [&](const auto& storage) {
+        using Cache = std::remove_pointer_t<decltype(storage.key)>;
+        attend(kernels.for_cache<Cache>().attend_tile, plan.work, query, storage, caches, requests, num_heads,
+               plan.scratch_floats, out, partials.data(), rope);
+      },
+      caches.storage);
   merge_splits(plan.splits, partials.data(), requests, num_heads, group, head_dim, out);
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <variant>
 #include <vector>
 
 #include "kernel_set.h"
@@ -11,12 +12,23 @@
 
 namespace bs {
 
-// A layer's K and V caches: [num_blocks, block_size, num_kv_heads, head_dim], both float32 or both bfloat16.
+// A layer's K and V caches of element type T: [num_blocks, block_size, num_kv_heads, head_dim] each.
+template <class T>
+struct KvStorage {
+  T* key;
+  T* value;
+};
+template <class List>
+struct KvStorageOf;
+template <class... Ts>
+struct KvStorageOf<TypeList<Ts...>> {
+  using type = std::variant<KvStorage<Ts>...>;
+};
+
+// A layer's K and V caches, of one element type of KvElementTypes (std::visit on `storage` names it).
 struct KvCaches {
-  void* key;
-  void* value;
+  KvStorageOf<KvElementTypes>::type storage;
   int64_t num_blocks, block_size, num_kv_heads, head_dim;
-  bool bf16;
 };
 
 // Checked views of a layer's caches (written through by rope_write_kv: in-place outputs of the ops).
@@ -55,8 +67,8 @@ StepLayout step_layout(const paddle::Tensor& layout);
 void check_step_tokens(const StepTokens& tokens, int64_t max_position, int64_t num_slots);
 
 // Rotates q and k of the fused qkv [tokens, (heads + 2 * kv_heads) * head_dim] by each token's position
-// (cos/sin: [max_position, head_dim]), stores k and v at the token's slot (rounded to bf16 in a bf16
-// cache) and the rotated q in query [tokens, heads, head_dim]. Checks the tokens first (check_step_tokens);
+// (cos/sin: [max_position, head_dim]), stores k and v at the token's slot (as the cache's element type) and
+// the rotated q in query [tokens, heads, head_dim]. Checks the tokens first (check_step_tokens);
 // rope_write_checked_kv is the same for tokens already checked against the caches' shape.
 void rope_write_kv(const KernelSet& kernels, const float* qkv, const StepTokens& tokens, const float* cos,
                    const float* sin, int64_t max_position, int64_t num_heads, KvCaches& caches, float* query);

@@ -5,20 +5,7 @@ struct Vec {
   using reg = __m256;
   static constexpr int W = 8;
   static inline reg load(const float* p) { return _mm256_loadu_ps(p); }
-  // W bf16 values widened to fp32 (exact)
-  static inline reg load(const uint16_t* p) {
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
   static inline void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
-  // W values rounded to bf16 (nearest even; inputs are finite)
-  static inline void store(uint16_t* p, reg v) {
-    __m256i bits = _mm256_castps_si256(v);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-  }
   static inline reg set1(float x) { return _mm256_set1_ps(x); }
   static inline reg zero() { return _mm256_setzero_ps(); }
   static inline reg add(reg a, reg b) { return _mm256_add_ps(a, b); }

@@ -5,19 +5,7 @@ struct Vec {
   using reg = __m512;
   static constexpr int W = 16;
   static inline reg load(const float* p) { return _mm512_loadu_ps(p); }
-  // W bf16 values widened to fp32 (exact)
-  static inline reg load(const uint16_t* p) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-  }
   static inline void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
-  // W values rounded to bf16 (nearest even; inputs are finite)
-  static inline void store(uint16_t* p, reg v) {
-    __m512i bits = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
-  }
   static inline reg set1(float x) { return _mm512_set1_ps(x); }
   static inline reg zero() { return _mm512_setzero_ps(); }
   static inline reg add(reg a, reg b) { return _mm512_add_ps(a, b); }

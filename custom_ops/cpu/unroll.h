@@ -24,15 +24,22 @@ static inline __attribute__((always_inline)) void with_rows(int rows, F&& f) {
   with_rows_of(rows, f, std::make_integer_sequence<int, N>{});
 }
 
-// body(r0, rows) for the register tiles of rows [m0, m_end), at most kMaxRows rows each: as few tiles as that
-// allows, their sizes within one of each other (64 rows of 12-row tiles: 11, 11, 11, 11, 10, 10, not 5 x 12 and
-// a tile of 4, which keeps a third of its sums busy for a whole pass over the panels).
-template <int kMaxRows, class F>
+// body(r0, rows) for the register tiles of rows [m0, m_end), at most kMaxRows rows each. kEven: as few tiles as
+// that allows, their sizes within one of each other (64 rows of 12-row tiles: 11, 11, 11, 11, 10, 10, not 5 x 12 and
+// a tile of 4, which keeps a third of its sums busy for a whole pass over the panels); else kMaxRows rows each, the
+// last tile the rest.
+template <int kMaxRows, bool kEven, class F>
 static inline __attribute__((always_inline)) void for_each_row_tile(int64_t m0, int64_t m_end, F&& body) {
-  const int64_t rows = m_end - m0, tiles = (rows + kMaxRows - 1) / kMaxRows;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t r0 = m0 + rows * t / tiles;
-    body(r0, static_cast<int>(m0 + rows * (t + 1) / tiles - r0));
+  if constexpr (kEven) {
+    const int64_t rows = m_end - m0, tiles = (rows + kMaxRows - 1) / kMaxRows;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t r0 = m0 + rows * t / tiles;
+      body(r0, static_cast<int>(m0 + rows * (t + 1) / tiles - r0));
+    }
+  } else {
+    for (int64_t r0 = m0; r0 < m_end; r0 += kMaxRows) {
+      body(r0, static_cast<int>(m_end - r0 < kMaxRows ? m_end - r0 : kMaxRows));
+    }
   }
 }
 

@@ -1,0 +1,132 @@
+// The attention's arithmetic over one span of keys for a few query rows of one kv head: their scores, the online
+// softmax and the sums of values (any cache element type), and the state a tile keeps per kv head.
+// Included by kernel_impl.h inside an instruction set's `#pragma GCC target` region and namespace; no
+// include guard, only builtins and own code (see kernel_impl.h).
+
+// scores[r * kKeySpan + j] = q_r . k_j for ROWS query rows and num_keys (a multiple of 4) keys;
+// ahead() is called once per group of 4 keys (it asks for the cache lines of work to come).
+template <int ROWS, class Cache, class Ahead>
+static inline void score_rows(const float* q, int64_t head_dim, const Cache* const* keys, int64_t num_keys,
+                              float* scores, Ahead& ahead) {
+  for (int64_t j = 0; j < num_keys; j += 4) {
+    ahead();
+    reg acc[ROWS][4];
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = Vec::zero();
+    for (int64_t d = 0; d < head_dim; d += W) {
+      reg qv[ROWS];
+      for (int r = 0; r < ROWS; ++r) qv[r] = Vec::load(q + r * head_dim + d);
+      for (int c = 0; c < 4; ++c) {
+        reg k = KvElement<Cache>::load(keys[j + c] + d);
+        for (int r = 0; r < ROWS; ++r) acc[r][c] = Vec::fmadd(qv[r], k, acc[r][c]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) Vec::hsum4_store(acc[r][0], acc[r][1], acc[r][2], acc[r][3], scores + r * kKeySpan + j);
+  }
+}
+
+// acc_r[0..head_dim) += sum_j probs_r[j] * values[j] for ROWS rows at once: each value vector is loaded
+// once for all rows. CHUNK vectors of the head per pass keep ROWS * CHUNK accumulators in registers.
+// ahead() is called once per 4 keys of a pass.
+template <int ROWS>
+constexpr int kValueChunk = W == 16 ? 4 : ROWS == 1 ? 4 : 2;
+template <int ROWS, class Cache, class Ahead>
+static inline void accumulate_values(float* acc, const float* probs, const Cache* const* values, int64_t num_keys,
+                                     int64_t head_dim, Ahead& ahead) {
+  constexpr int CHUNK = kValueChunk<ROWS>;
+  int64_t d = 0;
+  for (; d + CHUNK * W <= head_dim; d += CHUNK * W) {
+    reg a[ROWS][CHUNK];
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < CHUNK; ++c) a[r][c] = Vec::load(acc + r * head_dim + d + c * W);
+    for (int64_t j = 0; j < num_keys; ++j) {
+      if (j % 4 == 0) ahead();
+      reg v[CHUNK];
+      for (int c = 0; c < CHUNK; ++c) v[c] = KvElement<Cache>::load(values[j] + d + c * W);
+      for (int r = 0; r < ROWS; ++r) {
+        const reg p = Vec::set1(probs[r * kKeySpan + j]);
+        for (int c = 0; c < CHUNK; ++c) a[r][c] = Vec::fmadd(p, v[c], a[r][c]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < CHUNK; ++c) Vec::store(acc + r * head_dim + d + c * W, a[r][c]);
+  }
+  for (; d < head_dim; d += W) {
+    for (int r = 0; r < ROWS; ++r) {
+      reg a = Vec::load(acc + r * head_dim + d);
+      for (int64_t j = 0; j < num_keys; ++j) a = Vec::fmadd(Vec::set1(probs[r * kKeySpan + j]), KvElement<Cache>::load(values[j] + d), a);
+      Vec::store(acc + r * head_dim + d, a);
+    }
+  }
+}
+
+// One online-softmax update of row `scores[0..visible)`: scores become probabilities (zero from `visible`
+// to `padded`), the running max, sum and the row's accumulator are rescaled when the max grows. A row's last
+// partial vector is computed whole (scores has room: a row is kKeySpan floats) with its lanes from `visible`
+// masked, so that a causal diagonal's rows do not take up to W - 1 scalar exps each.
+static_assert(kKeySpan % W == 0, "a row of scores is whole vectors");
+static inline void softmax_update(float* scores, int64_t visible, int64_t padded, float* running_max,
+                                  float* running_sum, float* acc, int64_t head_dim) {
+  const int64_t full = visible - visible % W;
+  const int tail = static_cast<int>(visible - full);
+  float new_max = *running_max;
+  if (visible > 0) {
+    const reg lowest = Vec::set1(-__builtin_inff());
+    reg maxes = lowest;
+    for (int64_t j = 0; j < full; j += W) maxes = Vec::max(maxes, Vec::load(scores + j));
+    if (tail > 0) maxes = Vec::max(maxes, Vec::first_lanes(Vec::load(scores + full), tail, lowest));
+    const float vector_max = Vec::reduce_max(maxes);
+    new_max = vector_max > new_max ? vector_max : new_max;
+  }
+  const reg shift = Vec::set1(new_max);
+  reg sums = Vec::zero();
+  for (int64_t j = 0; j < full; j += W) {
+    reg p = vexp(Vec::sub(Vec::load(scores + j), shift));
+    Vec::store(scores + j, p);
+    sums = Vec::add(sums, p);
+  }
+  int64_t zero_from = full;
+  if (tail > 0) {
+    reg p = Vec::first_lanes(vexp(Vec::sub(Vec::load(scores + full), shift)), tail, Vec::zero());
+    Vec::store(scores + full, p);
+    sums = Vec::add(sums, p);
+    zero_from = full + W;
+  }
+  const float sum = Vec::reduce_add(sums);
+  for (int64_t j = zero_from; j < padded; ++j) scores[j] = 0.0f;
+  if (new_max > *running_max) {
+    const float correction = sexp(*running_max - new_max);  // 0 on the first span (max = -inf)
+    const reg c = Vec::set1(correction);
+    for (int64_t d = 0; d < head_dim; d += W) Vec::store(acc + d, Vec::mul(Vec::load(acc + d), c));
+    *running_sum *= correction;
+    *running_max = new_max;
+  }
+  *running_sum += sum;
+}
+
+// An ahead() that asks for nothing.
+struct NoAsks {
+  inline void operator()() {}
+};
+
+// One kv head's rows of a tile: its queries (scaled), accumulators and running softmax state.
+struct HeadRows {
+  float* q;             // [rows, dim]; with kDot [rows, dim / 2] bf16 words
+  float* acc;           // [rows, dim]
+  float* running_max;   // [rows]
+  float* running_sum;   // [rows]
+};
+
+// How many of a span's keys rows r..r + count of a tile see: each row's (visible[i]), and the most.
+template <class Cache>
+static inline int64_t visible_keys(const AttentionTile<Cache>& t, int64_t r, int count, int64_t span,
+                                   int64_t span_keys, int64_t* visible) {
+  const int64_t group = t.num_heads / t.num_kv_heads;
+  int64_t most_visible = 0;
+  for (int i = 0; i < count; ++i) {
+    const int64_t position = t.first_position + (r + i) / group;
+    visible[i] = position - span + 1 < span_keys ? position - span + 1 : span_keys;
+    most_visible = visible[i] > most_visible ? visible[i] : most_visible;
+  }
+  return most_visible;
+}

@@ -1,0 +1,265 @@
+// The attention of one tile (AttentionTile: a request's queries at consecutive positions for one or more kv heads)
+// over its keys in the paged KV cache, span by span: KernelSet's attend_tile.
+// Included by kernel_impl.h inside an instruction set's `#pragma GCC target` region and namespace; no
+// include guard, only builtins and own code (see kernel_impl.h).
+
+// scores[(r + i) * kKeySpan + j] = the scores of ROWS rows (from row r) of one kv head for num_keys keys (a
+// multiple of 4); kDot: the rows' queries are bf16 words (score_rows_dot), else floats.
+template <int ROWS, bool kDot, class Cache, class Ahead>
+static inline void score_head_rows(const HeadRows& head, int64_t r, int64_t dim, const Cache* const* keys,
+                                   int64_t num_keys, float* scores, Ahead& ahead) {
+  if constexpr (kDot) {
+    score_rows_dot<ROWS>(reinterpret_cast<const uint32_t*>(head.q) + r * dim / 2, dim, keys, num_keys,
+                         scores + r * kKeySpan, ahead);
+  } else {
+    score_rows<ROWS>(head.q + r * dim, dim, keys, num_keys, scores + r * kKeySpan, ahead);
+  }
+}
+
+// Softmax and values of one span for ROWS consecutive rows (from row r) of one kv head, and their scores
+// unless by_slot (score_span_by_slot scored them) or `scored` (score_span_in_lanes did). Values: with kDot &&
+// by_slot, values_span_by_slot sums them; other by_slot tiles ask while summing, one-head tiles (prefills, long
+// contexts) only while scoring.
+template <int ROWS, bool kDot, bool by_slot, class Cache, class Ahead>
+static inline void attend_rows(const AttentionTile<Cache>& t, const HeadRows& head, int64_t r, int64_t span,
+                               int64_t span_keys, int64_t padded_keys, const Cache* const* keys,
+                               const Cache* const* values, float* scores, Ahead& ahead, bool scored = false) {
+  const int64_t dim = t.head_dim;
+  if constexpr (!by_slot) {
+    if (!scored) score_head_rows<ROWS, kDot>(head, r, dim, keys, padded_keys, scores, ahead);
+  }
+  int64_t visible[ROWS];
+  const int64_t most_visible = visible_keys(t, r, ROWS, span, span_keys, visible);
+  for (int i = 0; i < ROWS; ++i) {
+    softmax_update(scores + (r + i) * kKeySpan, visible[i], most_visible, head.running_max + r + i,
+                   head.running_sum + r + i, head.acc + (r + i) * dim, dim);
+  }
+  if constexpr (!(kDot && by_slot)) {
+    NoAsks no_asks;
+    auto& value_asks = [&]() -> auto& {
+      if constexpr (by_slot) {
+        return ahead;
+      } else {
+        return no_asks;
+      }
+    }();
+    if constexpr (kDot) {
+      accumulate_values_dot<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim, value_asks);
+    } else {
+      accumulate_values<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim, value_asks);
+    }
+  }
+}
+
+// The scores of a span for every kv head of the tile (head h's rows at scores + h * rows * kKeySpan), a group
+// of 4 keys at a time for all heads: slot_offsets[j] (j < padded_keys) locates key j's first head.
+template <bool kDot, class Cache, class Ahead>
+static inline void score_span_by_slot(const AttentionTile<Cache>& t, const HeadRows* heads,
+                                      const int64_t* slot_offsets, int64_t padded_keys, int64_t first_row,
+                                      int64_t rows, float* scores, Ahead& ahead) {
+  const int64_t dim = t.head_dim;
+  for (int64_t j = 0; j < padded_keys; j += 4) {
+    for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
+      const Cache* keys[4];
+      for (int c = 0; c < 4; ++c) keys[c] = t.key_cache + slot_offsets[j + c] + h * dim;
+      float* head_scores = scores + h * rows * kKeySpan + j;
+      int64_t r = first_row;
+      for (; r + 3 <= rows; r += 3) score_head_rows<3, kDot>(heads[h], r, dim, keys, 4, head_scores, ahead);
+      if (rows - r == 2) score_head_rows<2, kDot>(heads[h], r, dim, keys, 4, head_scores, ahead);
+      if (rows - r == 1) score_head_rows<1, kDot>(heads[h], r, dim, keys, 4, head_scores, ahead);
+    }
+  }
+}
+
+#ifdef BS_BF16_DOT
+template <int ROWS, class Ahead>
+static inline void values_of_heads(int64_t num_heads, float* const* accs, const float* const* probs,
+                                   const Bf16* head_values, const int64_t* slot_offsets, int64_t num_keys,
+                                   int64_t head_dim, Ahead& ahead) {
+  if (num_heads == 3) accumulate_values_by_slot<ROWS, 3>(accs, probs, head_values, slot_offsets, num_keys, head_dim, ahead);
+  if (num_heads == 2) accumulate_values_by_slot<ROWS, 2>(accs, probs, head_values, slot_offsets, num_keys, head_dim, ahead);
+  if (num_heads == 1) accumulate_values_by_slot<ROWS, 1>(accs, probs, head_values, slot_offsets, num_keys, head_dim, ahead);
+}
+
+// The values of a span (its probabilities in `scores`, as score_span_by_slot lays them out) for every kv head
+// of the tile, 3 rows of 3 heads at a time: each pair of keys' heads read together.
+template <class Ahead>
+static inline void values_span_by_slot(const AttentionTile<Bf16>& t, const HeadRows* heads,
+                                       const int64_t* slot_offsets, int64_t span, int64_t span_keys,
+                                       int64_t first_row, int64_t rows, const float* scores, Ahead& ahead) {
+  const int64_t dim = t.head_dim;
+  for (int64_t r = first_row; r < rows; r += 3) {
+    const int count = rows - r < 3 ? static_cast<int>(rows - r) : 3;
+    int64_t visible[3];
+    const int64_t num_keys = visible_keys(t, r, count, span, span_keys, visible);
+    for (int64_t h0 = 0; h0 < t.num_tile_kv_heads; h0 += 3) {
+      const int64_t num_heads = t.num_tile_kv_heads - h0 < 3 ? t.num_tile_kv_heads - h0 : 3;
+      float* accs[3];
+      const float* probs[3];
+      for (int64_t i = 0; i < num_heads; ++i) {
+        accs[i] = heads[h0 + i].acc + r * dim;
+        probs[i] = scores + (h0 + i) * rows * kKeySpan + r * kKeySpan;
+      }
+      const Bf16* head_values = t.value_cache + h0 * dim;
+      if (count == 3) values_of_heads<3>(num_heads, accs, probs, head_values, slot_offsets, num_keys, dim, ahead);
+      if (count == 2) values_of_heads<2>(num_heads, accs, probs, head_values, slot_offsets, num_keys, dim, ahead);
+      if (count == 1) values_of_heads<1>(num_heads, accs, probs, head_values, slot_offsets, num_keys, dim, ahead);
+    }
+  }
+}
+#else
+template <class Ahead>
+void values_span_by_slot(const AttentionTile<Bf16>& t, const HeadRows* heads, const int64_t* slot_offsets,
+                         int64_t span, int64_t span_keys, int64_t first_row, int64_t rows, const float* scores,
+                         Ahead& ahead);
+#endif
+
+// Attention of a tile's queries for its kv heads [kv_head, kv_head + num_tile_kv_heads). The keys of
+// one span are scattered over the cache (one row per slot and head): each span's slots are asked for
+// while the span before computes (TileAsks), every head of the tile at once, so that misses are in flight
+// while the arithmetic runs, and each slot's heads are read while they are in cache. A tile's first span is
+// asked for while the thread's tile before it computes (t.next of that one): a decode tile's keys then
+// arrive while the previous decode computes, instead of between two tiles.
+// A tile of several kv heads (a decode's) also asks while it sums values, and goes through each span
+// slot by slot: each group of 4 keys is scored for every head, and (kDot) each pair of keys' values summed
+// for 3 heads at once, so that a slot's heads, adjacent in the cache, are read together.
+// kDot (a bf16 cache with AVX512-BF16, head_dim a multiple of 32): keys scored by score_rows_dot, values summed
+// by accumulate_values_dot (accumulate_values_by_slot); a one-head tile of several queries (a prefill's) rewrites
+// each span's keys in lanes once and scores all its rows from them (score_span_in_lanes: no horizontal sums;
+// prefill 1x512, 30 layers, paired in one process: 0.80x the time of scoring 3 rows at a time by score_rows_dot,
+// and summing the values 6 rows at a time instead of 3 measured no faster, 0.82x).
+// by_slot: the tile has several kv heads (an instance of its own, so that the one-head tiles' code stays as
+// it was).
+template <class Cache, bool kDot, bool by_slot>
+static void attend_tile_with(const AttentionTile<Cache>& t) {
+  const int64_t group = t.num_heads / t.num_kv_heads, dim = t.head_dim;
+  const int64_t rows = t.num_queries * group;  // per kv head: row qi * group + i = query qi, head group member i
+  float* scores = t.scratch;  // [num_tile_kv_heads, rows, kKeySpan]; without by_slot, [rows, kKeySpan] reused by each head
+  float* state = scores + t.num_tile_kv_heads * rows * kKeySpan;
+  // [head_dim / 2, kKeySpan]: a prefill span's keys in lanes (keys_in_lanes)
+  uint32_t* keys_by_lane = reinterpret_cast<uint32_t*>(state + t.num_tile_kv_heads * rows * (2 * dim + 2));
+  HeadRows heads[kMaxTileKvHeads];
+  for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
+    HeadRows& head = heads[h];
+    head.q = state + h * rows * (2 * dim + 2);
+    head.acc = head.q + rows * dim;
+    head.running_max = head.acc + rows * dim;
+    head.running_sum = head.running_max + rows;
+    const int64_t kv_head = t.kv_head + h;
+    for (int64_t qi = 0; qi < t.num_queries; ++qi) {
+      for (int64_t i = 0; i < group; ++i) {
+        const float* src = t.query + ((t.first_token + qi) * t.num_heads + kv_head * group + i) * dim;
+        float* row = head.q + (qi * group + i) * dim;
+        for (int64_t d = 0; d < dim; d += W) Vec::store(row + d, Vec::mul(Vec::load(src + d), Vec::set1(t.scale)));
+        // In place: row i's words end before row i + 1's floats begin.
+        if constexpr (kDot) to_bf16_pairs(row, dim, reinterpret_cast<uint32_t*>(head.q) + (qi * group + i) * dim / 2);
+      }
+    }
+    for (int64_t i = 0; i < rows * dim; i += W) Vec::store(head.acc + i, Vec::zero());
+    for (int64_t r = 0; r < rows; ++r) head.running_max[r] = -__builtin_inff(), head.running_sum[r] = 0.0f;
+  }
+
+  int64_t slot_offsets[kKeySpan];  // elements from the cache's start to the slot's first kv head of the tile
+  const Cache* keys[kKeySpan];
+  const Cache* values[kKeySpan];
+  const int64_t num_keys = t.key_end - t.key_begin;
+  // About how many times this tile calls ahead() (per group of 4 keys: once scoring, and with by_slot once per
+  // value pass): its later spans and the next tile's first span are spread over them.
+  const int64_t row_groups = (rows + 2) / 3;
+  const int64_t value_passes = kDot ? dim / 32 : dim / (kValueChunk<3> * W);
+  const int64_t value_heads = kDot && by_slot ? (t.num_tile_kv_heads + 2) / 3 : t.num_tile_kv_heads;
+  const int64_t num_asks =
+      row_groups * ((num_keys + 3) / 4) * (t.num_tile_kv_heads + (by_slot ? value_heads * value_passes : 0));
+  TileAsks<Cache> ahead(t, num_asks);
+  for (int64_t span = t.key_begin; span < t.key_end; span += kKeySpan) {
+    const int64_t span_keys = t.key_end - span < kKeySpan ? t.key_end - span : kKeySpan;
+    for (int64_t j = 0, block = span / t.block_size, within = span % t.block_size; j < span_keys; ++j) {
+      slot_offsets[j] = ((t.block_ids[block] * t.block_size + within) * t.num_kv_heads + t.kv_head) * dim;
+      if (++within == t.block_size) within = 0, ++block;  // no division per key
+    }
+    ahead.span_begins(t, span);  // what was not asked for while the span (or tile) before computed
+    const int64_t padded_keys = (span_keys + 3) / 4 * 4;  // extra keys repeat one; their scores are never read
+    // Queries before the span see none of it.
+    const int64_t first_row = (span > t.first_position ? span - t.first_position : 0) * group;
+    if constexpr (by_slot) {
+      for (int64_t j = span_keys; j < padded_keys; ++j) slot_offsets[j] = slot_offsets[0];
+      score_span_by_slot<kDot>(t, heads, slot_offsets, padded_keys, first_row, rows, scores, ahead);
+    }
+    for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
+      float* head_scores = by_slot ? scores + h * rows * kKeySpan : scores;
+      if constexpr (!by_slot) {  // a by_slot tile's keys were scored by score_span_by_slot
+        for (int64_t j = 0; j < span_keys; ++j) keys[j] = t.key_cache + slot_offsets[j] + h * dim;
+        for (int64_t j = span_keys; j < padded_keys; ++j) keys[j] = keys[0];
+      }
+      if constexpr (!(kDot && by_slot)) {  // kDot && by_slot: values_span_by_slot sums the values
+        for (int64_t j = 0; j < span_keys; ++j) values[j] = t.value_cache + slot_offsets[j] + h * dim;
+      }
+      bool scored = false;  // every row's scores of the span computed at once, keys in lanes
+      if constexpr (kDot && !by_slot) {
+        if (t.num_queries > 1) {  // a decode's 3 rows would not pay for rewriting the keys
+          const int64_t lane_keys = (span_keys + 15) / 16 * 16;
+          for (int64_t j = padded_keys; j < lane_keys; ++j) keys[j] = keys[0];
+          keys_in_lanes(keys, lane_keys, dim, keys_by_lane);
+          score_span_in_lanes(reinterpret_cast<const uint32_t*>(heads[h].q), first_row, rows, dim, keys_by_lane,
+                              lane_keys, head_scores, ahead);
+          scored = true;
+        }
+      }
+      int64_t r = first_row;
+      for (; r + 3 <= rows; r += 3) {
+        attend_rows<3, kDot, by_slot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, head_scores,
+                                      ahead, scored);
+      }
+      if (rows - r == 2) {
+        attend_rows<2, kDot, by_slot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, head_scores,
+                                      ahead, scored);
+      }
+      if (rows - r == 1) {
+        attend_rows<1, kDot, by_slot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, head_scores,
+                                      ahead, scored);
+      }
+    }
+    if constexpr (kDot && by_slot) {
+      values_span_by_slot(t, heads, slot_offsets, span, span_keys, first_row, rows, scores, ahead);
+    }
+  }
+  ahead.all();  // what the groups did not ask for (a tile of fewer keys than counted)
+  for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
+    for (int64_t qi = 0; qi < t.num_queries; ++qi) {
+      for (int64_t i = 0; i < group; ++i) {
+        const int64_t r = qi * group + i;
+        float* dst = t.out + (t.first_token + qi) * t.num_heads * dim + ((t.kv_head + h) * group + i) * dim;
+        float scale = 1.0f / heads[h].running_sum[r];
+        if (t.partial != nullptr) {  // a split: the sums as they are, and the softmax state to merge them by
+          dst = t.partial + (h * rows + r) * (dim + 2);
+          dst[dim] = heads[h].running_max[r], dst[dim + 1] = heads[h].running_sum[r];
+          scale = 1.0f;
+        }
+        if constexpr (kDot) {
+          store_unpermuted(heads[h].acc + r * dim, scale, dim, dst);
+        } else {
+          const reg inv = Vec::set1(scale);
+          for (int64_t d = 0; d < dim; d += W) Vec::store(dst + d, Vec::mul(Vec::load(heads[h].acc + r * dim + d), inv));
+        }
+      }
+    }
+  }
+}
+
+template <class Cache, bool kDot = false>
+static void attend_tile_of(const AttentionTile<Cache>& t) {
+  if (t.num_tile_kv_heads > 1) return attend_tile_with<Cache, kDot, true>(t);
+  attend_tile_with<Cache, kDot, false>(t);
+}
+
+// KernelSet's attend_tile for a cache of element type T: by vdpbf16ps where the kernel set has it (BS_BF16_DOT), the
+// elements are bf16 and head_dim a multiple of 32.
+template <class T>
+static void attend_tile(const AttentionTile<T>& tile) {
+#ifdef BS_BF16_DOT
+  if constexpr (KvElement<T>::kBf16Pairs) {
+    if (tile.head_dim % 32 == 0) return attend_tile_of<T, true>(tile);
+  }
+#endif
+  attend_tile_of<T, false>(tile);
+}

@@ -137,7 +137,7 @@ class SchedulerClient:
             if not self._send(wire.StatusQuery(request_ids=list(self._streams))):
                 return None
             return await asyncio.wait_for(waiter, timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             return None
         finally:
             if waiter in self._status_waiters:
@@ -147,7 +147,7 @@ class SchedulerClient:
         while True:
             try:
                 return await asyncio.wait_for(queue.get(), self._idle_check_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 # Silence is fine while the request waits its turn, as long as the scheduler has it.
                 if not queue.empty():
                     continue

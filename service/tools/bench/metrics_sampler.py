@@ -64,5 +64,5 @@ async def sample_until(
                 return
             try:
                 await asyncio.wait_for(stop.wait(), interval_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 pass

@@ -19,9 +19,7 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return rows.swapaxes(2, 1).reshape(weight.shape)
 
 
-def rows_in_half_rotation(
-    name: str, array: np.ndarray | GgufBlocks, config: ModelConfig
-) -> np.ndarray | GgufBlocks:
+def rows_in_half_rotation(name: str, array: np.ndarray | GgufBlocks, config: ModelConfig) -> np.ndarray | GgufBlocks:
     """A q or k projection's weight or bias whose rows rotate pairs (2i, 2i+1), reordered to rotate (i, i + d/2);
     other tensors as they are. q.k is the same sum either way, so attention is unchanged."""
     if any(part in name for part in QUERY_NAMES):

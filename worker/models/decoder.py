@@ -112,9 +112,9 @@ class CausalDecoder:
         return DecoderLayer(
             input_norm=norm("input_layernorm"),
             post_attention_norm=norm("post_attention_layernorm"),
-            qkv=linear("self_attn.qkv_proj") if fused_qkv else linear(
-                "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"
-            ),
+            qkv=linear("self_attn.qkv_proj")
+            if fused_qkv
+            else linear("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
             o=linear("self_attn.o_proj"),
             gate_up=linear("mlp.gate_up_proj") if fused_gate_up else linear("mlp.gate_proj", "mlp.up_proj"),
             down=linear("mlp.down_proj"),

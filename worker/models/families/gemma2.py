@@ -34,8 +34,10 @@ def gemma_details(config: dict) -> dict:
 
 def _activation(config: dict) -> str:
     activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
-    refuse_if(activation not in ("gelu_pytorch_tanh", "gelu_tanh"), f"Gemma activation {activation!r} is not "
-              "supported (supported: gelu_pytorch_tanh)")
+    refuse_if(
+        activation not in ("gelu_pytorch_tanh", "gelu_tanh"),
+        f"Gemma activation {activation!r} is not supported (supported: gelu_pytorch_tanh)",
+    )
     return "gelu_tanh"
 
 

@@ -1,7 +1,9 @@
 """Every model family the worker runs against transformers on torch fp32, from tiny random Hugging Face folders
 built here (tests/support/tiny_families.py): logprobs within 1e-3 at every position of a prompt computed in
 chunks, and the same greedy tokens through chunked prefill and mixed steps, on the custom and pure-Paddle kernels.
-Prompts are longer than the sliding windows (8 tokens) and than Phi-3's longrope original length (32 tokens)."""
+Prompts are longer than the sliding windows (8 tokens) and than Phi-3's longrope original length (32 tokens).
+The families llama.cpp converts are served from GGUF files too, written as its converter writes them
+(tests/support/family_gguf.py), against transformers on the folder of the same weights."""
 
 from __future__ import annotations
 
@@ -14,8 +16,15 @@ import torch
 from service.contract import wire
 from service.contract.config import load_settings
 from tests.support.accuracy import REFERENCE_PROMPTS, encode, log_softmax, paged_logits
+from tests.support.family_gguf import write_family_gguf
 from tests.support.model_engine import LocalEngine
-from tests.support.tiny_families import FAMILY_MODELS, LONGROPE_ORIGINAL_LENGTH, SLIDING_WINDOW, save_tiny_model
+from tests.support.tiny_families import (
+    FAMILY_MODELS,
+    GGUF_FAMILY_MODELS,
+    LONGROPE_ORIGINAL_LENGTH,
+    SLIDING_WINDOW,
+    save_tiny_model,
+)
 from worker.attention.custom_kernels import CustomPagedAttention
 from worker.attention.reference import RotaryPagedAttention
 from worker.model_runner import ModelRunner
@@ -153,3 +162,37 @@ def test_a_sliding_window_that_holds_every_served_token_is_no_window_and_the_fus
 
     assert isinstance(runner.attention, CustomPagedAttention)
     assert runner.model.kernels.fused_stack(runner.attention, runner.model.config) is not None
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory, hf_smollm_tokenizer, smollm_path) -> dict[str, tuple[str, str]]:
+    """(GGUF file, folder of the same weights) of every family llama.cpp converts."""
+    found = {}
+    for name, overrides in GGUF_FAMILY_MODELS.items():
+        folder = tmp_path_factory.mktemp(f"{name}-for-gguf")
+        save_tiny_model(name, folder, hf_smollm_tokenizer, **overrides)
+        path = folder.parent / f"{folder.name}.gguf"
+        write_family_gguf(folder, path, smollm_path)
+        found[name] = os.fspath(path), os.fspath(folder)
+    return found
+
+
+@pytest.mark.parametrize("kernels_name", ["custom", "paddle"])
+@pytest.mark.parametrize("name", list(GGUF_FAMILY_MODELS))
+def test_a_gguf_file_of_the_family_matches_transformers_on_its_folder(gguf_files, name, kernels_name):
+    from transformers import AutoModelForCausalLM
+
+    path, folder = gguf_files[name]
+    settings = load_settings(model=path, num_kv_blocks=NUM_KV_BLOCKS, kernels=kernels_name, dtype="float32")
+    runner = ModelRunner(settings)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    token_ids = encode(runner, LONG_PROMPTS[1])
+    engine = LocalEngine(runner, TOKEN_BUDGET)
+    engine.add("greedy", token_ids, wire.SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY_TOKENS, ignore_eos=True))
+
+    ours = paged_logits(runner, token_ids, chunk_size=7)
+    greedy = engine.run()["greedy"]
+
+    assert runner.model.config.architecture == name
+    assert max_logprob_error(ours, reference_logits(reference, token_ids)) < MAX_LOGPROB_ERROR
+    assert greedy == reference_greedy(reference, token_ids, NUM_GREEDY_TOKENS)

@@ -4,7 +4,6 @@ mistake would show (short sliding windows, soft-caps that bite, multipliers far 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,52 +37,76 @@ def _longrope() -> dict:
     )
 
 
-def _configs() -> dict[str, Callable[[], object]]:
+def _configs() -> dict[str, tuple[type, dict]]:
+    """Each family model's config class and its settings beyond DIMS."""
     import transformers as t
 
     sliding, full = "sliding_attention", "full_attention"
     return {
-        "qwen3": lambda: t.Qwen3Config(**DIMS),
-        "mistral": lambda: t.MistralConfig(**DIMS, sliding_window=SLIDING_WINDOW),
-        "gemma2": lambda: t.Gemma2Config(
-            **DIMS,
-            query_pre_attn_scalar=24,
-            sliding_window=SLIDING_WINDOW,
-            attn_logit_softcapping=2.0,
-            final_logit_softcapping=3.0,
+        "qwen3": (t.Qwen3Config, {}),
+        "mistral": (t.MistralConfig, dict(sliding_window=SLIDING_WINDOW)),
+        "gemma2": (
+            t.Gemma2Config,
+            dict(
+                query_pre_attn_scalar=24,
+                sliding_window=SLIDING_WINDOW,
+                attn_logit_softcapping=2.0,
+                final_logit_softcapping=3.0,
+            ),
         ),
-        "gemma3": lambda: t.Gemma3TextConfig(
-            **DIMS,
-            query_pre_attn_scalar=24,
-            sliding_window=SLIDING_WINDOW,
-            layer_types=[sliding, sliding, sliding, full],
-            rope_parameters={
-                sliding: {"rope_type": "default", "rope_theta": 10000.0},
-                full: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
-            },
+        "gemma3": (
+            t.Gemma3TextConfig,
+            dict(
+                query_pre_attn_scalar=24,
+                sliding_window=SLIDING_WINDOW,
+                layer_types=[sliding, sliding, sliding, full],
+                rope_parameters={
+                    sliding: {"rope_type": "default", "rope_theta": 10000.0},
+                    full: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                },
+            ),
         ),
-        "phi3": lambda: t.Phi3Config(**DIMS),
-        "phi3-longrope": lambda: t.Phi3Config(
-            **DIMS, rope_parameters=_longrope(), original_max_position_embeddings=LONGROPE_ORIGINAL_LENGTH
+        "phi3": (t.Phi3Config, {}),
+        "phi3-longrope": (
+            t.Phi3Config,
+            dict(rope_parameters=_longrope(), original_max_position_embeddings=LONGROPE_ORIGINAL_LENGTH),
         ),
-        "olmo2": lambda: t.Olmo2Config(**DIMS),
-        "smollm3": lambda: t.SmolLM3Config(**DIMS, no_rope_layers=[1, 1, 1, 0]),
-        "granite": lambda: t.GraniteConfig(
-            **DIMS, embedding_multiplier=6.0, attention_multiplier=0.15, residual_multiplier=0.4, logits_scaling=2.5
+        "olmo2": (t.Olmo2Config, {}),
+        "smollm3": (t.SmolLM3Config, dict(no_rope_layers=[1, 1, 1, 0])),
+        "granite": (
+            t.GraniteConfig,
+            dict(embedding_multiplier=6.0, attention_multiplier=0.15, residual_multiplier=0.4, logits_scaling=2.5),
         ),
-        "ernie4_5": lambda: t.Ernie4_5Config(**DIMS, use_bias=True),
+        "ernie4_5": (t.Ernie4_5Config, dict(use_bias=True)),
     }
 
 
 FAMILY_MODELS = tuple(_configs())
 
 
-def save_tiny_model(name: str, folder: Path, tokenizer, dtype: torch.dtype = torch.float32) -> None:
-    """The tiny random `name` model (a FAMILY_MODELS key) saved in `folder` with `tokenizer`, its weights in `dtype`."""
+# What a GGUF file can say of each family llama.cpp converts (Mistral becomes its "llama"; Phi-3's longrope factors
+# are tensors the worker does not read): llama.cpp scales Gemma's q.k by head_dim ** -0.5 and takes Gemma 3's
+# sliding layers five in six.
+GGUF_FAMILY_MODELS = {
+    "qwen3": {},
+    "gemma2": dict(query_pre_attn_scalar=DIMS["head_dim"]),
+    "gemma3": dict(query_pre_attn_scalar=DIMS["head_dim"], num_hidden_layers=6, layer_types=None),
+    "phi3": {},
+    "olmo2": {},
+    "smollm3": {},
+    "granite": {},
+    "ernie4_5": {},
+}
+
+
+def save_tiny_model(name: str, folder: Path, tokenizer, dtype: torch.dtype = torch.float32, **overrides) -> None:
+    """The tiny random `name` model (a FAMILY_MODELS key) saved in `folder` with `tokenizer`, its weights in `dtype`;
+    `overrides`: config fields set otherwise."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(sum(map(ord, name)))
-    config = _configs()[name]()
+    config_class, settings = _configs()[name]
+    config = config_class(**{**DIMS, **settings, **overrides})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if name == "ernie4_5":  # transformers leaves its biases at zero: make them count
         with torch.no_grad():

@@ -58,11 +58,16 @@ def gemma_gguf_details(metadata: dict, arch: str) -> dict:
 
 
 def gguf_windows(metadata: dict, arch: str, pattern: int) -> tuple:
-    """llama.cpp's windows: every layer but each `pattern`-th is a sliding one."""
+    """llama.cpp's windows: the file's per-layer flags or pattern where it has them, else every layer but each
+    `pattern`-th is a sliding one."""
     window = metadata.get(f"{arch}.attention.sliding_window")
     num_layers = int(metadata[f"{arch}.block_count"])
     if not window:
         return ()
+    written = metadata.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(written, list):
+        return tuple(int(window) if sliding else None for sliding in written)
+    pattern = int(written or pattern)
     return tuple(int(window) if (layer + 1) % pattern else None for layer in range(num_layers))
 
 

@@ -23,6 +23,8 @@ class Family:
     hf_norm_offset: float = 0.0  # added to every norm weight of a folder (Gemma stores w of (1 + w) * x)
     hf_rope_interleaved: bool = False  # a folder's q/k rows rotate pairs (2i, 2i+1), not (i, i + d/2)
     gguf_rope_interleaved: bool = False  # llama.cpp's rows of this architecture rotate pairs (2i, 2i+1)
+    sliding_window: bool = False  # whether its configs may give layers a sliding window (the README's table)
+    mixture_of_experts: bool = False
 
 
 def hf_sliding_windows(config: dict, sliding_layer: Callable[[int], bool] = lambda layer: True) -> tuple:

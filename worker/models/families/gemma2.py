@@ -92,4 +92,5 @@ FAMILY = Family(
     config_from_gguf=config_from_gguf,
     gguf_layer_names=GEMMA_GGUF_NORMS,
     hf_norm_offset=1.0,
+    sliding_window=True,
 )

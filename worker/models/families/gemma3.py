@@ -63,4 +63,5 @@ FAMILY = Family(
     config_from_gguf=config_from_gguf,
     gguf_layer_names={**GEMMA_GGUF_NORMS, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
     hf_norm_offset=1.0,
+    sliding_window=True,
 )

@@ -17,4 +17,5 @@ FAMILY = Family(
     hf_model_types=("mistral",),
     gguf_architectures=(),
     config_from_hf=config_from_hf,
+    sliding_window=True,
 )

@@ -31,4 +31,5 @@ FAMILY = Family(
     config_from_hf=config_from_hf,
     config_from_gguf=config_from_gguf,
     gguf_layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    sliding_window=True,
 )

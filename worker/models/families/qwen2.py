@@ -30,4 +30,5 @@ FAMILY = Family(
     gguf_architectures=("qwen2",),
     config_from_hf=config_from_hf,
     config_from_gguf=config_from_gguf,
+    sliding_window=True,
 )

@@ -23,4 +23,5 @@ FAMILY = Family(
     config_from_hf=config_from_hf,
     config_from_gguf=config_from_gguf,
     gguf_layer_names={"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    sliding_window=True,
 )

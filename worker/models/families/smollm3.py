@@ -39,4 +39,5 @@ FAMILY = Family(
     config_from_hf=config_from_hf,
     config_from_gguf=config_from_gguf,
     gguf_rope_interleaved=True,
+    sliding_window=True,
 )

@@ -7,6 +7,7 @@ The families llama.cpp converts are served from GGUF files too, written as its c
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -196,3 +197,30 @@ def test_a_gguf_file_of_the_family_matches_transformers_on_its_folder(gguf_files
     assert runner.model.config.architecture == name
     assert max_logprob_error(ours, reference_logits(reference, token_ids)) < MAX_LOGPROB_ERROR
     assert greedy == reference_greedy(reference, token_ids, NUM_GREEDY_TOKENS)
+
+
+def test_an_unsupported_rope_scaling_stops_the_worker_at_start_up_with_the_configuration_error(
+    folders, tmp_path, monkeypatch
+):
+    """Exit 78 through the configuration-error path: one line naming the rope type, listing the supported ones, and
+    the setting to change."""
+    import shutil
+
+    import worker.process as worker_process
+    from service.contract.configuration_exit import ConfigurationError
+
+    folder = tmp_path / "qwen3-yarn"
+    shutil.copytree(folders["qwen3"], folder)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    config_path.write_text(json.dumps(config))
+    monkeypatch.setattr(worker_process, "serve_worker", lambda *_: pytest.fail("the worker served the model"))
+
+    with pytest.raises(ConfigurationError) as refused:
+        worker_process.run_worker(load_settings(model=os.fspath(folder), kernels="paddle"))
+
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "rope type 'yarn' is not supported (supported: default, linear, llama3, longrope)" in message
+    assert f"set BLOCKSERVE_MODEL, now {folder}" in message

@@ -4,6 +4,7 @@ families read their files into it: models/families/, models/registry.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -73,7 +74,7 @@ class ModelConfig:
         windows = tuple(None if w is None or w >= max_model_len else w for w in self.sliding_windows)
         return dataclasses.replace(self, sliding_windows=windows if any(w is not None for w in windows) else ())
 
-    @property
+    @functools.cached_property  # asked every step
     def is_llama_layer(self) -> bool:
         """Whether every layer computes what a Llama layer does (what the fused decoder stack runs)."""
         return (

@@ -9,9 +9,9 @@ import re
 from pathlib import Path
 
 import worker.kernels.cpu_isa as cpu_isa
-from worker.layers.weight_format import WeightFormat
 from tests.gpu import kernel_library
 from tests.support import kernel_reference
+from worker.layers.weight_format import WeightFormat
 
 CUSTOM_OPS = Path(__file__).resolve().parents[2] / "custom_ops"
 

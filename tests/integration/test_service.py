@@ -32,11 +32,13 @@ PROMPTS = [
 
 def start_stack(logs, **overrides: str):
     """scheduler + worker + two api replicas on one tight KV cache; yields (env, urls)."""
-    # float32: these tests hold the service to transformers' float32 numbers (other dtypes: test_worker_accuracy.py).
+    # float32, unquantized: these tests hold the service to transformers' float32 numbers (other precisions:
+    # test_worker_accuracy.py).
     env = loopback_env(
         BLOCKSERVE_NUM_KV_BLOCKS=str(NUM_KV_BLOCKS),
         BLOCKSERVE_MAX_NUM_SEQS="32",
         BLOCKSERVE_DTYPE="float32",
+        BLOCKSERVE_QUANTIZATION="none",
         **overrides,
     )
     second_api = dict(env, BLOCKSERVE_PORT=str(int(env["BLOCKSERVE_PORT"]) + 1))

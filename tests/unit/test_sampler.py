@@ -59,7 +59,8 @@ def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
 
 def draw_counts(kernels: Kernels, logits_row: np.ndarray, num_draws: int, **sampling) -> np.ndarray:
     logits = np.repeat(logits_row[None], num_draws, axis=0)
-    requests = [request(str(i), **sampling) for i in range(num_draws)]
+    params = wire.SamplingParams(**sampling)  # one for all: building 20,000 took most of a test's time
+    requests = [RequestState(str(i), [1, 2, 3], 3, params, [], 3) for i in range(num_draws)]
     tokens = [t.token_id for t in sample(logits, requests, served(kernels, seed=7))]
     return np.bincount(tokens, minlength=len(logits_row))
 

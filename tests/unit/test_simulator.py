@@ -43,9 +43,10 @@ def test_arrivals_are_ordered_with_gamma_gaps_of_mean_one_over_the_rate(burstine
     arrivals = np.array([r.arrival_time_s for r in trace])
     assert arrivals[0] == 0.0 and np.all(np.diff(arrivals) >= 0)
     gaps = np.diff(arrivals)
-    # The mean of n gaps is off by (its CV / sqrt(n)) ~ 1% at most here: 5% is far out, and so is 0.05 for the CV.
+    # Over 20,000 gaps the mean is off by CV / sqrt(n), 1% at most here, and the CV by 1.3% at shape 0.5: 5% is far.
+    expected_cv = 1.0 / np.sqrt(burstiness)
     assert abs(gaps.mean() * rate - 1.0) < 0.05
-    assert abs(gaps.std() / gaps.mean() - 1.0 / np.sqrt(burstiness)) < 0.05
+    assert abs(gaps.std() / gaps.mean() / expected_cv - 1.0) < 0.05
     if find_spec("scipy") is not None:
         from scipy import stats
 

@@ -2,7 +2,7 @@ import os
 import re
 from pathlib import Path
 
-from service.contract.config import ENV_PREFIX, UNPREFIXED_ENV_NAMES, Settings, env_name
+from service.contract.config import ENV_PREFIX, OTHER_VARIABLES, UNPREFIXED_ENV_NAMES, Settings, env_name
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
@@ -19,21 +19,25 @@ SETTING_ROW = re.compile(r"^\| `([A-Z0-9_]+)` \| ([^|]+) \|", re.M)  # | `VARIAB
 
 
 def test_readme_documents_every_setting_with_its_default(monkeypatch):
-    """Each setting has a row in the README's table whose default, read as its variable, is the settings' own:
-    `(unset)` for an empty or absent one."""
-    rows = {name: default.strip() for name, default in SETTING_ROW.findall(README)}
+    """Each setting has a row in the README's tables, and each row's default, read as its variable, is the
+    settings' own: `(unset)` for an empty or absent one."""
+    rows = [(variable, default.strip()) for variable, default in SETTING_ROW.findall(README)]
+    field_of = {env_name(field_name): field_name for field_name in Settings.model_fields}
+    missing = set(field_of) - {variable for variable, _ in rows}
+    assert not missing, f"no row in README.md's settings tables for {sorted(missing)}"
     for variable in [name for name in os.environ if name.upper().startswith(ENV_PREFIX)] + list(
         UNPREFIXED_ENV_NAMES.values()
     ):
         monkeypatch.delenv(variable, raising=False)
-    for field_name, field in Settings.model_fields.items():
-        variable = env_name(field_name)
-        assert variable in rows, f"{variable} has no row in README.md's settings table"
-        default = field.get_default(call_default_factory=True)
-        if rows[variable] == "(unset)":
+    for variable, documented in rows:
+        if variable not in field_of:
+            assert variable in OTHER_VARIABLES, f"README.md has a row for {variable}, which names no setting"
+            continue
+        default = Settings.model_fields[field_of[variable]].get_default(call_default_factory=True)
+        if documented == "(unset)":
             assert default in (None, ""), f"README.md says {variable} is unset by default; it is {default!r}"
             continue
         with monkeypatch.context() as env:
-            env.setenv(variable, rows[variable].strip("`"))
-            documented = getattr(Settings(), field_name)
-        assert documented == default, f"README.md gives {variable} the default {rows[variable]}; it is {default!r}"
+            env.setenv(variable, documented.strip("`"))
+            read = getattr(Settings(), field_of[variable])
+        assert read == default, f"README.md gives {variable} the default {documented}; it is {default!r}"

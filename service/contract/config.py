@@ -82,14 +82,15 @@ class Settings(BaseSettings):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",
-        description="Worker weights and KV cache (sums in float32); auto = bfloat16 on a GPU with the CUDA kernels "
-        "and on a CPU with the custom kernels (widened to float32 in registers where the CPU lacks AVX512-BF16); "
+        description="Worker weights and KV cache (sums in float32); auto = bfloat16 on a GPU with the CUDA kernels, "
+        "and on a CPU with the custom kernels the faster of bfloat16 and float32 as measured on that CPU (cached); "
         "float16 on a GPU only",
     )
-    quantization: Literal["none", "int8", "gguf"] = Field(
-        default="none",
+    quantization: Literal["auto", "none", "int8", "gguf"] = Field(
+        default="auto",
         description="Worker weights: int8 per output channel (quantized at load), gguf = a GGUF file's own blocks "
-        "(Q8_0, Q4_0, Q4_1; Q4_K regrouped into Q4_1)",
+        "(Q8_0, Q4_0, Q4_1; Q4_K regrouped into Q4_1); auto = gguf for a GGUF file on the custom CPU kernels, "
+        "else none",
     )
     huge_pages: bool = Field(
         default=True,

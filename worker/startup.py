@@ -27,8 +27,8 @@ from worker.layers.dtype_probe import measured_dtype
 from worker.layers.precision import resolve_precision, resolve_quantization
 from worker.loading.checkpoint import open_checkpoint
 from worker.loading.gguf_checkpoint import GGUFCheckpoint
-from worker.loading.model_loader import load_model
-from worker.models.llama import LlamaForCausalLM
+from worker.loading.model_loader import load_model, served_config
+from worker.models.decoder import CausalDecoder
 from worker.sample.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class WorkerParts:
     """What a ModelRunner computes with."""
 
     device: str  # cpu | gpu:N
-    model: LlamaForCausalLM
+    model: CausalDecoder
     model_info: wire.ModelInfo
     block_size: int
     num_kv_blocks: int
@@ -60,7 +60,7 @@ def assemble_worker(settings: Settings) -> WorkerParts:
     kernels = choice.kernels
     log.info("kernels: %s (%s)", " ".join(f"{k}={v}" for k, v in choice.describe().items()), choice.reason)
     checkpoint = open_checkpoint(settings.model_path())
-    config = checkpoint.config
+    config = served_config(checkpoint, settings)
     # The attention before the precision: where the kernels' own cannot take the model's heads, the pure-Paddle
     # attention serves them, and it computes and caches in float32.
     attention_problem = kernels.attention_problem(config)
@@ -156,7 +156,7 @@ def _choose_device(settings: Settings) -> str:
     return device
 
 
-def _move_to_huge_pages(settings: Settings, model: LlamaForCausalLM, kv_cache: KVCache) -> str:
+def _move_to_huge_pages(settings: Settings, model: CausalDecoder, kv_cache: KVCache) -> str:
     """The weights and the KV cache into 2 MiB pages (host/huge_pages.py) unless BLOCKSERVE_HUGE_PAGES=0; the MiB
     moved, as reported."""
     if not settings.huge_pages:

@@ -34,7 +34,7 @@ from worker.layers.linear import PaddleLinear, TiedLmHead, linear
 from worker.layers.precision import Precision
 from worker.model_runner import ModelRunner
 from worker.models.config import ModelConfig, RopeConfig
-from worker.models.llama import LlamaForCausalLM
+from worker.models.decoder import CausalDecoder
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314, 253, 1345, 1185, 28, 284, 260, 1345, 282]
 STEP_OUTPUTS = ("input_ids", "positions", "slot_mapping", "query_start", "context_lens", "block_table")
@@ -168,7 +168,7 @@ def test_custom_attention_takes_heads_it_can_hold_and_leaves_the_rest_to_paddle(
             assert taken, "the CUDA kernel plans heads the worker leaves to Paddle"
 
 
-def tiny_model(config: ModelConfig) -> LlamaForCausalLM:
+def tiny_model(config: ModelConfig) -> CausalDecoder:
     rng = np.random.default_rng(0)
     shapes = {
         "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
@@ -190,7 +190,7 @@ def tiny_model(config: ModelConfig) -> LlamaForCausalLM:
         }
     weights = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
     float32 = Precision("float32", "none", "test")
-    return LlamaForCausalLM(config, weights, config.max_position_embeddings, PaddleKernels(), float32)
+    return CausalDecoder(config, weights, config.max_position_embeddings, PaddleKernels(), float32)
 
 
 def test_moving_a_model_converts_every_weight_once_and_keeps_the_rotary_tables_float32():

@@ -9,15 +9,27 @@ from types import ModuleType
 
 import paddle
 
+from worker.attention.backend import LayerAttention
 from worker.attention.metadata import CustomAttentionMetadata, HostAttentionMetadata
 from worker.inputs.step_inputs import StepInputs
 from worker.layers.rotary import RotaryEmbedding
+from worker.models.config import ModelConfig
 
 QUERY_TILE = 16  # queries of one request attended together: their keys are read once per tile
 
 
+def variation_problem(config: ModelConfig) -> str | None:
+    """Why the custom attention ops cannot take this model's layers (what they lack), or None."""
+    if config.has_sliding_window:
+        return f"sliding-window attention (window {max(w for w in config.sliding_windows if w)})"
+    if config.attention_softcap is not None:
+        return "attention logit soft-capping"
+    return None
+
+
 class CustomPagedAttention:
-    """attend_qkv: rotary embedding and cache write in one op, then the paged attention op."""
+    """attend_qkv: rotary embedding and cache write in one op, then the paged attention op. A layer's own rotary
+    and scale it takes; sliding windows and soft-capping it cannot (kernels' attention_problem says so)."""
 
     def __init__(
         self,
@@ -39,14 +51,22 @@ class CustomPagedAttention:
         return HostAttentionMetadata(inputs)
 
     def attend_qkv(
-        self, qkv, key_cache, value_cache, metadata: CustomAttentionMetadata | HostAttentionMetadata
+        self,
+        qkv,
+        key_cache,
+        value_cache,
+        metadata: CustomAttentionMetadata | HostAttentionMetadata,
+        layer: LayerAttention | None = None,
     ) -> paddle.Tensor:
         """Attention output [tokens, heads * dim] of the fused q|k|v projection [tokens, (heads + 2 kv_heads) * dim]."""
+        rotary = self.rotary if layer is None else layer.rotary
+        if layer is not None and (layer.sliding_window is not None or layer.softcap is not None):
+            raise ValueError("the custom paged attention has no sliding window or soft-capping")
         query, _, _ = self.ops.bs_rope_write_kv(
             qkv,
             metadata.positions,
-            self.rotary.cos,
-            self.rotary.sin,
+            rotary.cos,
+            rotary.sin,
             metadata.slot_mapping,
             key_cache,
             value_cache,
@@ -54,6 +74,8 @@ class CustomPagedAttention:
             self.num_kv_heads,
             self.isa,
         )
+        if layer is not None and layer.scale is not None:  # the op scales q.k by head_dim ** -0.5
+            query = query * (layer.scale * rotary.cos.shape[-1] ** 0.5)
         return self.ops.bs_paged_attention(
             query,
             key_cache,

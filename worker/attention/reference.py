@@ -4,7 +4,8 @@ they cannot take (in float32: layers/precision.py).
 Each request's queries are cut into segments of at most `query_tile` tokens; a decode is a
 segment of one. Segments of the same length are attended together: their keys and values are
 gathered from the cache through the request's block table, and a causal mask by absolute
-position hides what a query may not see (and the padding). Segments are batched so that one
+position hides what a query may not see (and the padding), and for a layer with a sliding window
+the keys before it (one mask per window the model's layers have). Segments are batched so that one
 batch's score tensor stays under `max_score_elements`, which bounds memory for long prefills.
 
 Paddle's CPU kernels are slow on strided views and on broadcasts over middle axes, so masks are
@@ -19,6 +20,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from worker.attention.backend import LayerAttention
 from worker.inputs.step_inputs import StepInputs
 from worker.layers.rotary import RotaryEmbedding, Rotation
 from worker.layers.row_gather import take_rows
@@ -34,7 +36,8 @@ class SegmentBatch:
 
     query_rows: paddle.Tensor  # [segments * query_len] flat token index of each query (padding repeats one)
     block_ids: paddle.Tensor  # [segments * num_blocks]
-    mask: paddle.Tensor  # 0 or -inf per (segment, head, query, key), in the score layout of the attend method
+    masks: dict[int | None, paddle.Tensor]  # per sliding window (None: none): 0 or -inf per (segment, head, query,
+    # key), in the score layout of the attend method
     num_segments: int
     query_len: int
     num_blocks: int
@@ -75,6 +78,7 @@ class PagedAttentionBackend:
         block_size: int,
         query_tile: int = QUERY_TILE,
         max_score_elements: int = MAX_SCORE_ELEMENTS,
+        sliding_windows: tuple[int, ...] = (),
     ):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -84,6 +88,7 @@ class PagedAttentionBackend:
         self.query_tile = query_tile
         self.max_score_elements = max_score_elements
         self.scale = head_dim**-0.5
+        self.windows = (None, *sorted(set(sliding_windows)))  # the masks each step builds
 
     def prepare(self, inputs: StepInputs) -> PagedAttentionMetadata:
         """Segment the step's queries and build the gather indices and masks, once for all layers."""
@@ -117,12 +122,13 @@ class PagedAttentionBackend:
         for first in range(0, len(segment_request), per_batch):
             part = slice(first, first + per_batch)
             num_segments = len(query_rows[part])
-            visible = key_positions[None, None, :] <= query_positions[part, :, None]
+            offsets = query_positions[part, :, None] - key_positions[None, None, :]  # query's position - key's
+            masks = {window: self._window_mask(offsets, window) for window in self.windows}
             batches.append(
                 SegmentBatch(
                     query_rows=paddle.to_tensor(query_rows[part].reshape(-1)),
                     block_ids=paddle.to_tensor(block_ids[part].reshape(-1)),
-                    mask=paddle.to_tensor(self._full_mask(np.where(visible, np.float32(0.0), np.float32(-np.inf)))),
+                    masks=masks,
                     num_segments=num_segments,
                     query_len=tile,
                     num_blocks=num_blocks,
@@ -140,6 +146,11 @@ class PagedAttentionBackend:
         spread[own_slot] = heads
         return {"spread_rows": paddle.to_tensor(spread), "own_rows": paddle.to_tensor(own_slot)}
 
+    def _window_mask(self, offsets: np.ndarray, window: int | None) -> paddle.Tensor:
+        """The mask of keys at `offsets` positions before their query: causal, and within `window` of it."""
+        visible = (offsets >= 0) if window is None else (offsets >= 0) & (offsets < window)
+        return paddle.to_tensor(self._full_mask(np.where(visible, np.float32(0.0), np.float32(-np.inf))))
+
     def _full_mask(self, mask: np.ndarray) -> np.ndarray:
         """[segments, query_len, context] repeated over heads: [segments, heads, context] for decodes,
         [segments, kv_heads, group, query_len, context] for longer segments."""
@@ -155,18 +166,24 @@ class PagedAttentionBackend:
         paddle.scatter_(key_cache.reshape(slots_shape), metadata.slot_mapping, key, overwrite=True)
         paddle.scatter_(value_cache.reshape(slots_shape), metadata.slot_mapping, value, overwrite=True)
 
-    def attend(self, query, key_cache, value_cache, metadata: PagedAttentionMetadata) -> paddle.Tensor:
-        """Attention output [tokens, heads * dim] for query [tokens, heads, dim]."""
+    def attend(
+        self, query, key_cache, value_cache, metadata: PagedAttentionMetadata, layer: LayerAttention | None = None
+    ) -> paddle.Tensor:
+        """Attention output [tokens, heads * dim] for query [tokens, heads, dim]; `layer`: its window, scale and
+        soft-cap (its rotary is the caller's)."""
+        window = None if layer is None else layer.sliding_window
+        scale = self.scale if layer is None or layer.scale is None else layer.scale
+        softcap = None if layer is None else layer.softcap
         outputs = [
             (self._attend_decodes if batch.query_len == 1 else self._attend_segments)(
-                query, key_cache, value_cache, batch
+                query, key_cache, value_cache, batch, batch.masks[window], scale, softcap
             )
             for batch in metadata.batches
         ]
         output = outputs[0] if len(outputs) == 1 else paddle.concat(outputs)
         return output if metadata.output_rows is None else take_rows(output, metadata.output_rows)
 
-    def _attend_decodes(self, query, key_cache, value_cache, batch: SegmentBatch) -> paddle.Tensor:
+    def _attend_decodes(self, query, key_cache, value_cache, batch: SegmentBatch, mask, scale, softcap):
         """One query per segment, keys and values used as gathered: [segments, context, kv_heads * dim].
 
         Each head's query is spread block-diagonally to [kv_heads * dim] (zeros outside its own kv
@@ -174,38 +191,43 @@ class PagedAttentionBackend:
         """
         segments, dim, context = batch.num_segments, self.head_dim, batch.num_blocks * self.block_size
         heads = segments * self.num_heads
-        q = take_rows(query, batch.query_rows).reshape([heads, dim]) * self.scale
+        q = take_rows(query, batch.query_rows).reshape([heads, dim]) * scale
         q = take_rows(paddle.concat([q, paddle.zeros([1, dim], q.dtype)]), batch.spread_rows)
         q = q.reshape([segments, self.num_heads, self.num_kv_heads * dim])
         k, v = (
             take_rows(cache, batch.block_ids).reshape([segments, context, self.num_kv_heads * dim])
             for cache in (key_cache, value_cache)
         )
-        probs = F.softmax(paddle.matmul(q, k, transpose_y=True) + batch.mask, axis=-1)
+        probs = F.softmax(_capped(paddle.matmul(q, k, transpose_y=True), softcap) + mask, axis=-1)
         out = paddle.matmul(probs, v).reshape([heads * self.num_kv_heads, dim])
         return take_rows(out, batch.own_rows).reshape([segments, self.num_heads * dim])
 
-    def _attend_segments(self, query, key_cache, value_cache, batch: SegmentBatch) -> paddle.Tensor:
+    def _attend_segments(self, query, key_cache, value_cache, batch: SegmentBatch, mask, scale, softcap):
         """Segments of several queries, per kv head: keys and values as [segments, kv_heads, context, dim]."""
         segments, query_len, kv_heads, dim = batch.num_segments, batch.query_len, self.num_kv_heads, self.head_dim
         context = batch.num_blocks * self.block_size
         q = take_rows(query, batch.query_rows).reshape([segments, query_len, kv_heads, self.group, dim])
-        q = q.transpose([0, 2, 3, 1, 4]).reshape([segments, kv_heads, self.group * query_len, dim]) * self.scale
+        q = q.transpose([0, 2, 3, 1, 4]).reshape([segments, kv_heads, self.group * query_len, dim]) * scale
         k, v = (
             take_rows(cache, batch.block_ids).reshape([segments, context, kv_heads, dim]).transpose([0, 2, 1, 3])
             for cache in (key_cache, value_cache)
         )
-        scores = paddle.matmul(q, k, transpose_y=True).reshape([segments, kv_heads, self.group, query_len, context])
-        probs = F.softmax(scores + batch.mask, axis=-1).reshape([segments, kv_heads, self.group * query_len, context])
+        scores = _capped(paddle.matmul(q, k, transpose_y=True), softcap)
+        scores = scores.reshape([segments, kv_heads, self.group, query_len, context])
+        probs = F.softmax(scores + mask, axis=-1).reshape([segments, kv_heads, self.group * query_len, context])
         out = paddle.matmul(probs, v).reshape([segments, kv_heads, self.group, query_len, dim])
         return out.transpose([0, 3, 1, 2, 4]).reshape([segments * query_len, self.num_heads * dim])
+
+
+def _capped(scores: paddle.Tensor, softcap: float | None) -> paddle.Tensor:
+    return scores if softcap is None else paddle.tanh(scores / softcap) * softcap
 
 
 @dataclass(frozen=True)
 class RotaryPagedMetadata:
     paged: PagedAttentionMetadata
-    query_rotation: Rotation
-    key_rotation: Rotation
+    positions: paddle.Tensor
+    rotations: dict[int, tuple[Rotation, Rotation]]  # (query's, key's) per rotary table, by id: made once a step
 
 
 class RotaryPagedAttention:
@@ -216,28 +238,36 @@ class RotaryPagedAttention:
         self.rotary = rotary
 
     def prepare(self, inputs: StepInputs) -> RotaryPagedMetadata:
-        positions = paddle.to_tensor(inputs.positions)
-        return RotaryPagedMetadata(
-            paged=self.backend.prepare(inputs),
-            query_rotation=self.rotary.rotation(positions, self.backend.num_heads),
-            key_rotation=self.rotary.rotation(positions, self.backend.num_kv_heads),
-        )
+        return RotaryPagedMetadata(self.backend.prepare(inputs), paddle.to_tensor(inputs.positions), {})
 
-    def attend_qkv(self, qkv, key_cache, value_cache, metadata: RotaryPagedMetadata) -> paddle.Tensor:
+    def _rotations(self, rotary: RotaryEmbedding, metadata: RotaryPagedMetadata) -> tuple[Rotation, Rotation]:
+        if id(rotary) not in metadata.rotations:
+            metadata.rotations[id(rotary)] = (
+                rotary.rotation(metadata.positions, self.backend.num_heads),
+                rotary.rotation(metadata.positions, self.backend.num_kv_heads),
+            )
+        return metadata.rotations[id(rotary)]
+
+    def attend_qkv(
+        self, qkv, key_cache, value_cache, metadata: RotaryPagedMetadata, layer: LayerAttention | None = None
+    ) -> paddle.Tensor:
         """Attention output [tokens, heads * dim] of the fused q|k|v projection [tokens, (heads + 2 kv_heads) * dim]."""
         backend, dim = self.backend, self.backend.head_dim
         query, key, value = paddle.split(
             qkv, [backend.num_heads * dim, backend.num_kv_heads * dim, backend.num_kv_heads * dim], axis=-1
         )
-        query = metadata.query_rotation.apply(query.reshape([-1, backend.num_heads, dim]))
-        key = metadata.key_rotation.apply(key.reshape([-1, backend.num_kv_heads, dim]))
+        query_rotation, key_rotation = self._rotations(self.rotary if layer is None else layer.rotary, metadata)
+        query = query_rotation.apply(query.reshape([-1, backend.num_heads, dim]))
+        key = key_rotation.apply(key.reshape([-1, backend.num_kv_heads, dim]))
         value = value.reshape([-1, backend.num_kv_heads, dim])
         backend.write_kv(key_cache, value_cache, key, value, metadata.paged)
-        return backend.attend(query, key_cache, value_cache, metadata.paged)
+        return backend.attend(query, key_cache, value_cache, metadata.paged, layer)
 
 
 def paddle_paged_attention(config: ModelConfig, block_size: int, rotary: RotaryEmbedding) -> RotaryPagedAttention:
-    """The pure-Paddle attention for the model's heads."""
-    return RotaryPagedAttention(
-        PagedAttentionBackend(config.num_heads, config.num_kv_heads, config.head_dim, block_size), rotary
+    """The pure-Paddle attention for the model's heads (and the windows of its layers)."""
+    windows = tuple(w for w in config.sliding_windows if w is not None)
+    backend = PagedAttentionBackend(
+        config.num_heads, config.num_kv_heads, config.head_dim, block_size, sliding_windows=windows
     )
+    return RotaryPagedAttention(backend, rotary)

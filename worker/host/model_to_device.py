@@ -9,7 +9,8 @@ from collections.abc import Callable, Iterator
 
 import paddle
 
-KEEP_FLOAT32 = ("rotary",)  # the model attributes that stay float32: the rotary kernel reads its cos/sin so
+KEEP_FLOAT32 = ("rotary", "layer_attention")  # the model attributes that stay float32: the rotary kernel reads its
+# cos/sin so
 
 
 @contextlib.contextmanager

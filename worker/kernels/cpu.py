@@ -6,7 +6,7 @@ from types import ModuleType
 
 import paddle
 
-from worker.attention.custom_kernels import CustomPagedAttention
+from worker.attention.custom_kernels import CustomPagedAttention, variation_problem
 from worker.attention.reference import paddle_paged_attention
 from worker.kernels.cpu_isa import IsaSet
 from worker.layers.rotary import RotaryEmbedding
@@ -48,7 +48,7 @@ class CustomKernels:
     def attention_problem(self, config: ModelConfig) -> str | None:
         if config.head_dim % 16:  # the attention kernel works on whole AVX-512 vectors of a head
             return f"head_dim {config.head_dim} is not a multiple of 16"
-        return None
+        return variation_problem(config)
 
     def attention(self, config: ModelConfig, block_size: int, rotary: RotaryEmbedding):
         if self.attention_problem(config):
@@ -57,8 +57,8 @@ class CustomKernels:
 
     def fused_stack(self, attention, config: ModelConfig) -> FusedDecoderStack | None:
         """A callable running every decoder layer of a step in one op, or None where the layers run op by op
-        (the attention is the pure-Paddle one, or fusing is off)."""
-        if not self.fuse_layers or not isinstance(attention, CustomPagedAttention):
+        (the attention is the pure-Paddle one, the model's layers are not Llama's, or fusing is off)."""
+        if not self.fuse_layers or not isinstance(attention, CustomPagedAttention) or not config.is_llama_layer:
             return None
         stack = self._stack
         if stack is None or stack.attention is not attention or stack.config is not config:

@@ -1,4 +1,5 @@
-"""Rotary position embedding: cos/sin tables (default and llama3 scaling) and their application."""
+"""Rotary position embedding: cos/sin tables (default, linear, llama3 and longrope scaling, or no rotation at all)
+and their application."""
 
 from __future__ import annotations
 
@@ -12,12 +13,19 @@ from worker.layers.row_gather import take_rows
 from worker.models.config import RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """Per-pair rotation speeds, in fp32 like transformers computes them."""
+def inverse_frequencies(rope: RopeConfig, head_dim: int, max_positions: int) -> np.ndarray:
+    """Per-pair rotation speeds, in fp32 like transformers computes them; longrope's factors for contexts of
+    `max_positions`."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    if rope.rope_type == "longrope":
+        factors = rope.long_factor if max_positions > rope.original_max_positions else rope.short_factor
+        stretched = np.asarray(factors, dtype=np.float32) * np.float32(rope.theta) ** exponents
+        return (np.float32(1.0) / stretched).astype(np.float32)
     inv_freq = (np.float32(1.0) / np.float32(rope.theta) ** exponents).astype(np.float32)
     if rope.rope_type == "llama3":
         inv_freq = _llama3_scaled(inv_freq, rope.scaling)
+    if rope.rope_type == "linear":
+        inv_freq = (inv_freq / np.float32(rope.scaling["factor"])).astype(np.float32)
     return inv_freq
 
 
@@ -60,13 +68,19 @@ class Rotation:
 
 
 class RotaryEmbedding:
-    """cos/sin for every position below `max_positions`."""
+    """cos/sin for every position below `max_positions`; for `rope` None, no rotation (cos 1, sin 0)."""
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
-        angles = np.arange(max_positions, dtype=np.float32)[:, None] * inverse_frequencies(rope, head_dim)[None, :]
-        angles = np.concatenate([angles, angles], axis=-1)
-        self.cos = paddle.to_tensor(np.cos(angles))
-        self.sin = paddle.to_tensor(np.sin(angles))
+    def __init__(self, rope: RopeConfig | None, head_dim: int, max_positions: int):
+        if rope is None:
+            angles = np.zeros((max_positions, head_dim), dtype=np.float32)
+            factor = np.float32(1.0)
+        else:
+            inv_freq = inverse_frequencies(rope, head_dim, max_positions)
+            angles = np.arange(max_positions, dtype=np.float32)[:, None] * inv_freq[None, :]
+            angles = np.concatenate([angles, angles], axis=-1)
+            factor = np.float32(rope.attention_factor)
+        self.cos = paddle.to_tensor((np.cos(angles) * factor).astype(np.float32))
+        self.sin = paddle.to_tensor((np.sin(angles) * factor).astype(np.float32))
         self.rotate_half = paddle.to_tensor(rotate_half_matrix(head_dim))
 
     def rotation(self, positions: paddle.Tensor, num_heads: int) -> Rotation:

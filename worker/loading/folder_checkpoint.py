@@ -10,7 +10,9 @@ import numpy as np
 from safetensors import safe_open
 
 from worker.loading.tokenizer import TokenizerInfo, tokenizer_from_folder
-from worker.models.config import ModelConfig, config_from_hf
+from worker.loading.weight_layout import is_norm_weight, rows_in_half_rotation
+from worker.models.config import ModelConfig
+from worker.models.registry import hf_family
 
 
 class FolderCheckpoint:
@@ -19,7 +21,8 @@ class FolderCheckpoint:
     def __init__(self, path: Path):
         self.path = path
         hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        self.config: ModelConfig = config_from_hf(hf_config)
+        self.family = hf_family(hf_config)
+        self.config: ModelConfig = self.family.config_from_hf(hf_config)
         self.tokenizer: TokenizerInfo = tokenizer_from_folder(path, hf_config)
         self._files = sorted(path.glob("*.safetensors"))
         if not self._files:
@@ -39,9 +42,16 @@ class FolderCheckpoint:
         return sum(file.stat().st_size for file in self._files)
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """(Hugging Face name, fp32 array) for every tensor of every shard."""
+        """(Hugging Face name, fp32 array) for every tensor of every shard, in the layout the layers read."""
         # Read through Paddle: numpy has no bfloat16, the usual dtype of these files.
         for file in self._files:
             with safe_open(file, framework="paddle") as tensors:
                 for name in tensors.keys():
-                    yield name, tensors.get_tensor(name).astype("float32").numpy()
+                    yield name, self._as_layers_read(name, tensors.get_tensor(name).astype("float32").numpy())
+
+    def _as_layers_read(self, name: str, array: np.ndarray) -> np.ndarray:
+        if self.family.hf_norm_offset and is_norm_weight(name):
+            return array + np.float32(self.family.hf_norm_offset)
+        if self.family.hf_rope_interleaved:
+            return rows_in_half_rotation(name, array, self.config)
+        return array

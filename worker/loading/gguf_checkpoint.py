@@ -13,7 +13,9 @@ from gguf.quants import dequantize
 from worker.layers.weight_format import GgufBlocks, served_blocks
 from worker.loading.gguf_header_check import read_gguf
 from worker.loading.tokenizer import TokenizerInfo, tokenizer_from_gguf
-from worker.models.config import ModelConfig, config_from_gguf
+from worker.loading.weight_layout import rows_in_half_rotation
+from worker.models.config import ModelConfig
+from worker.models.registry import config_from_gguf, gguf_family
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -34,22 +36,17 @@ _LAYER_NAMES = {
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+def hf_name(gguf_name: str, family_names: dict[str, str] | None = None) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; `family_names`: the family's own
+    per-layer names, over Llama's."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = {**_LAYER_NAMES, **(family_names or {})}
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in names:
         raise KeyError(f"unexpected GGUF tensor {gguf_name!r}")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
-
-
-def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's per-head row interleave of Q/K (its rotary pairs are (i, i+1), HF's (i, i+d/2))."""
-    half_head_dim = weight.shape[0] // num_heads // 2
-    rows = weight.reshape(num_heads, half_head_dim, 2, *weight.shape[1:])
-    return rows.swapaxes(2, 1).reshape(weight.shape)
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 class GGUFCheckpoint:
@@ -59,6 +56,7 @@ class GGUFCheckpoint:
         self.path = path
         self._reader = read_gguf(path)
         self.metadata = {key: field.contents() for key, field in self._reader.fields.items()}
+        self.family = gguf_family(self.metadata)
         self.config: ModelConfig = config_from_gguf(self.metadata, {t.name for t in self._reader.tensors})
         self.tokenizer: TokenizerInfo = tokenizer_from_gguf(self.metadata)
         self.num_tensors = len(self._reader.tensors)
@@ -84,12 +82,6 @@ class GGUFCheckpoint:
                 array = blocks
             else:
                 array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-            yield hf_name(tensor.name), self._in_hf_row_order(tensor.name, array)
-
-    def _in_hf_row_order(self, gguf_name: str, array: np.ndarray | GgufBlocks) -> np.ndarray | GgufBlocks:
-        if self.config.architecture != "llama" or not (".attn_q." in gguf_name or ".attn_k." in gguf_name):
-            return array
-        num_heads = self.config.num_heads if ".attn_q." in gguf_name else self.config.num_kv_heads
-        if isinstance(array, GgufBlocks):  # whole rows of blocks move: the blocks run along a row
-            return GgufBlocks(array.format, unpermute_rows(array.rows, num_heads), array.in_features)
-        return unpermute_rows(array, num_heads)
+            if self.family.gguf_rope_interleaved:
+                array = rows_in_half_rotation(tensor.name, array, self.config)
+            yield hf_name(tensor.name, self.family.gguf_layer_names), array

@@ -16,7 +16,7 @@ from worker.layers.precision import Precision, PrecisionUnavailable
 from worker.loading.checkpoint import Checkpoint, read_weights
 from worker.loading.gguf_checkpoint import GGUFCheckpoint
 from worker.models.config import ModelConfig
-from worker.models.llama import LlamaForCausalLM
+from worker.models.decoder import CausalDecoder
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ QUANTISATION_SUFFIX = re.compile(r"[.-](?:I?Q\d+(?:_[A-Z0-9]+)*|BF16|F16|F32)$",
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalDecoder
     config: ModelConfig
     info: wire.ModelInfo
     weight_bytes: int  # what the model's tensors hold
@@ -46,11 +46,21 @@ def served_names(checkpoint_name: str, settings: Settings) -> tuple[str, list[st
     return name, [checkpoint_name] if name != checkpoint_name else []
 
 
+def served_length(config: ModelConfig, settings: Settings) -> int:
+    """The longest sequence the worker serves: the model's, or BLOCKSERVE_MAX_MODEL_LEN where shorter."""
+    if settings.max_model_len is None:
+        return config.max_position_embeddings
+    return min(config.max_position_embeddings, settings.max_model_len)
+
+
+def served_config(checkpoint: Checkpoint, settings: Settings) -> ModelConfig:
+    """The checkpoint's config for the sequences served: a sliding window that holds them all is none."""
+    return checkpoint.config.served_up_to(served_length(checkpoint.config, settings))
+
+
 def model_info(checkpoint: Checkpoint, settings: Settings) -> wire.ModelInfo:
     """Name, length limit, tokenizer and special tokens as the api needs them."""
-    max_model_len = checkpoint.config.max_position_embeddings
-    if settings.max_model_len is not None:
-        max_model_len = min(max_model_len, settings.max_model_len)
+    max_model_len = served_length(checkpoint.config, settings)
     tokenizer = checkpoint.tokenizer
     name, aliases = served_names(checkpoint.name, settings)
     return wire.ModelInfo(
@@ -78,7 +88,8 @@ def load_model(
         raise PrecisionUnavailable(f"BLOCKSERVE_QUANTIZATION=gguf needs a GGUF model, not {checkpoint.path}")
     info = model_info(checkpoint, settings)
     weights = read_weights(checkpoint, keep_gguf_blocks=precision.quantization == "gguf")
-    model = LlamaForCausalLM(checkpoint.config, weights, info.max_model_len, kernels, precision)
+    config = served_config(checkpoint, settings)
+    model = CausalDecoder(config, weights, info.max_model_len, kernels, precision)
     del weights
     if one_buffer:
         move_into_one_buffer(model.weight_tensors())
@@ -87,7 +98,7 @@ def load_model(
     resident_after = resident_anonymous_bytes()
     loaded = LoadedModel(
         model=model,
-        config=checkpoint.config,
+        config=config,
         info=info,
         weight_bytes=model.weight_bytes(),
         file_tensor_bytes=checkpoint.tensor_bytes,

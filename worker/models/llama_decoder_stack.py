@@ -1,6 +1,7 @@
 """The Llama decoder stack in one C++ op per step (bs_decoder_stack, custom_ops/cpu/decoder_stack_op.cc): the
-embedding lookup, every decoder layer and the final norm, with the kernels of the single ops. It is tested against
-models/llama.py's op-by-op layers, the reference."""
+embedding lookup, every decoder layer and the final norm, with the kernels of the single ops, for every family whose
+layers are Llama's (ModelConfig.is_llama_layer). It is tested against models/decoder.py's op-by-op layers, the
+reference."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ class FusedDecoderStack:
 
     def hold(self, model, kv_cache) -> paddle.Tensor:
         """The handle under which the op holds the model's embedding, layers and final norm and the cache's
-        tensors (model: models/llama.py's LlamaForCausalLM, whose embedding is a PackedEmbedding)."""
+        tensors (model: models/decoder.py's CausalDecoder, whose embedding is a PackedEmbedding)."""
         layers, embedding = model.layers, model.embed_tokens.weight
         key_caches, value_caches = kv_cache.key_caches, kv_cache.value_caches
         held_for = [embedding.packed, model.norm, *layers, *key_caches, *value_caches]

@@ -1,0 +1,54 @@
+"""Every family's tiny model in bfloat16 and int8 against its own float32, with the README's KL thresholds
+(test_worker_accuracy.py holds them): mean KL of the next-token distributions over the English text. Families whose
+attention the custom ops cannot take (sliding windows, soft-caps) compute in float32 with the pure-Paddle
+attention: bfloat16 is refused for them, saying why, and their int8 weights are held to int8's threshold.
+
+The README's greedy-agreement thresholds are not asserted here: a random model's next-token distributions are
+nearly flat, so near-ties flip under any rounding (measured 0.73-0.95 agreement at KL <= 0.03); they hold on the
+trained SmolLM2 (test_worker_accuracy.py). The agreement is printed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from service.contract.config import load_settings
+from tests.integration.test_worker_accuracy import THRESHOLDS
+from tests.support.accuracy import Float32Reference, load_runner
+from tests.support.tiny_families import FAMILY_MODELS, save_tiny_model
+from worker.layers.precision import PrecisionUnavailable
+from worker.model_runner import ModelRunner
+
+PADDLE_ATTENTION = {"mistral", "gemma2", "gemma3"}
+GEMMA_TINY_SCALE = {"gemma2", "gemma3"}
+
+
+@pytest.fixture(scope="module", params=FAMILY_MODELS)
+def family_folder(request, tmp_path_factory, hf_smollm_tokenizer):
+    folder = tmp_path_factory.mktemp(f"{request.param}-accuracy")
+    save_tiny_model(request.param, folder, hf_smollm_tokenizer)
+    return request.param, folder
+
+
+@pytest.fixture(scope="module")
+def reference(family_folder) -> Float32Reference:
+    return Float32Reference(load_runner(family_folder[1], "float32:none"))
+
+
+@pytest.mark.parametrize("precision", ["bfloat16:none", "auto:int8"])
+def test_the_family_stays_within_the_documented_distance_from_float32(family_folder, reference, precision):
+    name, folder = family_folder
+    if precision == "bfloat16:none" and name in PADDLE_ATTENTION:
+        with pytest.raises(PrecisionUnavailable, match="computes in float32"):
+            ModelRunner(load_settings(model=os.fspath(folder), num_kv_blocks=16, kernels="custom", dtype="bfloat16"))
+        return
+    runner = load_runner(folder, precision)
+    dtype = runner.kernels["dtype"]
+    assert dtype == ("float32" if name in PADDLE_ATTENTION else "bfloat16")
+    max_kl, _ = THRESHOLDS[f"{dtype}:{runner.kernels['quantization']}"]
+
+    accuracy = reference.accuracy_of(runner)
+
+    print(f"{name} {dtype}:{runner.kernels['quantization']}: {accuracy}")
+    assert accuracy.mean_kl_nats <= max_kl

@@ -1,0 +1,96 @@
+"""A tiny family model's Hugging Face folder written as a GGUF file the way llama.cpp's converter writes it: its
+tensor names (gguf's own TensorNameMap), q/k rows permuted for the architectures whose rotary pairs are (2i, 2i+1)
+in llama.cpp and (i, i + d/2) in the folder, Gemma's norms stored as 1 + w, the family's keys, and the SmolLM2
+GGUF's tokenizer. Weights stay float32."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+PERMUTED_ARCHITECTURES = ("llama", "granite", "smollm3")  # convert_hf_to_gguf.py's LlamaModel.permute
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")  # their converter adds 1 to every norm weight
+GGUF_ARCHITECTURE = {"gemma3_text": "gemma3"}  # model_type -> general.architecture, where they differ
+TOKENIZER_KEYS = (
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+)
+
+
+def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: each head's rows (i, i + d/2) interleaved to (2i, 2i+1)."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_family_gguf(folder: Path, path: Path, tokenizer_gguf: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    arch = GGUF_ARCHITECTURE.get(config["model_type"], config["model_type"])
+    num_layers = config["num_hidden_layers"]
+    writer = gguf.GGUFWriter(str(path), arch)
+    _write_keys(writer, arch, config)
+    _copy_tokenizer(writer, tokenizer_gguf)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], num_layers)
+    for hf_name, array in load_file(folder / "model.safetensors").items():
+        array = array.astype(np.float32)
+        if arch in PERMUTED_ARCHITECTURES and ("q_proj" in hf_name or "k_proj" in hf_name):
+            heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
+            array = permute_rows(array, heads)
+        if arch in GEMMA_ARCHITECTURES and hf_name.endswith("norm.weight"):
+            array = array + np.float32(1.0)
+        writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _write_keys(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
+    writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if arch == "granite":
+        writer.add_embedding_scale(config["embedding_multiplier"])
+        writer.add_residual_scale(config["residual_multiplier"])
+        writer.add_attention_scale(config["attention_multiplier"])
+        writer.add_logit_scale(config["logits_scaling"])
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, tokenizer_gguf: Path) -> None:
+    reader = gguf.GGUFReader(tokenizer_gguf)
+    values = {key: reader.fields[key].contents() for key in TOKENIZER_KEYS}
+    writer.add_tokenizer_model(values["tokenizer.ggml.model"])
+    writer.add_token_list(values["tokenizer.ggml.tokens"])
+    writer.add_token_merges(values["tokenizer.ggml.merges"])
+    writer.add_token_types(values["tokenizer.ggml.token_type"])
+    writer.add_bos_token_id(values["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(values["tokenizer.ggml.eos_token_id"])

@@ -43,13 +43,16 @@ async def create_chat_completion(
     model.check_token_ids(list(body.logit_bias_ids()), "logit_bias")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs to be true.", param="top_logprobs")
+    grammar = await context.grammars.for_request(body)
     messages = [message.template_dict() for message in body.messages]
     prompt = await asyncio.to_thread(model.encode_chat, messages)  # off the event loop: it may be long
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = model.check_fits(len(prompt), requested)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    specs = choice_specs(response_id, body, [(prompt, max_tokens)], logprobs, context.tenant_of(request, body.user))
+    specs = choice_specs(
+        response_id, body, [(prompt, max_tokens)], logprobs, context.tenant_of(request, body.user), grammar
+    )
     generation = Generation(context.client, model, specs, body.stop_strings())
     if body.stream:
         pieces = await generation.started(request)

@@ -10,7 +10,7 @@ valid Unicode: a lone surrogate (`"\\ud800"` in JSON) is rejected before it reac
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,6 +23,15 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from service.api.constraints import (
+    ANY_JSON_OBJECT,
+    Constraint,
+    ConstraintError,
+    canonical_json,
+    choice_constraint,
+    json_schema_constraint,
+    only_one,
+)
 from service.contract import limits
 from service.contract.limits import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from service.contract.wire import SamplingParams
@@ -88,6 +97,66 @@ class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
+JsonSchemaValue = Annotated[dict[str, Any] | str, Field(description="A JSON Schema: an object, or its JSON text")]
+ChoiceList = Annotated[list[str], Field(min_length=1)]
+
+
+class ResponseFormatText(StrictRequest):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(StrictRequest):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(StrictRequest):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="The JSON Schema the reply follows")
+    strict: bool | None = Field(None, description="Accepted; the schema is always enforced")
+
+
+class ResponseFormatJsonSchema(StrictRequest):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema, Field(discriminator="type")
+]
+
+
+class StructuredOutputs(StrictRequest):
+    """vLLM's structured_outputs: exactly one of these."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    json_: JsonSchemaValue | None = Field(None, alias="json")
+    regex: NonEmptyText | None = None
+    choice: ChoiceList | None = None
+    grammar: NonEmptyText | None = Field(None, description="A Lark grammar, or GBNF (llama.cpp's EBNF)")
+    json_object: bool | None = None
+
+    def constraint(self) -> Constraint | None:
+        param = "structured_outputs"
+        found = []
+        if self.json_ is not None:
+            found.append(json_schema_constraint(self.json_, f"{param}.json"))
+        if self.regex is not None:
+            found.append(Constraint("regex", f"{param}.regex", self.regex))
+        if self.choice is not None:
+            found.append(choice_constraint(self.choice, f"{param}.choice"))
+        if self.grammar is not None:
+            found.append(Constraint("grammar", f"{param}.grammar", self.grammar))
+        if self.json_object:
+            found.append(Constraint("json_object", f"{param}.json_object", canonical_json(ANY_JSON_OBJECT)))
+        if not found:
+            raise ConstraintError(f"'{param}' names no constraint: give one of json, regex, choice, grammar.", param)
+        return only_one(found)
+
+
 class GenerationRequest(StrictRequest):
     """The parameters /v1/completions and /v1/chat/completions share."""
 
@@ -121,6 +190,14 @@ class GenerationRequest(StrictRequest):
         max_length=limits.MAX_TENANT_CHARS,
         description="The end user (OpenAI's field); names the request's tenant when its API key does not",
     )
+    response_format: ResponseFormat | None = Field(
+        None, description="OpenAI's: text, json_object (any JSON object), or json_schema (a reply that follows it)"
+    )
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's constraints on the output")
+    guided_json: JsonSchemaValue | None = Field(None, description="vLLM's older name of structured_outputs.json")
+    guided_regex: NonEmptyText | None = Field(None, description="vLLM's older name of structured_outputs.regex")
+    guided_choice: ChoiceList | None = Field(None, description="vLLM's older name of structured_outputs.choice")
+    guided_grammar: NonEmptyText | None = Field(None, description="vLLM's older name of structured_outputs.grammar")
 
     _shared_integers = field_validator("n", "top_k", "seed", "stop_token_ids", "priority", mode="before")(whole_numbers)
 
@@ -137,6 +214,26 @@ class GenerationRequest(StrictRequest):
             )
         return data
 
+    def constraint(self) -> Constraint | None:
+        """The one constraint on the output, if any; 400 naming the fields if there are two."""
+        found = []
+        if isinstance(self.response_format, ResponseFormatJsonObject):
+            found.append(Constraint("json_object", "response_format", canonical_json(ANY_JSON_OBJECT)))
+        elif isinstance(self.response_format, ResponseFormatJsonSchema):
+            schema = self.response_format.json_schema.schema_
+            found.append(json_schema_constraint(schema, "response_format.json_schema.schema"))
+        if self.structured_outputs is not None:
+            found.append(self.structured_outputs.constraint())
+        if self.guided_json is not None:
+            found.append(json_schema_constraint(self.guided_json, "guided_json"))
+        if self.guided_regex is not None:
+            found.append(Constraint("regex", "guided_regex", self.guided_regex))
+        if self.guided_choice is not None:
+            found.append(choice_constraint(self.guided_choice, "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append(Constraint("grammar", "guided_grammar", self.guided_grammar))
+        return only_one(found)
+
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -148,7 +245,9 @@ class GenerationRequest(StrictRequest):
     def logit_bias_ids(self) -> dict[int, float]:
         return {int(token_id): bias for token_id, bias in (self.logit_bias or {}).items()}
 
-    def sampling_params(self, *, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+    def sampling_params(
+        self, *, max_tokens: int, logprobs: int | None, choice: int, grammar: str | None = None
+    ) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -163,6 +262,7 @@ class GenerationRequest(StrictRequest):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             logit_bias=self.logit_bias_ids(),
+            grammar=grammar,
         )
 
 

@@ -7,12 +7,16 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 
 import jsonschema
 import openai
 import pytest
 
-from tests.support.processes import loopback_env, scrape, start, stop_all, wait_ready
+from tests.support.processes import ROOT, loopback_env, scrape, start, stop_all, wait_ready
+
+README = ROOT / "README.md"
 
 NUM_KV_BLOCKS = 48  # 16 tokens each: several constrained requests at once
 TEMPERATURE = 0.8
@@ -318,3 +322,28 @@ def test_constrained_requests_are_counted_by_kind(stack, client, model):
     before = constrained("regex")
     client.completions.create(model=model, prompt="x", max_tokens=3, extra_body={"guided_regex": "[ab]{2}"})
     assert constrained("regex") == before + 1
+
+
+def test_the_readme_structured_outputs_example_runs_as_written(stack):
+    _, url = stack
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    (example,) = [block for block in blocks if "structured_outputs" in block]
+    assert "localhost:8000" in example, "the README example no longer talks to localhost:8000"
+    example = example.replace("localhost:8000", url.removeprefix("http://"))
+    result = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    person, choice, date, sql, again = result.stdout.splitlines()
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    jsonschema.validate(json.loads(person), schema)
+    jsonschema.validate(json.loads(again), schema)
+    assert choice in {"yes", "no"}
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", date)
+    assert sql in {"SELECT name FROM users;", "SELECT * FROM users;"}

@@ -37,7 +37,7 @@ class ConstraintError(ValueError):
 @dataclass(frozen=True)
 class Constraint:
     """One request's constraint: what it is, the field that gave it, and its text in a canonical form (a schema as
-    sorted compact JSON, the choices as a JSON list), which keys the compiled-grammar cache."""
+    compact JSON, the choices as a JSON list), which keys the compiled-grammar cache."""
 
     kind: str  # one of KINDS
     param: str  # the request field errors name
@@ -68,7 +68,8 @@ def _build(constraint: Constraint) -> str:
 
 
 def canonical_json(value: object) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """Compact JSON. Keys keep their order: a schema's properties come out in the order it lists them."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def json_schema_constraint(schema: object, param: str) -> Constraint:

@@ -156,13 +156,20 @@ def test_malformed_constraint_fields_fail_validation(fields):
         chat(**fields)
 
 
-def test_the_same_schema_in_another_key_order_is_one_cached_build():
+def test_the_same_schema_in_other_fields_or_spacing_is_one_cached_build():
     builds = []
     cache = GrammarCache(on_compiled=lambda kind, seconds: builds.append(kind))
-    first = grammar_of(chat(guided_json={"type": "object", "required": ["a"], "properties": {"a": {}}}), cache)
-    again = grammar_of(chat(guided_json={"properties": {"a": {}}, "required": ["a"], "type": "object"}), cache)
+    first = grammar_of(chat(guided_json=SCHEMA), cache)
+    again = grammar_of(chat(structured_outputs={"json": json.dumps(SCHEMA, indent=4)}), cache)
     assert first == again
     assert builds == ["json_schema"]
+
+
+def test_properties_come_in_the_order_the_schema_lists_them():
+    listed = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}
+    grammar = grammar_of(chat(guided_json=listed))
+    assert accepts(grammar, '{"b": 1, "a": 2}')
+    assert not accepts(grammar, '{"a": 2, "b": 1}')
 
 
 def test_the_cache_keeps_at_most_its_entries_least_recently_used_out_first():

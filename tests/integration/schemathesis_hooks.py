@@ -9,6 +9,11 @@ many tokens a text makes, no schema can say). An invalid request keeps its text:
 what makes it invalid. For the same reason a valid prompt text the model cannot spell at all (SmolLM2's
 vocabulary has no token for some control bytes, such as \x06: the text makes no tokens, and the server
 answers 400 "The prompt is empty", as transformers' tokenizer and vLLM would) gets one letter more.
+
+Constraints likewise: whether a generated regex, grammar or JSON Schema can be enforced, no schema can say (the
+server answers 400 naming the field, and the document lists that 400), nor does the document state that a request
+names at most one constraint, and none with `ignore_eos`. A valid request keeps its first constraint field, with a
+value of the same kind the server can enforce, and drops the others.
 """
 
 from __future__ import annotations
@@ -31,6 +36,30 @@ MAX_TEXT_CHARS = 24
 MAX_PROMPT_TOKEN_IDS = 64
 
 
+# The first constraint field a valid request names keeps its kind, with a value the server can enforce.
+SERVABLE_CONSTRAINTS = {
+    "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}},
+    "structured_outputs": {"regex": "[ab]{1,3}"},
+    "guided_json": {"type": "boolean"},
+    "guided_regex": "[0-9]{1,2}",
+    "guided_choice": ["yes", "no"],
+    "guided_grammar": 'start: "x" | "y"',
+}
+
+
+def _one_servable_constraint(body: dict) -> None:
+    named = [field for field in SERVABLE_CONSTRAINTS if body.get(field) is not None]
+    text = body.get("response_format")
+    if named == ["response_format"] and isinstance(text, dict) and text.get("type") == "text":
+        return
+    for index, field in enumerate(named):
+        if index == 0:
+            body[field] = SERVABLE_CONSTRAINTS[field]
+            body["ignore_eos"] = False
+        else:
+            del body[field]
+
+
 @schemathesis.hook
 def before_call(context, case, kwargs) -> None:
     body = case.body
@@ -45,6 +74,7 @@ def before_call(context, case, kwargs) -> None:
         body["max_tokens"] = MAX_NEW_TOKENS  # the defaults: 16 tokens, or a chat's whole remaining context
     if case.meta is not None and case.meta.generation.mode.is_negative:
         return
+    _one_servable_constraint(body)
     if "prompt" in body:
         body["prompt"] = _spelled(_shortened(body["prompt"]))
     if isinstance(body.get("messages"), list):

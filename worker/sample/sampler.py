@@ -29,9 +29,9 @@ import paddle
 
 from service.contract import wire
 from worker.layers.row_gather import take_rows
-from worker.sample import paddle_draw
+from worker.sample import paddle_draw, token_mask
 from worker.sample.penalties import SamplingRequest, apply_logit_bias, apply_penalties
-from worker.sample.token_mask import TokenMask, apply_token_mask
+from worker.sample.token_mask import TokenMask
 
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is argmax
 
@@ -77,11 +77,13 @@ class Sampler:
         seed: int | None = None,
         argmax: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
         sample_rows: Callable[[paddle.Tensor, np.ndarray], paddle.Tensor] | None = None,
+        mask_rows: Callable[[paddle.Tensor, TokenMask], paddle.Tensor] | None = None,
     ):
         self._rng = np.random.default_rng(seed)
-        # The worker passes its kernels' argmax_rows and sample_rows; by default the draw is Paddle's.
+        # The worker passes its kernels' argmax_rows, sample_rows and mask_rows; by default they are Paddle's.
         self._argmax = argmax or paddle_draw.argmax_rows
         self._sample_rows = sample_rows or paddle_draw.sample_rows
+        self._mask_rows = mask_rows or token_mask.mask_rows
 
     def sample(
         self, logits: paddle.Tensor, requests: Sequence[SamplingRequest], mask: TokenMask | None = None
@@ -96,7 +98,9 @@ class Sampler:
             tokens = self._argmax(logits)
             return Draw(requests, tokens, tokens, _NO_ROWS, 0)
         greedy = np.array([p.temperature < GREEDY_TEMPERATURE for p in params])
-        penalised = apply_token_mask(apply_logit_bias(apply_penalties(logits, requests), requests), mask)
+        penalised = apply_logit_bias(apply_penalties(logits, requests), requests)
+        if mask is not None:
+            penalised = self._mask_rows(penalised, mask)
         uniforms = self._uniforms(requests, ~greedy)
         groups, group_tokens = [], []
         if greedy.any():

@@ -27,10 +27,9 @@ def allowed_tokens(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
     return bits[:, :vocab_size].astype(bool)
 
 
-def apply_token_mask(logits: paddle.Tensor, mask: TokenMask | None) -> paddle.Tensor:
-    """Logits [rows, vocab] with each masked row's forbidden tokens at -inf; unchanged without a mask."""
-    if mask is None:
-        return logits
+def mask_rows(logits: paddle.Tensor, mask: TokenMask) -> paddle.Tensor:
+    """Logits [rows, vocab] with each masked row's forbidden tokens at -inf, in Paddle ops: the reference of the
+    custom CPU op bs_mask_rows, and the path of the other kernels."""
     num_rows, vocab_size = logits.shape
     allowed = allowed_tokens(mask.bitmask, vocab_size)
     if len(mask.rows) < num_rows:

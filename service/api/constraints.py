@@ -19,7 +19,7 @@ from service.contract.limits import MAX_GRAMMAR_CHARS
 
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_JSON_OBJECT: dict[str, object] = {"type": "object"}
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # the metrics' label values
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tools")  # the metrics' label values
 
 
 class GrammarError(ValueError):

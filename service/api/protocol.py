@@ -32,6 +32,7 @@ from service.api.constraints import (
     json_schema_constraint,
     only_one,
 )
+from service.api.tools import tool_call_constraint
 from service.contract import limits
 from service.contract.limits import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from service.contract.wire import SamplingParams
@@ -215,7 +216,11 @@ class GenerationRequest(StrictRequest):
         return data
 
     def constraint(self) -> Constraint | None:
-        """The one constraint on the output, if any; 400 naming the fields if there are two."""
+        """The one constraint on the output, if any; ConstraintError naming the fields if there are two."""
+        return only_one(self.constraints())
+
+    def constraints(self) -> list[Constraint]:
+        """Every constraint the request's fields ask for."""
         found = []
         if isinstance(self.response_format, ResponseFormatJsonObject):
             found.append(Constraint("json_object", "response_format", canonical_json(ANY_JSON_OBJECT)))
@@ -232,7 +237,7 @@ class GenerationRequest(StrictRequest):
             found.append(choice_constraint(self.guided_choice, "guided_choice"))
         if self.guided_grammar is not None:
             found.append(Constraint("grammar", "guided_grammar", self.guided_grammar))
-        return only_one(found)
+        return found
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -378,6 +383,27 @@ ChatMessage = Annotated[
 ]
 
 
+class FunctionDefinition(StrictRequest):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema of the arguments")
+    strict: bool | None = Field(None, description="Accepted; a constrained call always follows parameters")
+
+
+class ChatTool(StrictRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictRequest):
+    name: str
+
+
+class NamedToolChoice(StrictRequest):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions."""
 
@@ -396,10 +422,35 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="Default: what is left of the context")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Annotated[list[ChatTool], Field(min_length=1)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="auto (with tools; the default): the reply's calls are parsed; required, or a named function: "
+        "the reply is calls, by grammar; none: no calls",
+    )
+    parallel_tool_calls: bool | None = Field(None, description="Whether a required reply may hold several calls")
 
     _chat_integers = field_validator("max_tokens", "max_completion_tokens", "top_logprobs", mode="before")(
         whole_numbers
     )
+
+    def tool_dicts(self) -> list[dict]:
+        return [tool.model_dump(exclude_none=True, by_alias=True) for tool in self.tools or []]
+
+    def calls_tools(self) -> bool:
+        """Whether the reply is parsed for tool calls: tools given, and tool_choice not none."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def constraints(self) -> list[Constraint]:
+        """The generation's constraints, and the grammar of calls that tool_choice required or named asks for."""
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ConstraintError("tool_choice needs tools.", "tool_choice")
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ConstraintError("Each function of tools needs a name of its own.", "tools")
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        calls = tool_call_constraint(self.tool_dicts(), choice, self.parallel_tool_calls is not False)
+        return [*super().constraints(), *([calls] if calls is not None else [])]
 
 
 # ---------------------------------------------------------------- responses
@@ -461,7 +512,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -480,9 +532,19 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(BaseModel):
+    """A whole tool call in a streamed delta (OpenAI's clients join deltas by `index`)."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_empty(self, handler):  # a delta carries only what changed

@@ -347,3 +347,92 @@ def test_the_readme_structured_outputs_example_runs_as_written(stack):
     assert choice in {"yes", "no"}
     assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", date)
     assert sql in {"SELECT name FROM users;", "SELECT * FROM users;"}
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 12}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def check_call(call, tools) -> None:
+    (tool,) = [tool for tool in tools if tool["function"]["name"] == call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    assert call.id.startswith("call_") and call.type == "function"
+
+
+def test_required_tool_choice_gives_calls_with_valid_arguments(client, model):
+    for seed in SEEDS:
+        reply = client.chat.completions.create(
+            model=model,
+            messages=WEATHER_QUESTION,
+            tools=[WEATHER_TOOL, TIME_TOOL],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=TEMPERATURE,
+            seed=seed,
+            max_tokens=100,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert len(choice.message.tool_calls) == 1
+        check_call(choice.message.tool_calls[0], [WEATHER_TOOL, TIME_TOOL])
+
+
+def test_a_named_tool_choice_calls_that_function_streamed_as_openai_does(client, model):
+    chunks = client.chat.completions.create(
+        model=model,
+        messages=WEATHER_QUESTION,
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        temperature=TEMPERATURE,
+        seed=9,
+        max_tokens=100,
+        stream=True,
+    )
+    calls, finish = {}, None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        for call in delta.tool_calls or []:
+            calls[call.index] = call
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [call.function.name for call in calls.values()] == ["get_time"] * len(calls) and calls
+    for call in calls.values():
+        check_call(call, [TIME_TOOL])
+
+
+def test_a_tool_choice_naming_an_unknown_function_is_a_400(client, model):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=model,
+            messages=WEATHER_QUESTION,
+            tools=[WEATHER_TOOL],
+            tool_choice={"type": "function", "function": {"name": "launch_rockets"}},
+            max_tokens=5,
+        )
+    assert caught.value.body["param"] == "tool_choice"

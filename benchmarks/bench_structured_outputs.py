@@ -46,6 +46,7 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--share-concurrency", type=int, default=64, help="the masks' share is measured at this")
+    parser.add_argument("--share-output-len", type=int, default=16, help="output tokens of the share's requests")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-so-"))
     env = loopback_env(BLOCKSERVE_MAX_NUM_SEQS=str(max(args.concurrency, args.share_concurrency)))
@@ -56,7 +57,8 @@ def main() -> int:
     )
     try:
         wait_ready(url, timeout_s=600)
-        bench(url, metrics_url, work / "warmup", argparse.Namespace(**{**vars(args), "num_requests": 16}), 16, True)
+        warmup = argparse.Namespace(**{**vars(args), "num_requests": 4, "output_len": 8})
+        bench(url, metrics_url, work / "warmup", warmup, 4, True)
         totals = {False: 0.0, True: 0.0}
         for round_index in range(args.rounds):
             rates = {}
@@ -71,7 +73,10 @@ def main() -> int:
                 f"ratio {rates[True] / rates[False]:.3f}"
             )
         print(f"all rounds: ratio {totals[True] / totals[False]:.3f}")
-        shared = bench(url, metrics_url, work / "share", args, args.share_concurrency, True)
+        at_once = argparse.Namespace(
+            **{**vars(args), "num_requests": args.share_concurrency, "output_len": args.share_output_len}
+        )
+        shared = bench(url, metrics_url, work / "share", at_once, args.share_concurrency, True)
         share = shared["server"].get("grammar_mask_share")
         print(
             f"{args.share_concurrency} constrained requests at once: masks {100 * share:.1f}% of the worker's step time"

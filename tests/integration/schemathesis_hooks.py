@@ -13,7 +13,9 @@ answers 400 "The prompt is empty", as transformers' tokenizer and vLLM would) ge
 Constraints likewise: whether a generated regex, grammar or JSON Schema can be enforced, no schema can say (the
 server answers 400 naming the field, and the document lists that 400), nor does the document state that a request
 names at most one constraint, and none with `ignore_eos`. A valid request keeps its first constraint field, with a
-value of the same kind the server can enforce, and drops the others.
+value of the same kind the server can enforce, and drops the others. Tools as well: each gets a name of its own and
+parameters the server can enforce, a named tool_choice names the first of them, and a tool_choice that asks for calls
+comes with a tool and without another constraint.
 """
 
 from __future__ import annotations
@@ -60,6 +62,25 @@ def _one_servable_constraint(body: dict) -> None:
             del body[field]
 
 
+def _servable_tools(body: dict) -> None:
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        for index, tool in enumerate(tools):
+            if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
+                tool["function"]["name"] = f"f{index}"
+                tool["function"]["parameters"] = {"type": "object"}
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none"):
+        return
+    if not isinstance(tools, list) or not tools:
+        body["tools"] = [{"type": "function", "function": {"name": "f0"}}]
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        choice["function"]["name"] = "f0"
+    for field in SERVABLE_CONSTRAINTS:
+        body.pop(field, None)
+    body["ignore_eos"] = False
+
+
 @schemathesis.hook
 def before_call(context, case, kwargs) -> None:
     body = case.body
@@ -75,6 +96,7 @@ def before_call(context, case, kwargs) -> None:
     if case.meta is not None and case.meta.generation.mode.is_negative:
         return
     _one_servable_constraint(body)
+    _servable_tools(body)
     if "prompt" in body:
         body["prompt"] = _spelled(_shortened(body["prompt"]))
     if isinstance(body.get("messages"), list):

@@ -124,9 +124,8 @@ class ModelRunner:
         try:
             if error is None and launched.logits is not None:
                 mask = launched.mask
-                started = time.perf_counter()
                 draw = self.sampler.draw(launched.logits, sampling, mask)
-                mask_s = launched.mask_s + (time.perf_counter() - started if mask is not None else 0.0)
+                mask_s = launched.mask_s + draw.mask_s
                 self.step_inputs.record(launched.model_inputs, draw.tokens)
                 sampled = draw.fetch()  # waits for the device: the step's one copy to the host
                 self.clock.finished()

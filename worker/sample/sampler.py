@@ -21,6 +21,8 @@ step's inputs.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -53,6 +55,7 @@ class Draw:
     packed: paddle.Tensor
     logprob_rows: np.ndarray  # rows that asked for logprobs
     max_k: int
+    mask_s: float = 0.0  # applying the grammar mask (host time: on a GPU, queuing it)
 
     def fetch(self) -> list[wire.SampledToken]:
         """The sampled tokens with their logprobs (one device-to-host copy)."""
@@ -99,8 +102,11 @@ class Sampler:
             return Draw(requests, tokens, tokens, _NO_ROWS, 0)
         greedy = np.array([p.temperature < GREEDY_TEMPERATURE for p in params])
         penalised = apply_logit_bias(apply_penalties(logits, requests), requests)
+        mask_s = 0.0
         if mask is not None:
+            started = time.perf_counter()
             penalised = self._mask_rows(penalised, mask)
+            mask_s = time.perf_counter() - started
         uniforms = self._uniforms(requests, ~greedy)
         groups, group_tokens = [], []
         if greedy.any():
@@ -114,7 +120,8 @@ class Sampler:
             ]
             groups.append(drawn)
             group_tokens.append(self._sample_rows(_rows(penalised, ~greedy), np.array(table, dtype=np.float64)))
-        return _with_logprobs(logits, requests, paddle_draw.in_row_order(groups, group_tokens))
+        draw = _with_logprobs(logits, requests, paddle_draw.in_row_order(groups, group_tokens))
+        return dataclasses.replace(draw, mask_s=mask_s) if mask is not None else draw
 
     def _uniforms(self, requests: Sequence[SamplingRequest], needed: np.ndarray) -> np.ndarray:
         """One uniform in [0, 1) per request: seeded from (seed, length) or from the worker's generator."""

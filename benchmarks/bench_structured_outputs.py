@@ -26,11 +26,14 @@ from tests.support.processes import loopback_env, start, stop, wait_ready  # noq
 SCHEMA = ROOT / "benchmarks" / "schemas" / "readings.json"
 
 
-def bench(url: str, metrics_url: str, out: Path, args: argparse.Namespace, concurrency: int, schema: bool) -> dict:
+def bench(
+    url: str, metrics_url: str, out: Path, args: argparse.Namespace, concurrency: int, schema: bool, seed: int
+) -> dict:
+    """One `blockserve bench` run; each run its own prompts (`seed`), so none finds another's in the prefix cache."""
     command = [
         sys.executable, "-m", "service.launch.cli", "bench", "--url", url, "--metrics-url", metrics_url,
         "--workload", "custom", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-        "--num-requests", str(args.num_requests), "--max-concurrency", str(concurrency), "--result-dir", str(out),
+        "--num-requests", str(args.num_requests), "--max-concurrency", str(concurrency), "--result-dir", str(out), "--seed", str(seed),
     ]  # fmt: skip
     if schema:
         command += ["--json-schema", f"@{SCHEMA}"]
@@ -58,12 +61,13 @@ def main() -> int:
     try:
         wait_ready(url, timeout_s=600)
         warmup = argparse.Namespace(**{**vars(args), "num_requests": 4, "output_len": 8})
-        bench(url, metrics_url, work / "warmup", warmup, 4, True)
+        bench(url, metrics_url, work / "warmup", warmup, 4, True, seed=1000)
         totals = {False: 0.0, True: 0.0}
         for round_index in range(args.rounds):
             rates = {}
             for schema in (False, True) if round_index % 2 == 0 else (True, False):
-                result = bench(url, metrics_url, work / f"r{round_index}-{schema}", args, args.concurrency, schema)
+                out = work / f"r{round_index}-{schema}"
+                result = bench(url, metrics_url, out, args, args.concurrency, schema, seed=2 * round_index + schema)
                 report = result["report"]
                 assert report["num_failed"] == 0, report
                 rates[schema] = report["output_tokens_per_s"]
@@ -76,7 +80,7 @@ def main() -> int:
         at_once = argparse.Namespace(
             **{**vars(args), "num_requests": args.share_concurrency, "output_len": args.share_output_len}
         )
-        shared = bench(url, metrics_url, work / "share", at_once, args.share_concurrency, True)
+        shared = bench(url, metrics_url, work / "share", at_once, args.share_concurrency, True, seed=1001)
         share = shared["server"].get("grammar_mask_share")
         print(
             f"{args.share_concurrency} constrained requests at once: masks {100 * share:.1f}% of the worker's step time"

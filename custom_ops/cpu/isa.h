@@ -5,7 +5,7 @@
 
 namespace bs {
 
-// Bits of the `isa` attribute of every op (0 forces AVX2); gpu_worker/custom_ops.py names the same bits.
+// Bits of the `isa` attribute of every op (0 forces AVX2); worker/kernels/cpu_isa.py names the same bits.
 enum IsaBits : int { kAllowAvx512 = 1, kAllowAvx512Bf16 = 2, kAllowAvx512Vnni = 4 };
 
 struct Isa {

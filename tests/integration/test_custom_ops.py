@@ -19,11 +19,11 @@ import pytest
 import worker.kernels.selection as kernels_module
 from service.contract import wire
 from tests.support.api_peer import ApiPeer
+from tests.support.isa_kernels import ISA_CAPS, custom_kernels_on
 from tests.support.numerics import attention_config, bf16_rounded
 from tests.support.processes import ROOT, loopback_env, metric_samples, start, stop_all
 from worker.attention.reference import PagedAttentionBackend
 from worker.inputs.step_inputs import RequestState, build_step_inputs
-from worker.kernels.cpu_isa import cpu_features
 from worker.kernels.cpu_ops import load_ops
 from worker.kernels.op_build import CustomOpsUnavailable
 from worker.kernels.reference import PaddleKernels
@@ -34,15 +34,11 @@ from worker.sample.sampler import Sampler
 MAX_POSITIONS = 1024
 
 
-@pytest.fixture(scope="module", params=["avx2", "avx512", "all"])
+@pytest.fixture(scope="module", params=ISA_CAPS)
 def custom(request):
     """The custom kernels on one instruction set: AVX2 forced, AVX-512F alone, or AVX-512 with AVX512-BF16
     (its kernel set scores a bf16 cache's keys with vdpbf16ps), each where the CPU has it."""
-    if request.param != "avx2" and "avx512f" not in cpu_features():
-        pytest.skip("this CPU has no AVX-512F")
-    if request.param == "all" and "avx512_bf16" not in cpu_features():
-        pytest.skip("this CPU has no AVX512-BF16")
-    kernels = select_kernels("custom", isa_cap=request.param).kernels
+    kernels = custom_kernels_on(request.param)
     assert kernels.name == "custom" and kernels.isa.avx512 == (request.param != "avx2")
     assert kernels.isa.bf16 == (request.param == "all")
     return kernels

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import paddle
 
 from service.contract import wire
@@ -13,6 +15,8 @@ from service.contract.limits import sampling_problem
 from worker.inputs.model_inputs import ModelInputs
 from worker.inputs.step_inputs import RequestState, StepError, StepInputs, build_step_inputs, fill_pending_tokens
 from worker.layers.row_gather import take_rows
+from worker.sample.grammar import GrammarMatchers, GrammarRefused
+from worker.sample.token_mask import TokenMask
 from worker.startup import assemble_worker
 
 log = logging.getLogger(__name__)
@@ -35,6 +39,8 @@ class LaunchedStep:
     logits: paddle.Tensor | None = None  # None: nothing to sample
     error: str | None = None
     model_inputs: ModelInputs | None = None
+    mask: TokenMask | None = None  # the grammar masks of its constrained sampling rows
+    mask_s: float = 0.0  # filling them
 
 
 class ModelRunner:
@@ -54,6 +60,7 @@ class ModelRunner:
         self.clock = parts.clock
         self.kernels = parts.reported
         self.requests: dict[str, RequestState] = {}
+        self.grammars = GrammarMatchers(self.model_info)
         # Requests refused for their own parameters, and why: never computed (no token; each result that skips
         # one says why, and the scheduler ends it alone with that reason), until the scheduler says they finished.
         self.refused_requests: dict[str, str] = {}
@@ -100,7 +107,11 @@ class ModelRunner:
                 state.awaiting_token = True
             logits = self.model.compute_logits(_sampling_rows(hidden, inputs.logits_indices))
             self.clock.launched()
-            return LaunchedStep(prepared, logits, model_inputs=model_inputs)
+            # The masks fill while the device computes (on a GPU these kernels are only queued).
+            started = time.perf_counter()
+            mask = self._grammar_mask(inputs.sampling_requests)
+            mask_s = time.perf_counter() - started if mask is not None else 0.0
+            return LaunchedStep(prepared, logits, model_inputs=model_inputs, mask=mask, mask_s=mask_s)
         except Exception as exc:
             log.exception("step %d failed", prepared.step.step_id)
             return LaunchedStep(prepared, error=f"{type(exc).__name__}: {exc}")
@@ -112,13 +123,26 @@ class ModelRunner:
         sampling = prepared.inputs.sampling_requests if prepared.inputs is not None else []
         try:
             if error is None and launched.logits is not None:
-                draw = self.sampler.draw(launched.logits, sampling)
+                mask = launched.mask
+                draw = self.sampler.draw(launched.logits, sampling, mask)
+                mask_s = launched.mask_s + draw.mask_s
                 self.step_inputs.record(launched.model_inputs, draw.tokens)
                 sampled = draw.fetch()  # waits for the device: the step's one copy to the host
                 self.clock.finished()
                 for state, token in zip(sampling, sampled):
                     state.token_ids.append(token.token_id)
-                return wire.StepResult(step_id=step_id, sampled=sampled, refused=self._refusals(prepared.step))
+                if mask is not None:
+                    started = time.perf_counter()
+                    for row in mask.rows:
+                        self.grammars.advance(sampling[row].matcher, sampled[row].token_id, sampled[row].request_id)
+                    mask_s += time.perf_counter() - started
+                return wire.StepResult(
+                    step_id=step_id,
+                    sampled=sampled,
+                    refused=self._refusals(prepared.step),
+                    grammar_mask_s=mask_s,
+                    num_constrained=0 if mask is None else len(mask.rows),
+                )
         except Exception as exc:
             log.exception("step %d failed", step_id)
             error = f"{type(exc).__name__}: {exc}"
@@ -128,6 +152,14 @@ class ModelRunner:
         if error:
             return wire.StepResult(step_id=step_id, error=error)
         return wire.StepResult(step_id=step_id, refused=self._refusals(prepared.step))
+
+    def _grammar_mask(self, sampling: list[RequestState]) -> TokenMask | None:
+        """The masks of the constrained rows among `sampling`, or None where no row is constrained."""
+        rows = [row for row, state in enumerate(sampling) if state.matcher is not None]
+        if not rows:
+            return None
+        bitmask = self.grammars.fill([sampling[row].matcher for row in rows])
+        return TokenMask(np.array(rows, dtype=np.int64), bitmask)
 
     def _refusals(self, step: wire.SchedulerOutput) -> dict[str, str]:
         """Why each refused request of `step` goes without a token."""
@@ -162,6 +194,12 @@ class ModelRunner:
                 log.warning("refused request %s: %s", new.request_id, problem)
                 self.refused_requests[new.request_id] = problem
                 continue
+            try:
+                matcher = self._matcher(new)
+            except GrammarRefused as exc:
+                log.warning("refused request %s: %s", new.request_id, exc)
+                self.refused_requests[new.request_id] = str(exc)
+                continue
             state = RequestState(
                 request_id=new.request_id,
                 token_ids=list(new.token_ids),
@@ -169,6 +207,7 @@ class ModelRunner:
                 sampling=new.sampling,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                matcher=matcher,
             )
             self.requests[new.request_id] = state
             scheduled.append((state, new.num_scheduled_tokens))
@@ -181,6 +220,12 @@ class ModelRunner:
             state.block_ids.extend(running.new_block_ids)
             scheduled.append((state, running.num_scheduled_tokens))
         return [(state, count) for state, count in scheduled if count > 0]
+
+    def _matcher(self, new: wire.NewRequest):
+        """The request's grammar matcher at its output so far (a resumed request replays it), or None."""
+        if new.sampling.grammar is None:
+            return None
+        return self.grammars.start(new.sampling.grammar, list(new.token_ids[new.num_prompt_tokens :]))
 
 
 def _sampling_rows(hidden: paddle.Tensor, logits_indices) -> paddle.Tensor:

@@ -139,7 +139,7 @@ def assemble_worker(settings: Settings) -> WorkerParts:
         kv_cache=kv_cache,
         attention=attention,
         step_inputs=step_inputs,
-        sampler=Sampler(argmax=kernels.argmax_rows, sample_rows=kernels.sample_rows),
+        sampler=Sampler(argmax=kernels.argmax_rows, sample_rows=kernels.sample_rows, mask_rows=kernels.mask_rows),
         clock=ComputeClock(gpu_event if device != "cpu" else None),
         reported=reported,
     )

@@ -20,6 +20,7 @@ from service.api.body_limit import BodyLimitMiddleware
 from service.api.context import ApiContext, get_context
 from service.api.engines import EngineSet, NotReady
 from service.api.errors import ApiError, install_error_handlers
+from service.api.grammar_cache import GrammarCache
 from service.api.metrics import ApiMetrics, MetricsMiddleware
 from service.api.openapi import errors, install_openapi
 from service.api.protocol import ChatCompletionChunk, CompletionResponse, Health, ModelCard, ModelList, Readiness
@@ -53,10 +54,15 @@ def create_app(settings: Settings) -> FastAPI:
             on_engines_changed=metrics.on_engines_changed,
         )
         await client.start()
-        app.state.context = ApiContext(client, TenantResolver(settings))
+        grammars = GrammarCache(
+            on_compiled=lambda kind, seconds: metrics.grammar_compile.labels(kind).observe(seconds),
+            on_request=lambda kind: metrics.constrained_requests.labels(kind).inc(),
+        )
+        app.state.context = ApiContext(client, TenantResolver(settings), grammars)
         try:
             yield
         finally:
+            grammars.close()
             await client.close()
 
     app = FastAPI(title="blockserve", summary="OpenAI-compatible LLM inference", lifespan=lifespan)

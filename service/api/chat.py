@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from service.api.choice import ChoicePiece
 from service.api.context import ApiContext, get_context
 from service.api.errors import ApiError
-from service.api.generation import Generation, choice_specs, unless_disconnected
+from service.api.generation import ChoiceResult, Generation, choice_specs, unless_disconnected
 from service.api.logprobs import chat_logprobs
 from service.api.openapi import generation_responses
 from service.api.protocol import (
@@ -23,10 +23,14 @@ from service.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    FunctionCall,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
 from service.api.served_model import ServedModel
 from service.api.sse import sse_event, sse_response
+from service.api.tools import ParsedCall, ToolCallStream, parse_hermes
 
 router = APIRouter()
 
@@ -43,13 +47,17 @@ async def create_chat_completion(
     model.check_token_ids(list(body.logit_bias_ids()), "logit_bias")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs to be true.", param="top_logprobs")
+    grammar = await context.grammars.for_request(body)
     messages = [message.template_dict() for message in body.messages]
-    prompt = await asyncio.to_thread(model.encode_chat, messages)  # off the event loop: it may be long
+    tools = body.tool_dicts() if body.calls_tools() else None
+    prompt = await asyncio.to_thread(model.encode_chat, messages, tools)  # off the event loop: it may be long
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = model.check_fits(len(prompt), requested)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    specs = choice_specs(response_id, body, [(prompt, max_tokens)], logprobs, context.tenant_of(request, body.user))
+    specs = choice_specs(
+        response_id, body, [(prompt, max_tokens)], logprobs, context.tenant_of(request, body.user), grammar
+    )
     generation = Generation(context.client, model, specs, body.stop_strings())
     if body.stream:
         pieces = await generation.started(request)
@@ -58,17 +66,30 @@ async def create_chat_completion(
     return ChatCompletionResponse(
         id=response_id,
         model=model.name,
-        choices=[
-            ChatChoice(
-                index=result.index,
-                message=AssistantMessage(content=result.text),
-                logprobs=chat_logprobs(model, result.logprobs) if body.logprobs else None,
-                finish_reason=result.finish_reason,
-            )
-            for result in results
-        ],
+        choices=[_choice(body, model, result) for result in results],
         usage=Usage.of(len(prompt), sum(result.num_output_tokens for result in results)),
     )
+
+
+def _choice(body: ChatCompletionRequest, model: ServedModel, result: ChoiceResult) -> ChatChoice:
+    """A whole choice: its text, or (with tools) its text outside the calls and the calls, with finish_reason
+    tool_calls where there are any."""
+    message, finish_reason = AssistantMessage(content=result.text), result.finish_reason
+    if body.calls_tools():
+        content, calls = parse_hermes(result.text, {tool.function.name for tool in body.tools or []})
+        if calls:
+            message = AssistantMessage(content=content, tool_calls=[_tool_call(call) for call in calls])
+            finish_reason = "tool_calls"
+    return ChatChoice(
+        index=result.index,
+        message=message,
+        logprobs=chat_logprobs(model, result.logprobs) if body.logprobs else None,
+        finish_reason=finish_reason,
+    )
+
+
+def _tool_call(call: ParsedCall) -> ToolCall:
+    return ToolCall(id=call.id, type="function", function=FunctionCall(name=call.name, arguments=call.arguments))
 
 
 async def _chunks(
@@ -87,14 +108,27 @@ async def _chunks(
     for index in range(body.n):
         yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
     num_output_tokens = [0] * body.n
+    names = {tool.function.name for tool in body.tools or []}
+    streams = [ToolCallStream(names) for _ in range(body.n)] if body.calls_tools() else None
     async with aclosing(pieces):
         async for piece in pieces:
             num_output_tokens[piece.index] = piece.num_output_tokens
+            text, calls, finish_reason = piece.text, [], piece.finish_reason
+            if streams is not None:
+                text = streams[piece.index].feed(text)
+                if finish_reason is not None:
+                    tail, calls = streams[piece.index].finish()
+                    text += tail
+                    finish_reason = "tool_calls" if calls else finish_reason
+            deltas = [
+                ToolCallDelta(index=i, id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                for i, call in enumerate(calls)
+            ]
             choice = ChatChunkChoice(
                 index=piece.index,
-                delta=ChatDelta(content=piece.text or None),
+                delta=ChatDelta(content=text or None, tool_calls=deltas or None),
                 logprobs=chat_logprobs(model, piece.logprobs) if body.logprobs else None,
-                finish_reason=piece.finish_reason,
+                finish_reason=finish_reason,
             )
             yield chunk([choice])
     if include_usage:

@@ -55,8 +55,10 @@ def render_chat(
     bos_token: str = "",
     eos_token: str = "",
     add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> str:
-    """The prompt text for `messages`, ending with the assistant's turn opener."""
+    """The prompt text for `messages`, ending with the assistant's turn opener; `tools` for a template that renders
+    them."""
     template = compile_template(source)
 
     def render(some_messages: list[dict[str, object]]) -> str:
@@ -65,6 +67,7 @@ def render_chat(
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
+            tools=tools,
         )
 
     try:

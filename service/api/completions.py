@@ -32,11 +32,12 @@ async def create_completion(body: CompletionRequest, request: Request, context: 
     model.check_token_ids(list(body.logit_bias_ids()), "logit_bias")
     if body.echo and body.logprobs is not None:
         raise ApiError(400, "echo together with logprobs is not supported.", param="echo")
+    grammar = await context.grammars.for_request(body)
     prompts = await asyncio.to_thread(prompt_token_ids, model, body.prompt)  # off the event loop: it may be long
     max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
     budgets = [(prompt, model.check_fits(len(prompt), max_tokens)) for prompt in prompts]
     response_id = f"cmpl-{uuid.uuid4().hex}"
-    specs = choice_specs(response_id, body, budgets, body.logprobs, context.tenant_of(request, body.user))
+    specs = choice_specs(response_id, body, budgets, body.logprobs, context.tenant_of(request, body.user), grammar)
     generation = Generation(context.client, model, specs, body.stop_strings())
     echoes = [""] * len(specs)
     if body.echo:

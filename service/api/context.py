@@ -8,6 +8,7 @@ from fastapi import Request
 
 from service.api.engines import EngineSet
 from service.api.errors import ApiError
+from service.api.grammar_cache import GrammarCache
 from service.api.served_model import ServedModel
 from service.api.tenants import TenantResolver
 from service.contract.wire import ModelInfo
@@ -16,9 +17,10 @@ log = logging.getLogger(__name__)
 
 
 class ApiContext:
-    def __init__(self, client: EngineSet, tenant_of: TenantResolver) -> None:
+    def __init__(self, client: EngineSet, tenant_of: TenantResolver, grammars: GrammarCache | None = None) -> None:
         self.client = client
         self.tenant_of = tenant_of
+        self.grammars = GrammarCache() if grammars is None else grammars
         self._built_from: ModelInfo | None = None
         self._model: ServedModel | None = None
 

@@ -57,13 +57,15 @@ def choice_specs(
     prompts: list[tuple[list[int], int]],
     logprobs: int | None,
     tenant: tuple[str, float] = (DEFAULT_TENANT, 1.0),
+    grammar: str | None = None,
 ) -> list[ChoiceSpec]:
-    """`body.n` choices for each (prompt token ids, max_tokens); indexes run prompt by prompt."""
+    """`body.n` choices for each (prompt token ids, max_tokens), each constrained by `grammar` if given; indexes run
+    prompt by prompt."""
     specs = []
     for prompt_index, (prompt_token_ids, max_tokens) in enumerate(prompts):
         for choice in range(body.n):
             index = prompt_index * body.n + choice
-            sampling = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs, choice=choice)
+            sampling = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs, choice=choice, grammar=grammar)
             specs.append(ChoiceSpec(index, f"{request_id}-{index}", prompt_token_ids, sampling, body.priority, tenant))
     return specs
 

@@ -14,7 +14,10 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.api.constraints import KINDS
+
 UNMATCHED_ROUTE = "unmatched"
+COMPILE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -65,6 +68,23 @@ class ApiMetrics:
             "for an open request of this replica)",
             registry=self.registry,
         )
+        self.constrained_requests = Counter(
+            "blockserve_api_constrained_requests",
+            "Requests whose output a grammar constrains, by what gave it: json_schema, json_object, regex, choice, "
+            "grammar",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.grammar_compile = Histogram(
+            "blockserve_api_grammar_compile_seconds",
+            "Time to build and check a constraint's grammar (the compiled-grammar cache's misses), by kind",
+            ["kind"],
+            buckets=COMPILE_BUCKETS_S,
+            registry=self.registry,
+        )
+        for kind in KINDS:
+            self.constrained_requests.labels(kind)
+            self.grammar_compile.labels(kind)
         self.malformed_frames = Counter(
             "blockserve_api_malformed_frames",
             "Frames from the scheduler dropped as malformed, unknown or of another protocol version",

@@ -10,7 +10,7 @@ valid Unicode: a lone surrogate (`"\\ud800"` in JSON) is rejected before it reac
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,6 +23,16 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from service.api.constraints import (
+    ANY_JSON_OBJECT,
+    Constraint,
+    ConstraintError,
+    canonical_json,
+    choice_constraint,
+    json_schema_constraint,
+    only_one,
+)
+from service.api.tools import tool_call_constraint
 from service.contract import limits
 from service.contract.limits import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from service.contract.wire import SamplingParams
@@ -88,6 +98,66 @@ class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
+JsonSchemaValue = Annotated[dict[str, Any] | str, Field(description="A JSON Schema: an object, or its JSON text")]
+ChoiceList = Annotated[list[str], Field(min_length=1)]
+
+
+class ResponseFormatText(StrictRequest):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(StrictRequest):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(StrictRequest):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="The JSON Schema the reply follows")
+    strict: bool | None = Field(None, description="Accepted; the schema is always enforced")
+
+
+class ResponseFormatJsonSchema(StrictRequest):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema, Field(discriminator="type")
+]
+
+
+class StructuredOutputs(StrictRequest):
+    """vLLM's structured_outputs: exactly one of these."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    json_: JsonSchemaValue | None = Field(None, alias="json")
+    regex: NonEmptyText | None = None
+    choice: ChoiceList | None = None
+    grammar: NonEmptyText | None = Field(None, description="A Lark grammar, or GBNF (llama.cpp's EBNF)")
+    json_object: bool | None = None
+
+    def constraint(self) -> Constraint | None:
+        param = "structured_outputs"
+        found = []
+        if self.json_ is not None:
+            found.append(json_schema_constraint(self.json_, f"{param}.json"))
+        if self.regex is not None:
+            found.append(Constraint("regex", f"{param}.regex", self.regex))
+        if self.choice is not None:
+            found.append(choice_constraint(self.choice, f"{param}.choice"))
+        if self.grammar is not None:
+            found.append(Constraint("grammar", f"{param}.grammar", self.grammar))
+        if self.json_object:
+            found.append(Constraint("json_object", f"{param}.json_object", canonical_json(ANY_JSON_OBJECT)))
+        if not found:
+            raise ConstraintError(f"'{param}' names no constraint: give one of json, regex, choice, grammar.", param)
+        return only_one(found)
+
+
 class GenerationRequest(StrictRequest):
     """The parameters /v1/completions and /v1/chat/completions share."""
 
@@ -121,6 +191,14 @@ class GenerationRequest(StrictRequest):
         max_length=limits.MAX_TENANT_CHARS,
         description="The end user (OpenAI's field); names the request's tenant when its API key does not",
     )
+    response_format: ResponseFormat | None = Field(
+        None, description="OpenAI's: text, json_object (any JSON object), or json_schema (a reply that follows it)"
+    )
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's constraints on the output")
+    guided_json: JsonSchemaValue | None = Field(None, description="vLLM's older name of structured_outputs.json")
+    guided_regex: NonEmptyText | None = Field(None, description="vLLM's older name of structured_outputs.regex")
+    guided_choice: ChoiceList | None = Field(None, description="vLLM's older name of structured_outputs.choice")
+    guided_grammar: NonEmptyText | None = Field(None, description="vLLM's older name of structured_outputs.grammar")
 
     _shared_integers = field_validator("n", "top_k", "seed", "stop_token_ids", "priority", mode="before")(whole_numbers)
 
@@ -137,6 +215,30 @@ class GenerationRequest(StrictRequest):
             )
         return data
 
+    def constraint(self) -> Constraint | None:
+        """The one constraint on the output, if any; ConstraintError naming the fields if there are two."""
+        return only_one(self.constraints())
+
+    def constraints(self) -> list[Constraint]:
+        """Every constraint the request's fields ask for."""
+        found = []
+        if isinstance(self.response_format, ResponseFormatJsonObject):
+            found.append(Constraint("json_object", "response_format", canonical_json(ANY_JSON_OBJECT)))
+        elif isinstance(self.response_format, ResponseFormatJsonSchema):
+            schema = self.response_format.json_schema.schema_
+            found.append(json_schema_constraint(schema, "response_format.json_schema.schema"))
+        if self.structured_outputs is not None:
+            found.append(self.structured_outputs.constraint())
+        if self.guided_json is not None:
+            found.append(json_schema_constraint(self.guided_json, "guided_json"))
+        if self.guided_regex is not None:
+            found.append(Constraint("regex", "guided_regex", self.guided_regex))
+        if self.guided_choice is not None:
+            found.append(choice_constraint(self.guided_choice, "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append(Constraint("grammar", "guided_grammar", self.guided_grammar))
+        return found
+
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -148,7 +250,9 @@ class GenerationRequest(StrictRequest):
     def logit_bias_ids(self) -> dict[int, float]:
         return {int(token_id): bias for token_id, bias in (self.logit_bias or {}).items()}
 
-    def sampling_params(self, *, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+    def sampling_params(
+        self, *, max_tokens: int, logprobs: int | None, choice: int, grammar: str | None = None
+    ) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -163,6 +267,7 @@ class GenerationRequest(StrictRequest):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             logit_bias=self.logit_bias_ids(),
+            grammar=grammar,
         )
 
 
@@ -278,6 +383,27 @@ ChatMessage = Annotated[
 ]
 
 
+class FunctionDefinition(StrictRequest):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema of the arguments")
+    strict: bool | None = Field(None, description="Accepted; a constrained call always follows parameters")
+
+
+class ChatTool(StrictRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictRequest):
+    name: str
+
+
+class NamedToolChoice(StrictRequest):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions."""
 
@@ -296,10 +422,35 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="Default: what is left of the context")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Annotated[list[ChatTool], Field(min_length=1)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="auto (with tools; the default): the reply's calls are parsed; required, or a named function: "
+        "the reply is calls, by grammar; none: no calls",
+    )
+    parallel_tool_calls: bool | None = Field(None, description="Whether a required reply may hold several calls")
 
     _chat_integers = field_validator("max_tokens", "max_completion_tokens", "top_logprobs", mode="before")(
         whole_numbers
     )
+
+    def tool_dicts(self) -> list[dict]:
+        return [tool.model_dump(exclude_none=True, by_alias=True) for tool in self.tools or []]
+
+    def calls_tools(self) -> bool:
+        """Whether the reply is parsed for tool calls: tools given, and tool_choice not none."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def constraints(self) -> list[Constraint]:
+        """The generation's constraints, and the grammar of calls that tool_choice required or named asks for."""
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ConstraintError("tool_choice needs tools.", "tool_choice")
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ConstraintError("Each function of tools needs a name of its own.", "tools")
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        calls = tool_call_constraint(self.tool_dicts(), choice, self.parallel_tool_calls is not False)
+        return [*super().constraints(), *([calls] if calls is not None else [])]
 
 
 # ---------------------------------------------------------------- responses
@@ -361,7 +512,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -380,9 +532,19 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(BaseModel):
+    """A whole tool call in a streamed delta (OpenAI's clients join deltas by `index`)."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_empty(self, handler):  # a delta carries only what changed

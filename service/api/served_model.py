@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, decoders
 
 from service.api.chat_template import ChatTemplateError, render_chat
 from service.api.errors import ApiError
+from service.api.tools import template_renders_tools, with_tool_preamble
 from service.contract.wire import ModelInfo
 
 
@@ -45,13 +46,17 @@ class ServedModel:
             return [bos, *token_ids]  # unless the text (a rendered chat template) already starts with it
         return token_ids
 
-    def encode_chat(self, messages: list[dict[str, object]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, object]], tools: list[dict] | None = None) -> list[int]:
+        """The prompt of a chat; `tools` rendered by the template, or else described in a system preamble."""
         if not self.info.chat_template:
             raise ApiError(400, "This model has no chat template; use /v1/completions.", param="messages")
+        if tools and not template_renders_tools(self.info.chat_template):
+            messages, tools = with_tool_preamble(messages, tools), None
         try:
             text = render_chat(
                 self.info.chat_template,
                 messages,
+                tools=tools,
                 bos_token=self._special_token(self.info.bos_token_id),
                 eos_token=self._special_token(self.info.eos_token_ids[0] if self.info.eos_token_ids else None),
             )

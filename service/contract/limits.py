@@ -23,6 +23,7 @@ MAX_ABS_PRIORITY = 2**31 - 1  # priorities lie in [-MAX_ABS_PRIORITY, MAX_ABS_PR
 MAX_BLOCK_SIZE = 1024
 MAX_TENANT_CHARS = 256  # a tenant's name (an API key's tenant, OpenAI's `user`, a gateway's header)
 MAX_TENANT_WEIGHT = 1e6
+MAX_GRAMMAR_CHARS = 256 * 1024  # a constrained request's grammar (a JSON schema, regex, choices or Lark text)
 
 
 def _in_range(value: float, low: float, high: float, low_open: bool) -> bool:
@@ -54,6 +55,11 @@ def sampling_problem(sampling: wire.SamplingParams, vocab_size: int | None) -> s
         return f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}]; got {sampling.logprobs}"
     if vocab_size is not None and not all(0 <= token_id < vocab_size for token_id in sampling.stop_token_ids):
         return f"stop token ids must lie in [0, {vocab_size})"
+    if sampling.grammar is not None:
+        if not 0 < len(sampling.grammar) <= MAX_GRAMMAR_CHARS:
+            return f"a grammar has 1 to {MAX_GRAMMAR_CHARS} characters; got {len(sampling.grammar)}"
+        if sampling.ignore_eos:
+            return "ignore_eos cannot go with a grammar: the grammar decides where the output may end"
     for token_id, bias in sampling.logit_bias.items():
         if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
             return f"logit_bias token ids must lie in [0, {vocab_size or 'the vocabulary size'}); got {token_id}"

@@ -19,7 +19,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 DEFAULT_TENANT = "default"  # whose a request is when nothing names a tenant
 
 
@@ -43,6 +43,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # None = no logprobs; k = chosen token's plus top-k
     logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling
+    # An llguidance grammar the output must match (service/api/constraints.py builds it): None = unconstrained.
+    grammar: str | None = None
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -231,6 +233,8 @@ class StepResult(Message, tag="step_result"):
     error: str | None = None
     compute_s: float = 0.0  # how long the worker computed the step (what the scheduler learns step costs from)
     refused: dict[str, str] = {}  # request id -> why the worker computes it not (its parameters): no token for it
+    grammar_mask_s: float = 0.0  # of compute_s: filling and applying the grammar masks of constrained rows
+    num_constrained: int = 0  # rows of the step sampled under a grammar
 
 
 class Ping(Message, tag="ping"):

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from service.contract.wire import DEFAULT_TENANT
+from service.contract.wire import DEFAULT_TENANT, StepResult
 from service.scheduler.batch_histogram import BatchHistogram
 from service.scheduler.counters import SchedulerCounters, TenantTotals
 from service.scheduler.outcome import StepOutcome
@@ -290,6 +290,22 @@ class SchedulerMetrics:
             "blockserve_schedule_duration_seconds", "Time the scheduler takes to decide one step.", STEP_BUCKETS_S
         )
         self.batch_tokens = histogram("blockserve_batch_tokens", "Tokens computed in one step.", BATCH_TOKEN_BUCKETS)
+        self.grammar_mask = histogram(
+            "blockserve_grammar_mask_seconds",
+            "Worker time per step with grammar-constrained rows spent on their masks: filling, applying, advancing "
+            "the matchers (its share of a step: against blockserve_worker_compute_seconds).",
+            STEP_BUCKETS_S,
+        )
+        self.worker_compute = histogram(
+            "blockserve_worker_compute_seconds",
+            "Worker time per step with grammar-constrained rows, all of it (the denominator of the mask's share).",
+            STEP_BUCKETS_S,
+        )
+        self.constrained_rows = histogram(
+            "blockserve_grammar_constrained_rows",
+            "Grammar-constrained rows per step that has any.",
+            BATCH_TOKEN_BUCKETS,
+        )
         self.auth_failures = Counter(
             "blockserve_auth_failures",
             "CURVE handshakes refused (unknown client key), by socket: api or worker.",
@@ -379,3 +395,10 @@ class SchedulerMetrics:
 
     def on_step(self, step_s: float) -> None:
         self.step.labels(self.get_model_name()).observe(step_s)
+
+    def on_grammar_masks(self, result: StepResult) -> None:
+        """A worker's step result with constrained rows: the masks' time, the step's, and how many rows."""
+        model = self.get_model_name()
+        self.grammar_mask.labels(model).observe(result.grammar_mask_s)
+        self.worker_compute.labels(model).observe(result.compute_s)
+        self.constrained_rows.labels(model).observe(result.num_constrained)

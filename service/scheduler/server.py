@@ -425,6 +425,8 @@ class SchedulerServer:
         self._keep_cache_events(outcome)
         self.step_ended_at.append(now)
         self.metrics.on_step(now - self.step_sent_at.pop(result.step_id))
+        if result.num_constrained:
+            self.metrics.on_grammar_masks(result)
         failure = self._maybe_step(now)  # the next step first: the worker must not wait for the fan-out
         self._deliver(outcome)
         if failure is not None:  # its closing deltas follow the tokens the step gave

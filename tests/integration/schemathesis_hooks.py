@@ -9,6 +9,13 @@ many tokens a text makes, no schema can say). An invalid request keeps its text:
 what makes it invalid. For the same reason a valid prompt text the model cannot spell at all (SmolLM2's
 vocabulary has no token for some control bytes, such as \x06: the text makes no tokens, and the server
 answers 400 "The prompt is empty", as transformers' tokenizer and vLLM would) gets one letter more.
+
+Constraints likewise: whether a generated regex, grammar or JSON Schema can be enforced, no schema can say (the
+server answers 400 naming the field, and the document lists that 400), nor does the document state that a request
+names at most one constraint, and none with `ignore_eos`. A valid request keeps its first constraint field, with a
+value of the same kind the server can enforce, and drops the others. Tools as well: each gets a name of its own and
+parameters the server can enforce, a named tool_choice names the first of them, and a tool_choice that asks for calls
+comes with a tool and without another constraint.
 """
 
 from __future__ import annotations
@@ -31,6 +38,49 @@ MAX_TEXT_CHARS = 24
 MAX_PROMPT_TOKEN_IDS = 64
 
 
+# The first constraint field a valid request names keeps its kind, with a value the server can enforce.
+SERVABLE_CONSTRAINTS = {
+    "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}},
+    "structured_outputs": {"regex": "[ab]{1,3}"},
+    "guided_json": {"type": "boolean"},
+    "guided_regex": "[0-9]{1,2}",
+    "guided_choice": ["yes", "no"],
+    "guided_grammar": 'start: "x" | "y"',
+}
+
+
+def _one_servable_constraint(body: dict) -> None:
+    named = [field for field in SERVABLE_CONSTRAINTS if body.get(field) is not None]
+    text = body.get("response_format")
+    if named == ["response_format"] and isinstance(text, dict) and text.get("type") == "text":
+        return
+    for index, field in enumerate(named):
+        if index == 0:
+            body[field] = SERVABLE_CONSTRAINTS[field]
+            body["ignore_eos"] = False
+        else:
+            del body[field]
+
+
+def _servable_tools(body: dict) -> None:
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        for index, tool in enumerate(tools):
+            if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
+                tool["function"]["name"] = f"f{index}"
+                tool["function"]["parameters"] = {"type": "object"}
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none"):
+        return
+    if not isinstance(tools, list) or not tools:
+        body["tools"] = [{"type": "function", "function": {"name": "f0"}}]
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        choice["function"]["name"] = "f0"
+    for field in SERVABLE_CONSTRAINTS:
+        body.pop(field, None)
+    body["ignore_eos"] = False
+
+
 @schemathesis.hook
 def before_call(context, case, kwargs) -> None:
     body = case.body
@@ -45,6 +95,8 @@ def before_call(context, case, kwargs) -> None:
         body["max_tokens"] = MAX_NEW_TOKENS  # the defaults: 16 tokens, or a chat's whole remaining context
     if case.meta is not None and case.meta.generation.mode.is_negative:
         return
+    _one_servable_constraint(body)
+    _servable_tools(body)
     if "prompt" in body:
         body["prompt"] = _spelled(_shortened(body["prompt"]))
     if isinstance(body.get("messages"), list):

@@ -460,3 +460,24 @@ def test_a_corrupt_cached_build_is_rebuilt_once_and_only_a_failed_rebuild_falls_
     finally:
         peer.close()
         stop_all(processes)
+
+
+@pytest.mark.parametrize("rows, width, masked", [(1, 49152, [0]), (6, 1000, [1, 4, 5]), (3, 37, [0, 1, 2])])
+def test_mask_rows_forbids_what_the_bits_forbid_as_the_paddle_path_does(custom, rows, width, masked):
+    from worker.sample.token_mask import TokenMask, allowed_tokens
+
+    rng = np.random.default_rng(width)
+    logits = rng.standard_normal((rows, width), dtype=np.float32)
+    words = (width + 31) // 32
+    bitmask = rng.integers(-(2**31), 2**31, size=(len(masked), words), dtype=np.int64).astype(np.int32)
+    bitmask[0, : words // 2] = 0  # a run of forbidden words, and one of words that allow all
+    bitmask[-1, words // 2 :] = -1
+    mask = TokenMask(np.array(masked, dtype=np.int64), bitmask)
+
+    ours = custom.mask_rows(tensor(logits), mask).numpy()
+    np.testing.assert_array_equal(ours, PaddleKernels().mask_rows(tensor(logits), mask).numpy())
+    expected = logits.copy()
+    expected[masked] = np.where(allowed_tokens(bitmask, width), logits[masked], -np.inf)
+    np.testing.assert_array_equal(ours, expected)
+    with pytest.raises(Exception):
+        custom.mask_rows(tensor(logits), TokenMask(np.array([rows], dtype=np.int64), bitmask[:1]))

@@ -43,3 +43,22 @@ def test_requests_decode_greedily_unless_given_sampling_fields():
     assert (sampled["temperature"], sampled["top_p"], sampled["top_k"]) == (0.7, 0.9, 40)
     assert sampled["prompt"] == [5, 6, 7] and sampled["max_tokens"] == 3 and sampled["stream"] is True
     assert timing.ok and timing.completion_tokens == 3 and len(timing.token_times_s) == 3
+
+
+def test_a_json_schema_goes_with_every_request_as_response_format_and_lets_eos_end_it(tmp_path):
+    import argparse
+
+    from service.tools.bench.command import add_arguments, ignores_eos, sampling_fields
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for given in (json.dumps(schema), f"@{tmp_path / 'schema.json'}"):
+        args = parser.parse_args(["--json-schema", given])
+        fields = sampling_fields(args)
+        assert fields["response_format"]["type"] == "json_schema"
+        assert fields["response_format"]["json_schema"]["schema"] == schema
+        assert not ignores_eos(args)
+    plain = parser.parse_args([])
+    assert "response_format" not in sampling_fields(plain) and ignores_eos(plain)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +28,7 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     awaiting_token: bool = False  # a step in flight samples its next token (inputs built ahead leave it pending)
+    matcher: Any = None  # its grammar's llguidance matcher, at its tokens so far (sample/grammar.py); None: free
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,11 @@ class CustomKernels:
         sample/paddle_draw.py does."""
         return self.ops.bs_sample_rows(logits, paddle.to_tensor(params, dtype="float64"), self.isa.bits)
 
+    def mask_rows(self, logits, mask):
+        """NumPy's unpacking and Paddle's where took ~21 ms for 64 rows of SmolLM2's 49152 logits, about three
+        copies' time; bs_mask_rows reads the packed bits in one pass."""
+        return self.ops.bs_mask_rows(logits, paddle.to_tensor(mask.bitmask), paddle.to_tensor(mask.rows))
+
     def attention_problem(self, config: ModelConfig) -> str | None:
         if config.head_dim % 16:  # the attention kernel works on whole AVX-512 vectors of a head
             return f"head_dim {config.head_dim} is not a multiple of 16"

@@ -14,7 +14,7 @@ from worker.attention.custom_kernels import variation_problem
 from worker.kernels.cpu import CustomKernels
 from worker.kernels.cpu_isa import IsaSet
 from worker.models.config import ModelConfig
-from worker.sample import paddle_draw
+from worker.sample import paddle_draw, token_mask
 
 MAX_HEAD_DIM = 256  # custom_ops/gpu/attention_kernels.cuh: kMaxHeadDim, kMaxRows, 16-byte rows
 MAX_GROUP = 32
@@ -50,3 +50,7 @@ class CudaKernels(CustomKernels):
 
     def sample_rows(self, logits, params):
         return paddle_draw.sample_rows(logits, params)
+
+    def mask_rows(self, logits, mask):
+        """Paddle's where over the unpacked bits (bs_mask_rows is a CPU op only)."""
+        return token_mask.mask_rows(logits, mask)

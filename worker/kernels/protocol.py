@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from worker.attention.backend import AttentionBackend
     from worker.layers.rotary import RotaryEmbedding
     from worker.models.config import ModelConfig
+    from worker.sample.token_mask import TokenMask
 
 
 class Kernels(Protocol):
@@ -36,6 +37,10 @@ class Kernels(Protocol):
 
     def sample_rows(self, logits: paddle.Tensor, params: np.ndarray) -> paddle.Tensor:
         """int64 [rows]: each row's draw (sample/paddle_draw.py says what `params` holds)."""
+        ...
+
+    def mask_rows(self, logits: paddle.Tensor, mask: TokenMask) -> paddle.Tensor:
+        """Logits with the tokens each masked row's grammar forbids at -inf (sample/token_mask.py)."""
         ...
 
     def attention_problem(self, config: ModelConfig) -> str | None:

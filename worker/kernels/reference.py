@@ -8,7 +8,7 @@ from worker.layers.activation import silu_and_mul
 from worker.layers.norms import add_rms_norm
 from worker.layers.rotary import RotaryEmbedding
 from worker.models.config import ModelConfig
-from worker.sample import paddle_draw
+from worker.sample import paddle_draw, token_mask
 
 
 class PaddleKernels:
@@ -27,6 +27,9 @@ class PaddleKernels:
 
     def sample_rows(self, logits, params):
         return paddle_draw.sample_rows(logits, params)
+
+    def mask_rows(self, logits, mask):
+        return token_mask.mask_rows(logits, mask)
 
     def attention_problem(self, config: ModelConfig) -> None:
         """None: the pure-Paddle attention takes any heads."""

@@ -1,13 +1,14 @@
 """Pick the next token of every request that finished its scheduled tokens, vectorised over the batch.
 
-Order, as in vLLM: penalties and logit_bias, then greedy (temperature 0) or temperature, min_p, top_k, top_p and
+Order, as in vLLM: penalties and logit_bias, the grammar mask of constrained rows (sample/token_mask.py), then greedy (temperature 0) or temperature, min_p, top_k, top_p and
 an inverse-CDF draw. The draw of a seeded request is a uniform from a generator seeded with
 (seed, sequence length), so it does not depend on its batch mates or on a preemption. Its tokens repeat
-exactly as far as the logits do: in float32 a recompute's logits are the decode's to ~1e-4, but in
+exactly as far as the logits do (a grammar mask changes which tokens the uniform can land on, not the uniform): in float32 a recompute's logits are the decode's to ~1e-4, but in
 bfloat16 the activations are rounded after sums whose order depends on how a step batches the tokens
 (SmolLM2 on a 200-token text, 8 tokens per step against 1: logits apart by 0.05 on average, 0.4 at
 most), so a draw that falls near a boundary between two tokens may differ. Logprobs come from the raw
-model logits.
+model logits: before penalties, logit_bias and the grammar mask (a top logprob may name a token the grammar
+forbade), as vLLM's default.
 
 The draw is the kernels' sample_rows (sample/paddle_draw.py in Paddle ops; on a CPU the custom op
 bs_sample_rows): rows without top_k/top_p draw over the vocabulary in id order (no sort); rows that
@@ -20,6 +21,8 @@ step's inputs.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,8 +31,9 @@ import paddle
 
 from service.contract import wire
 from worker.layers.row_gather import take_rows
-from worker.sample import paddle_draw
+from worker.sample import paddle_draw, token_mask
 from worker.sample.penalties import SamplingRequest, apply_logit_bias, apply_penalties
+from worker.sample.token_mask import TokenMask
 
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is argmax
 
@@ -51,6 +55,7 @@ class Draw:
     packed: paddle.Tensor
     logprob_rows: np.ndarray  # rows that asked for logprobs
     max_k: int
+    mask_s: float = 0.0  # applying the grammar mask (host time: on a GPU, queuing it)
 
     def fetch(self) -> list[wire.SampledToken]:
         """The sampled tokens with their logprobs (one device-to-host copy)."""
@@ -75,23 +80,33 @@ class Sampler:
         seed: int | None = None,
         argmax: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
         sample_rows: Callable[[paddle.Tensor, np.ndarray], paddle.Tensor] | None = None,
+        mask_rows: Callable[[paddle.Tensor, TokenMask], paddle.Tensor] | None = None,
     ):
         self._rng = np.random.default_rng(seed)
-        # The worker passes its kernels' argmax_rows and sample_rows; by default the draw is Paddle's.
+        # The worker passes its kernels' argmax_rows, sample_rows and mask_rows; by default they are Paddle's.
         self._argmax = argmax or paddle_draw.argmax_rows
         self._sample_rows = sample_rows or paddle_draw.sample_rows
+        self._mask_rows = mask_rows or token_mask.mask_rows
 
-    def sample(self, logits: paddle.Tensor, requests: Sequence[SamplingRequest]) -> list[wire.SampledToken]:
-        return self.draw(logits, requests).fetch()
+    def sample(
+        self, logits: paddle.Tensor, requests: Sequence[SamplingRequest], mask: TokenMask | None = None
+    ) -> list[wire.SampledToken]:
+        return self.draw(logits, requests, mask).fetch()
 
-    def draw(self, logits: paddle.Tensor, requests: Sequence[SamplingRequest]) -> Draw:
+    def draw(self, logits: paddle.Tensor, requests: Sequence[SamplingRequest], mask: TokenMask | None = None) -> Draw:
+        """The draw of every row; `mask` forbids tokens to the rows it names (a grammar's)."""
         logits = logits if logits.dtype == paddle.float32 else logits.astype("float32")
         params = [r.sampling for r in requests]
-        if all(_plain_greedy(p) for p in params):  # what the path below draws then, without its arrays
+        if mask is None and all(_plain_greedy(p) for p in params):  # what the path below draws, without its arrays
             tokens = self._argmax(logits)
             return Draw(requests, tokens, tokens, _NO_ROWS, 0)
         greedy = np.array([p.temperature < GREEDY_TEMPERATURE for p in params])
         penalised = apply_logit_bias(apply_penalties(logits, requests), requests)
+        mask_s = 0.0
+        if mask is not None:
+            started = time.perf_counter()
+            penalised = self._mask_rows(penalised, mask)
+            mask_s = time.perf_counter() - started
         uniforms = self._uniforms(requests, ~greedy)
         groups, group_tokens = [], []
         if greedy.any():
@@ -105,7 +120,8 @@ class Sampler:
             ]
             groups.append(drawn)
             group_tokens.append(self._sample_rows(_rows(penalised, ~greedy), np.array(table, dtype=np.float64)))
-        return _with_logprobs(logits, requests, paddle_draw.in_row_order(groups, group_tokens))
+        draw = _with_logprobs(logits, requests, paddle_draw.in_row_order(groups, group_tokens))
+        return dataclasses.replace(draw, mask_s=mask_s) if mask is not None else draw
 
     def _uniforms(self, requests: Sequence[SamplingRequest], needed: np.ndarray) -> np.ndarray:
         """One uniform in [0, 1) per request: seeded from (seed, length) or from the worker's generator."""

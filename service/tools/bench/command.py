@@ -42,6 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     parser.add_argument("--top-p", type=float, default=None, help="top_p of every request (default: not sent)")
     parser.add_argument("--top-k", type=int, default=None, help="top_k of every request (default: not sent)")
+    parser.add_argument(
+        "--json-schema",
+        type=json_schema_argument,
+        default=None,
+        metavar="JSON|@PATH",
+        help="constrain every request's output to this JSON Schema (sent as response_format; requests then stop at "
+        "EOS: to measure a fixed output length, give a schema whose texts are longer than --output-len)",
+    )
     parser.add_argument("--slo-ttft-ms", type=float, default=None)
     parser.add_argument("--slo-tpot-ms", type=float, default=None)
     parser.add_argument("--metrics-url", default=None, help="scheduler /metrics to sample (KV usage, preemptions)")
@@ -76,10 +84,32 @@ def build_trace(args: argparse.Namespace):
     )
 
 
+def json_schema_argument(text: str) -> dict:
+    """--json-schema: a JSON Schema object, as JSON text or `@path` of a file holding it."""
+    try:
+        schema = json.loads(Path(text[1:]).read_text() if text.startswith("@") else text)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"not a JSON Schema: {exc}") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError("a JSON Schema is an object")
+    return schema
+
+
 def sampling_fields(args: argparse.Namespace) -> dict:
-    """The sampling fields every request sends: temperature, and top_p / top_k where given."""
+    """The sampling fields every request sends: temperature, top_p / top_k where given, and the JSON Schema as
+    response_format where given."""
     fields = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    if args.json_schema is not None:
+        fields["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "bench", "schema": args.json_schema, "strict": True},
+        }
     return {name: value for name, value in fields.items() if value is not None}
+
+
+def ignores_eos(args: argparse.Namespace) -> bool:
+    """Whether requests ask to run past EOS: not when a schema constrains them (the grammar decides the end)."""
+    return args.ignore_eos and args.json_schema is None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,7 +153,7 @@ async def _serve(args: argparse.Namespace, trace) -> dict:
         )
         await first_sample.wait()  # the baseline, so counter deltas cover exactly this run
     timings, started, finished = await run_trace(
-        args.url, model, trace, args.ignore_eos, args.max_concurrency, args.timeout_s, sampling_fields(args)
+        args.url, model, trace, ignores_eos(args), args.max_concurrency, args.timeout_s, sampling_fields(args)
     )
     if sampler is not None:
         stop.set()
@@ -143,6 +173,10 @@ async def _serve(args: argparse.Namespace, trace) -> dict:
         result["server"] = {
             name: timeline.delta(name) for name in ("preemptions", "recomputed_tokens", "generation_tokens")
         }
+        if timeline.delta("constrained_step_s") > 0:  # the grammar masks' share of the steps that had them
+            share = timeline.delta("grammar_mask_s") / timeline.delta("constrained_step_s")
+            result["server"]["grammar_mask_share"] = share
+            print(f"grammar masks: {100 * share:.1f}% of the worker time of steps with constrained rows")
         result["server"]["max_kv_usage"] = max(timeline.series["kv_usage"], default=0.0)
         print(f"server: {result['server']}")
     if args.result_dir is not None:

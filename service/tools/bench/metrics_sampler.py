@@ -16,6 +16,8 @@ SAMPLED = {
     "blockserve_num_requests_waiting": "waiting",
     "blockserve_recomputed_tokens_total": "recomputed_tokens",
     "blockserve_generation_tokens_total": "generation_tokens",
+    "blockserve_grammar_mask_seconds_sum": "grammar_mask_s",  # worker time on grammar masks, in steps that had any
+    "blockserve_worker_compute_seconds_sum": "constrained_step_s",  # those steps' whole worker time
 }
 
 

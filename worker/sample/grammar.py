@@ -1,0 +1,99 @@
+"""The worker's grammar matchers (llguidance): one per constrained request, following the tokens it keeps.
+
+A request's matcher is a copy of its grammar's template (a copy costs ~1 µs, a new matcher ~1 ms), which a
+cache of bounded size keeps by grammar text. A matcher starts from the request's output so far: a request
+recomputed after a preemption, or resumed, replays its output tokens (~1 µs each), so its matcher is where its
+tokens are without anything kept across the preemption. Each step the worker fills the masks of its constrained
+rows in one call (llguidance's executor, on several threads, without the GIL) and, once the step's tokens are
+drawn, advances each matcher by its token.
+
+The mask allows EOS only where the grammar accepts; where the grammar is complete it allows EOS alone, so the
+output ends there with finish_reason stop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import llguidance.numpy
+import numpy as np
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+from service.contract import wire
+
+log = logging.getLogger(__name__)
+
+TEMPLATE_CACHE_ENTRIES = 256
+
+
+class GrammarRefused(ValueError):
+    """A request whose grammar (or whose output so far under it) this worker cannot serve; the message says why."""
+
+
+class GrammarMatchers:
+    """Templates by grammar, new matchers from them, and the masks of a step's matchers."""
+
+    def __init__(self, model_info: wire.ModelInfo, max_templates: int = TEMPLATE_CACHE_ENTRIES):
+        self.vocab_size = model_info.vocab_size
+        self.num_words = (model_info.vocab_size + 31) // 32
+        self._eos_token_ids = list(model_info.eos_token_ids)
+        self._max_templates = max_templates
+        self._templates: OrderedDict[str, LLMatcher] = OrderedDict()
+        self._executor = LLExecutor()
+        try:
+            self._tokenizer: LLTokenizer | None = LLTokenizer(
+                model_info.tokenizer_json, n_vocab=model_info.vocab_size, eos_token=self._eos_token_ids
+            )
+            self.problem = None
+        except Exception as exc:  # a tokenizer llguidance cannot read: constrained requests are refused
+            self._tokenizer, self.problem = None, f"this model's tokenizer cannot serve grammars ({exc})"
+            log.warning("%s", self.problem)
+
+    def start(self, grammar: str, output_token_ids: list[int]) -> LLMatcher:
+        """A matcher for `grammar` that has consumed `output_token_ids`; GrammarRefused if there can be none."""
+        matcher = self._template(grammar).deep_copy()
+        if output_token_ids and not matcher.consume_tokens(output_token_ids):
+            raise GrammarRefused(f"the output so far does not match the grammar: {_first_line(matcher.get_error())}")
+        return matcher
+
+    def _template(self, grammar: str) -> LLMatcher:
+        template = self._templates.get(grammar)
+        if template is not None:
+            self._templates.move_to_end(grammar)
+            return template
+        if self._tokenizer is None:
+            raise GrammarRefused(self.problem)
+        template = LLMatcher(self._tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise GrammarRefused(f"the grammar does not compile: {_first_line(template.get_error())}")
+        self._templates[grammar] = template
+        if len(self._templates) > self._max_templates:
+            self._templates.popitem(last=False)
+        return template
+
+    def fill(self, matchers: list[LLMatcher]) -> np.ndarray:
+        """int32 [len(matchers), words]: each matcher's next-token mask. A matcher in error (which a masked draw
+        never causes) allows EOS alone, so its request ends rather than draws from nothing."""
+        bitmask = np.zeros((len(matchers), self.num_words), dtype=np.int32)
+        working = [(matcher, row) for row, matcher in enumerate(matchers) if not matcher.is_error()]
+        if len(working) == 1:
+            matcher, row = working[0]
+            matcher.unsafe_compute_mask_ptr(bitmask[row].ctypes.data, bitmask.shape[1] * 4)
+        elif working:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, working, bitmask)
+        words = bitmask.view(np.uint32)
+        for row in set(range(len(matchers))) - {row for _, row in working}:
+            for eos in self._eos_token_ids:
+                words[row, eos // 32] |= np.uint32(1 << (eos % 32))
+        return bitmask
+
+    @staticmethod
+    def advance(matcher: LLMatcher, token_id: int, request_id: str) -> None:
+        """Consume the token drawn for the matcher's request."""
+        if not matcher.consume_token(token_id) and not matcher.is_stopped():
+            log.error("request %s: its grammar rejects token %d: %s", request_id, token_id, matcher.get_error())
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "no reason given"

@@ -1,0 +1,39 @@
+"""Grammar masks on a step's logits: the tokens a grammar forbids at -inf before the draw.
+
+A mask is llguidance's packed bitmask: per row ceil(vocab / 32) int32 words, bit j of word w allowing token
+32 w + j. Only the constrained rows carry one. It is applied after penalties and logit_bias (a -inf stays -inf
+under both, so nothing brings a forbidden token back) and before temperature, min_p, top_k and top_p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+
+
+@dataclass(frozen=True)
+class TokenMask:
+    """`bitmask[i]` (int32 words) allows the tokens of row `rows[i]` of the step's sampling rows."""
+
+    rows: np.ndarray  # int64 [constrained rows], increasing
+    bitmask: np.ndarray  # int32 [constrained rows, words]
+
+
+def allowed_tokens(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """bool [rows, vocab_size]: the bits of a packed bitmask (bit j of word w is token 32 w + j)."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, bitorder="little")
+    return bits[:, :vocab_size].astype(bool)
+
+
+def mask_rows(logits: paddle.Tensor, mask: TokenMask) -> paddle.Tensor:
+    """Logits [rows, vocab] with each masked row's forbidden tokens at -inf, in Paddle ops: the reference of the
+    custom CPU op bs_mask_rows, and the path of the other kernels."""
+    num_rows, vocab_size = logits.shape
+    allowed = allowed_tokens(mask.bitmask, vocab_size)
+    if len(mask.rows) < num_rows:
+        every_row = np.ones((num_rows, vocab_size), dtype=bool)
+        every_row[mask.rows] = allowed
+        allowed = every_row
+    return paddle.where(paddle.to_tensor(allowed), logits, paddle.full_like(logits, -np.inf))

@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import gpu_worker.custom_ops as custom_ops
-from gpu_worker.weight_format import WeightFormat
+import worker.kernels.cpu_isa as custom_ops
+from worker.layers.weight_format import WeightFormat
 from tests.gpu import kernel_library
 from tests.support import kernel_reference
 

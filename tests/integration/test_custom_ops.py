@@ -23,7 +23,7 @@ from tests.support.numerics import attention_config, bf16_rounded
 from tests.support.processes import ROOT, loopback_env, metric_samples, start, stop_all
 from worker.attention.reference import PagedAttentionBackend
 from worker.inputs.step_inputs import RequestState, build_step_inputs
-from worker.kernels.cpu_isa import cpu_features
+from worker.kernels.cpu_isa import IsaSet, cpu_features
 from worker.kernels.cpu_ops import load_ops
 from worker.kernels.op_build import CustomOpsUnavailable
 from worker.kernels.reference import PaddleKernels
@@ -34,17 +34,22 @@ from worker.sample.sampler import Sampler
 MAX_POSITIONS = 1024
 
 
-@pytest.fixture(scope="module", params=["avx2", "avx512", "all"])
+@pytest.fixture(scope="module", params=["avx2", "avx512", "avx512+bf16+vnni", "all"])
 def custom(request):
-    """The custom kernels on one instruction set: AVX2 forced, AVX-512F alone, or AVX-512 with AVX512-BF16
-    (its kernel set scores a bf16 cache's keys with vdpbf16ps), each where the CPU has it."""
-    if request.param != "avx2" and "avx512f" not in cpu_features():
+    """The custom kernels on one instruction set: AVX2 forced, AVX-512F alone, AVX-512 with AVX512-BF16 (its kernel
+    set scores a bf16 cache's keys with vdpbf16ps) without AMX, or all this CPU has, where it includes AMX (its
+    GEMMs on tiles), each where the CPU has it."""
+    features = cpu_features()
+    if request.param != "avx2" and "avx512f" not in features:
         pytest.skip("this CPU has no AVX-512F")
-    if request.param == "all" and "avx512_bf16" not in cpu_features():
+    if request.param == "avx512+bf16+vnni" and "avx512_bf16" not in features:
         pytest.skip("this CPU has no AVX512-BF16")
+    if request.param == "all" and not IsaSet.of(features).amx:
+        pytest.skip("this CPU has no AMX-BF16 and AMX-INT8 (or Linux does not grant this process their tiles)")
     kernels = select_kernels("custom", isa_cap=request.param).kernels
     assert kernels.name == "custom" and kernels.isa.avx512 == (request.param != "avx2")
-    assert kernels.isa.bf16 == (request.param == "all")
+    assert kernels.isa.bf16 == (request.param in ("avx512+bf16+vnni", "all"))
+    assert kernels.isa.amx == (request.param == "all")
     return kernels
 
 
@@ -341,14 +346,15 @@ def test_a_bfloat16_cache_holds_the_rounded_keys_and_attention_reads_them_as_flo
 
 def test_vector_instructions_appear_only_in_functions_built_for_their_instruction_set():
     """No build-machine arch flag or global -mavx*: the dispatch and Paddle glue are baseline x86-64, AVX
-    instructions live only in the avx2/avx512* kernels, zmm registers only in the avx512* ones, and the
-    BF16 and VNNI dot products only in the kernels built for them."""
+    instructions live only in the avx2/avx512*/amx* kernels, zmm registers only in the avx512* and amx* ones, the
+    BF16 and VNNI dot products only in the kernels built for them, and AMX's tiles only in the AMX GEMM kernels."""
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("objdump (binutils) is not installed")
     (library,) = Path(load_ops().__file__).parent.glob("*.so")
     listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", "-C", str(library)], capture_output=True, text=True)
-    function, found = "", {"vector": set(), "zmm": set(), "vdpbf16ps": set(), "vpdpbusd": set()}
+    dot_products = ("vdpbf16ps", "vpdpbusd", "tdpbf16ps", "tdpbsud", "ldtilecfg")
+    function, found = "", {"vector": set(), "zmm": set(), **{name: set() for name in dot_products}}
     for line in listing.stdout.splitlines():
         if header := re.match(r"^[0-9a-f]+ <(.*)>:$", line):
             function = header.group(1)
@@ -357,17 +363,20 @@ def test_vector_instructions_appear_only_in_functions_built_for_their_instructio
                 found["vector"].add(function)
             if "%zmm" in line:
                 found["zmm"].add(function)
-            if instruction[0] in ("vdpbf16ps", "vpdpbusd"):
+            if instruction[0] in dot_products:
                 found[instruction[0]].add(function)
 
     def outside(functions: set[str], *namespaces: str) -> list[str]:
         return [f for f in functions if not any(f"{namespace}::" in f for namespace in namespaces)]
 
     assert all(found.values()), {name: len(functions) for name, functions in found.items()}
-    assert outside(found["vector"], "avx2", "avx512", "avx512_bf16", "avx512_vnni") == []
-    assert outside(found["zmm"], "avx512", "avx512_bf16", "avx512_vnni") == []
-    assert outside(found["vdpbf16ps"], "avx512_bf16") == []
+    assert outside(found["vector"], "avx2", "avx512", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") == []
+    assert outside(found["zmm"], "avx512", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") == []
+    assert outside(found["vdpbf16ps"], "avx512_bf16", "amx_bf16") == []  # AMX's: the words past its tiles
     assert outside(found["vpdpbusd"], "avx512_vnni") == []
+    assert outside(found["tdpbf16ps"], "amx_bf16") == []
+    assert outside(found["tdpbsud"], "amx_int8") == []
+    assert outside(found["ldtilecfg"], "amx_bf16", "amx_int8") == []
 
 
 def test_a_failing_build_serves_with_paddle_and_says_so_in_one_line(tmp_path, monkeypatch, caplog):

@@ -136,8 +136,8 @@ def format_layer(kernels, format_name: str, weight: np.ndarray):
     return linear(kernels, np.ascontiguousarray(weight.T), None, precision)
 
 
-def amx_table(trials: int) -> None:
-    """GFLOP/s of bs_linear per format on AVX512-BF16/VNNI and on AMX, and new / old."""
+def amx_table(trials: int, formats: list[str]) -> None:
+    """GFLOP/s of bs_linear per format (of AMX_FORMATS) on AVX512-BF16/VNNI and on AMX, and new / old."""
     paths = {"dot products": select_kernels("custom", isa_cap="avx512+bf16+vnni").kernels}
     paths["amx"] = select_kernels("custom", isa_cap="all").kernels
     if not paths["amx"].isa.amx:
@@ -145,7 +145,7 @@ def amx_table(trials: int) -> None:
     rng = np.random.default_rng(0)
     print(f"bs_linear GFLOP/s, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, best of {trials}")
     print(f"{'format':<7}{'weight':<9}{'M x K x N':>18}{'dot products':>14}{'amx':>10}{'amx / dot':>11}")
-    for format_name in AMX_FORMATS:
+    for format_name in formats:
         for weight_name, (k, n) in WEIGHTS.items():
             weight = rng.standard_normal((k, n), dtype=np.float32)
             layers = {name: format_layer(kernels, format_name, weight) for name, kernels in paths.items()}
@@ -164,10 +164,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--amx", action="store_true", help="bs_linear's formats without and with AMX's tiles")
+    parser.add_argument("--formats", nargs="*", choices=list(AMX_FORMATS), default=list(AMX_FORMATS), help="of --amx")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if args.amx:
-        amx_table(args.trials)
+        amx_table(args.trials, args.formats)
         return
     custom = select_kernels("custom", isa_cap="avx2").kernels
     mklml = PaddleMklml()

@@ -44,13 +44,19 @@ static __attribute__((noinline)) void amx_int8_tile(const typename Int8DotKernel
   const uint8_t* words = reinterpret_cast<const uint8_t*>(x.words);
   const int64_t x_stride = x.num_words * 4;
   alignas(64) float acc[kAmxRows][2 * kPanelWidth];
-  alignas(64) int32_t sums[kAmxRows][2 * kPanelWidth];
+  // Two groups' sums and scales: group g + 1's tiles are issued before group g's sums are scaled, so that the tile
+  // unit multiplies while the vector units scale (one group at a time, the scaling's instructions fill the reorder
+  // buffer and the tiles of the next group wait behind them: measured ~1.1x of vpdpbusd).
+  alignas(64) int32_t sums[2][kAmxRows][2 * kPanelWidth];
+  __m512 d[2][kPanels], offset[2][kPanels];
   alignas(64) uint8_t spread[2][kGroupWords * 64];  // a group's weights spread to bytes, per panel
-  constexpr int64_t kSumsStride = sizeof sums[0];
+  constexpr int64_t kSumsStride = sizeof sums[0][0];
   for (int r = 0; r < rows; ++r) {
     for (int p = 0; p < kPanels; ++p) _mm512_store_ps(&acc[r][p * kPanelWidth], _mm512_setzero_ps());
   }
-  for (int64_t g = 0; g < x.num_groups; ++g) {
+  // Group g's int32 sums into sums[g % 2], its scales into d[g % 2] and offset[g % 2].
+  auto multiply_group = [&](int64_t g) {
+    const int buffer = static_cast<int>(g % 2);
     if (ahead != nullptr) {
       constexpr int64_t kGroupBytes = kGeometry.block_bytes * (kGroup / kGeometry.block_k);
       for (int p = 0; p < kPanels; ++p) {
@@ -62,21 +68,21 @@ static __attribute__((noinline)) void amx_int8_tile(const typename Int8DotKernel
         }
       }
     }
-    __m512 d[kPanels], offset[kPanels];
     const uint8_t* weights[kPanels];
     for (int p = 0; p < kPanels; ++p) {
       const uint8_t* blocks = panel + p * panel_bytes + kGeometry.header_bytes;
       weights[p] = group_rows<kFormat>(blocks, g, x.num_words);
       if (weights[p] != nullptr) {
-        Group<kFormat>::words(blocks, g, x.num_words, d[p], offset[p], [](auto, __m512i) {});
+        Group<kFormat>::words(blocks, g, x.num_words, d[buffer][p], offset[buffer][p], [](auto, __m512i) {});
       } else {
         for (int w = 0; w < kGroupWords; ++w) _mm512_store_si512(spread[p] + w * 64, _mm512_setzero_si512());
-        Group<kFormat>::words(blocks, g, x.num_words, d[p], offset[p], [&](auto w, __m512i bytes) {
+        Group<kFormat>::words(blocks, g, x.num_words, d[buffer][p], offset[buffer][p], [&](auto w, __m512i bytes) {
           _mm512_store_si512(spread[p] + decltype(w)::value * 64, bytes);
         });
         weights[p] = spread[p];
       }
     }
+    int32_t(*into)[2 * kPanelWidth] = sums[buffer];
     BS_TILE_ZERO(0);
     if (kPanels == 2) BS_TILE_ZERO(1);
     if (lower > 0) {
@@ -93,20 +99,25 @@ static __attribute__((noinline)) void amx_int8_tile(const typename Int8DotKernel
       BS_TILE_DPBSUD(2, 5, 6);
       if (kPanels == 2) BS_TILE_DPBSUD(3, 5, 7);
     }
-    BS_TILE_STORE(0, &sums[0][0], kSumsStride);
-    if (kPanels == 2) BS_TILE_STORE(1, &sums[0][kPanelWidth], kSumsStride);
+    BS_TILE_STORE(0, &into[0][0], kSumsStride);
+    if (kPanels == 2) BS_TILE_STORE(1, &into[0][kPanelWidth], kSumsStride);
     if (lower > 0) {
-      BS_TILE_STORE(2, &sums[kTileRegisterRows][0], kSumsStride);
-      if (kPanels == 2) BS_TILE_STORE(3, &sums[kTileRegisterRows][kPanelWidth], kSumsStride);
+      BS_TILE_STORE(2, &into[kTileRegisterRows][0], kSumsStride);
+      if (kPanels == 2) BS_TILE_STORE(3, &into[kTileRegisterRows][kPanelWidth], kSumsStride);
     }
+  };
+  multiply_group(0);
+  for (int64_t g = 0; g < x.num_groups; ++g) {
+    if (g + 1 < x.num_groups) multiply_group(g + 1);
+    const int buffer = static_cast<int>(g % 2);
     for (int r = 0; r < rows; ++r) {  // Int8DotKernel's scaling of a group's sums
       const __m512 row_scale = _mm512_set1_ps(x.scales[r * x.num_groups + g]);
       const __m512 row_sum = _mm512_set1_ps(x.scaled_sums[r * x.num_groups + g]);
       for (int p = 0; p < kPanels; ++p) {
-        const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(&sums[r][p * kPanelWidth]));
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(&sums[buffer][r][p * kPanelWidth]));
         __m512 a = _mm512_load_ps(&acc[r][p * kPanelWidth]);
-        a = _mm512_fmadd_ps(_mm512_mul_ps(d[p], row_scale), sum, a);
-        a = _mm512_fmadd_ps(offset[p], row_sum, a);
+        a = _mm512_fmadd_ps(_mm512_mul_ps(d[buffer][p], row_scale), sum, a);
+        a = _mm512_fmadd_ps(offset[buffer][p], row_sum, a);
         _mm512_store_ps(&acc[r][p * kPanelWidth], a);
       }
     }

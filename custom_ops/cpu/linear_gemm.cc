@@ -142,16 +142,20 @@ struct MicroKernelRow {
   MicroKernelEntries entries;
 };
 
-// From this many rows of x a GEMM of BF16 or int8 weights runs on AMX tiles (see kMicroKernels).
-constexpr int64_t kAmxMinRows = 1;
+// From this many rows of x a GEMM runs on AMX tiles (see kMicroKernels). bench_gemm.py --amx on an Intel Xeon
+// (Emerald Rapids), 1 thread, a shared and busy host (ratios within +-30%): BF16 on tdpbf16ps 1.5-3.6x vdpbf16ps at 8
+// rows, 3-7x from 32, but ~0.5-1x at 1 row; the int8 formats on tdpbsud 0.7-1.1x vpdpbusd at 8 rows, 1.1-2x from 16
+// (their per-group scaling on AVX-512 bounds the gain), 0.3-0.6x at 1 row.
+constexpr int64_t kAmxBf16MinRows = 8;
+constexpr int64_t kAmxInt8MinRows = 16;
 
 // The micro-kernels, fastest first: a GEMM runs on the first that the CPU and the op's isa bits allow, that reads
-// the weight's format and takes its rows. AMX tiles from kAmxMinRows rows (tdpbf16ps for BF16, tdpbsud for INT8 and
+// the weight's format and takes its rows. AMX tiles from their fewest rows (tdpbf16ps for BF16, tdpbsud for INT8 and
 // the GGUF blocks), vdpbf16ps for BF16 (x rounded to bf16), vpdpbusd for INT8 and the GGUF blocks (x quantized per
 // 32 inputs to int8), else the weights widened to fp32 (x as it is).
 const MicroKernelRow kMicroKernels[] = {
-    {&Isa::amx, kAmxMinRows, amx_bf16::entry::kEntries},
-    {&Isa::amx, kAmxMinRows, amx_int8::entry::kEntries},
+    {&Isa::amx, kAmxBf16MinRows, amx_bf16::entry::kEntries},
+    {&Isa::amx, kAmxInt8MinRows, amx_int8::entry::kEntries},
     {&Isa::bf16, 0, avx512_bf16::entry::kEntries},
     {&Isa::vnni, 0, avx512_vnni::entry::kEntries},
     {&Isa::avx512, 0, avx512::entry::kEntries},

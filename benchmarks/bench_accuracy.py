@@ -1,4 +1,4 @@
-"""Accuracy of each worker precision against float32 on SmolLM2 (the figures of the README's table).
+"""Accuracy of each worker precision against float32 on SmolLM2 (the figures of docs/worker.md's table).
 
 Run: OMP_NUM_THREADS=2 python benchmarks/bench_accuracy.py [--precision DTYPE:QUANTIZATION ...] [--cpu-isa auto|avx2|avx512]
 

@@ -23,8 +23,10 @@ from worker.host.placement import activation_bytes, choose_device, kv_cache_budg
 from worker.inputs.device_inputs import DeviceInputs
 from worker.inputs.model_inputs import HostInputs
 from worker.kernels.selection import CPU_ISA_CAPS, select_kernels
-from worker.layers.precision import resolve_precision
+from worker.layers.dtype_probe import measured_dtype
+from worker.layers.precision import resolve_precision, resolve_quantization
 from worker.loading.checkpoint import open_checkpoint
+from worker.loading.gguf_checkpoint import GGUFCheckpoint
 from worker.loading.model_loader import load_model
 from worker.models.llama import LlamaForCausalLM
 from worker.sample.sampler import Sampler
@@ -64,12 +66,22 @@ def assemble_worker(settings: Settings) -> WorkerParts:
     attention_problem = kernels.attention_problem(config)
     if attention_problem is not None:
         log.warning("%s: pure-Paddle attention", attention_problem)
+    gguf_file = isinstance(checkpoint, GGUFCheckpoint)
+    measured = None
+    dense = resolve_quantization(settings.quantization, kernels.name, gguf_file) == "none"
+    if settings.dtype == "auto" and kernels.name == "custom" and attention_problem is None and dense:
+        # The faster of bf16 and fp32 on this CPU. Quantized weights leave the dtype the KV cache and a few small
+        # matrices: bfloat16 there, half the bytes a decode's attention reads.
+        measurement = measured_dtype(kernels, config)
+        measured = (measurement.chosen, measurement.reason)
     precision = resolve_precision(
         settings.dtype,
         settings.quantization,
         kernels.name,
         bf16_dot=kernels.name == "custom" and kernels.isa.bf16,
         attention_problem=attention_problem,
+        gguf_file=gguf_file,
+        measured_dtype=measured,
     )
     log.info(
         "device=%s dtype=%s quantization=%s (%s)", device, precision.dtype, precision.quantization, precision.reason

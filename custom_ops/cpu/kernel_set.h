@@ -15,7 +15,7 @@ constexpr int64_t kKeySpan = 128;
 constexpr int64_t kMaxTileKvHeads = 16;
 // Below this many floats of work a row-wise op runs on one thread: a second one costs more than it saves,
 // and a decode step of one sequence calls these ops 120 times (measured when the worker's threads waited
-// passively; since they spin a while (gpu_worker/cpu_threads.py) a lower bound may pay, not measured).
+// passively; since they spin a while (worker/host/cpu_threads.py) a lower bound may pay, not measured).
 constexpr int64_t kParallelFloats = 1 << 15;
 
 // Queries of one request at consecutive positions (a query tile), for one or more consecutive kv heads, over caches

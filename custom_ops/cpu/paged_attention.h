@@ -52,7 +52,7 @@ struct StepRequests {
 };
 
 // A step's tokens and requests read from one int64 CPU tensor (bs_decoder_stack's StepLayout, made by
-// gpu_worker/custom_attention.py's HostAttentionMetadata.layout): the numbers of tokens and requests and the block
+// worker/attention/metadata.py's HostAttentionMetadata.layout): the numbers of tokens and requests and the block
 // table's width, then ids[tokens], positions[tokens], slots[tokens], query_start[requests + 1],
 // context_lens[requests] and the block table's rows. Checks the sizes add up; the values are checked where they
 // are used.

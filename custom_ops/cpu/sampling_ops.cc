@@ -1,5 +1,5 @@
 // bs_sample_rows: each row's draw from softmax(logits / temperature), with min_p, top_k and top_p, as
-// gpu_worker/token_draw.py draws it in Paddle ops (the reference). Paddle's CPU ops for that draw run on one
+// worker/sample/paddle_draw.py draws it in Paddle ops (the reference). Paddle's CPU ops for that draw run on one
 // thread: 37-41 ms for 64 rows of SmolLM2's 49152 logits at temperature 1 (the model's step is ~35 ms), and
 // with top_p alone (a sort of every row) 215-270 ms (2-core EPYC Zen 5). Here the masses are one vectorised
 // pass of exp per row (KernelSet::draw_masses), the rows in parallel, and a truncated row bins its masses and

@@ -3,7 +3,7 @@
 // what the format is packed from and how (pack), and how a value is read back (value). A new format is an id
 // in Format and Formats, a row here, and its decoder in each GEMM micro-kernel that reads it (linear_tile.h
 // for every format; linear_vnni.h where kDot is Dot::kInt8). Format ids are GGML's type ids where GGML has
-// the format (gpu_worker/weight_format.py names the same ids; tests/unit/test_custom_op_ids.py checks them).
+// the format (worker/layers/weight_format.py names the same ids; tests/unit/test_custom_op_ids.py checks them).
 //
 // Every format stores W[k, n] (y = x @ W) as 16-column panels; a panel is a header, then blocks of `block_k`
 // input rows, each block holding all 16 columns so that the GEMM reads one panel front to back.

@@ -5,7 +5,7 @@
 // `last_sampled` entry of the slot, which never left the device.
 //
 // Output: input ids, positions, slot mapping, query start, context lengths and the block table of
-// the scheduled requests, exactly what gpu_worker/step_inputs.py's build_step_inputs makes on the host.
+// the scheduled requests, exactly what worker/inputs/step_inputs.py's build_step_inputs makes on the host.
 #pragma once
 
 #include "numeric.cuh"

@@ -1,5 +1,5 @@
 // Paddle op over the step-input kernels (GPU only): a step's flat inputs from its compact delta
-// (gpu_worker/step_delta.py), the device block tables updated in place.
+// (worker/inputs/step_delta.py), the device block tables updated in place.
 #include <vector>
 
 #include "paddle_glue.h"

@@ -31,7 +31,9 @@ UNPREFIXED_ENV_NAMES = {
 # Variables blockserve reads besides the settings (before settings exist, or to build its CUDA ops): no misspellings.
 OTHER_VARIABLES = {"BLOCKSERVE_LOG_LEVEL", "BLOCKSERVE_TERMINATION_MESSAGE_PATH", "BLOCKSERVE_CUDA_ARCHS"}
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TARGET_ITL_MS = 500.0  # see README "Who is served first": never binds on a GPU, keeps a 2-core CPU's streams moving
+TARGET_ITL_MS = (
+    500.0  # see docs/scheduling.md, "A step budget in time": never binds on a GPU, keeps a 2-core CPU's streams moving
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +83,15 @@ class Settings(BaseSettings):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",
-        description="Worker weights and KV cache (sums in float32); auto = bfloat16 on a GPU with the CUDA kernels "
-        "and on a CPU with the custom kernels (widened to float32 in registers where the CPU lacks AVX512-BF16); "
+        description="Worker weights and KV cache (sums in float32); auto = bfloat16 on a GPU with the CUDA kernels, "
+        "and on a CPU with the custom kernels the faster of bfloat16 and float32 as measured on that CPU (cached); "
         "float16 on a GPU only",
     )
-    quantization: Literal["none", "int8", "gguf"] = Field(
-        default="none",
+    quantization: Literal["auto", "none", "int8", "gguf"] = Field(
+        default="auto",
         description="Worker weights: int8 per output channel (quantized at load), gguf = a GGUF file's own blocks "
-        "(Q8_0, Q4_0, Q4_1; Q4_K regrouped into Q4_1)",
+        "(Q8_0, Q4_0, Q4_1; Q4_K regrouped into Q4_1); auto = gguf for a GGUF file on the custom CPU kernels, "
+        "else none",
     )
     huge_pages: bool = Field(
         default=True,
@@ -173,7 +176,8 @@ class Settings(BaseSettings):
         description="api: find the engines by DNS instead, dns://NAME:PORT (a headless Service), resolved every 5 s",
     )
     routing: Literal["prefix", "load", "round_robin"] = Field(
-        default="prefix", description="api: how a request picks its engine (see README, Many engines)"
+        default="prefix",
+        description="api: how a request picks its engine (see docs/scheduling.md, Many engines act as one)",
     )
     worker_addr: str = Field(default="tcp://127.0.0.1:5561", description="ZMQ address of the scheduler's worker socket")
     metrics_port: int = Field(default=9400, gt=0, lt=65536, description="Port of the scheduler's /metrics")

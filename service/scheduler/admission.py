@@ -69,10 +69,15 @@ class ReserveAdmission:
         return self.kv.fits(request, request.num_tokens, computed_blocks, self.reserved_blocks() - num_blocks_freed)
 
     def admit(
-        self, waiting: deque[Request], budget: int, num_seats: int, priority_below: float = float("inf")
+        self,
+        waiting: deque[Request],
+        budget: int,
+        num_seats: int,
+        priority_below: float = float("inf"),
+        tenants_set_aside: frozenset[Tenant] = frozenset(),
     ) -> list[Admitted]:
         """Take the requests to admit off `waiting`, up to the first whose priority is not below
-        `priority_below`; the others stay in order."""
+        `priority_below`, passing over those of `tenants_set_aside`; the others stay in order."""
         kv, size = self.kv, self.kv.block_size
         reserved = self.reserved_blocks()
         admitted: list[Admitted] = []
@@ -84,6 +89,9 @@ class ReserveAdmission:
             if request.priority >= priority_below:
                 waiting.appendleft(request)
                 break
+            if request.tenant in tenants_set_aside:
+                set_aside.append(request)
+                continue
             if self.tenant_max_running and (
                 request.tenant.num_running + admitted_of[request.tenant] >= self.tenant_max_running
             ):

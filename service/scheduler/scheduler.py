@@ -298,11 +298,13 @@ class Scheduler:
                 self._preempt(victim, now, outcome)
                 preempted.append(victim)
             # What gave way made room for better priorities only (fair: for a tenant below its share, whom
-            # the queue serves first).
+            # the queue serves first; the tenants that gave way are over theirs and admit nothing this step).
             priority_below = float("inf") if self.fair else min((r.priority for r in preempted), default=float("inf"))
+            gave_way = frozenset(r.tenant for r in preempted) if self.fair else frozenset()
             if len(self.running) < self.config.max_num_seqs:
                 seats = self.config.max_num_seqs - len(self.running)
-                admitting = self.admission.admit(self.waiting, min(budget, prefill_budget), seats, priority_below)
+                budget_now = min(budget, prefill_budget)
+                admitting = self.admission.admit(self.waiting, budget_now, seats, priority_below, gave_way)
                 for admitted in admitting:
                     self._admit(admitted, now)
                     chunks[admitted.request] = admitted.num_new_tokens

@@ -16,13 +16,17 @@ import worker.kernels.cuda_ops as cuda_ops_module
 import worker.kernels.selection as kernels_module
 from service.contract import wire
 from service.contract.config import load_settings
-from tests.gpu.kernel_library import HostArrays, KernelLibrary, build_emulated_library
+from tests.gpu.kernel_library import HostArrays, KernelError, KernelLibrary, build_emulated_library
+from tests.support.host_copies import HostCopies
 from tests.support.model_engine import LocalEngine
-from worker.attention.custom_kernels import CustomPagedAttention
+from worker.attention.custom_kernels import QUERY_TILE, CustomPagedAttention
+from worker.attention.reference import RotaryPagedAttention
 from worker.host.model_to_device import map_model_tensors
 from worker.inputs.device_inputs import DeviceInputs
 from worker.inputs.model_inputs import HostInputs
 from worker.inputs.step_delta import StepDelta
+from worker.kernels.cpu import CustomKernels
+from worker.kernels.cpu_isa import IsaSet
 from worker.kernels.cuda import CudaKernels
 from worker.kernels.reference import PaddleKernels
 from worker.kernels.selection import select_kernels
@@ -106,15 +110,15 @@ def test_a_gpu_device_chooses_the_cuda_kernels_with_paddle_linears(monkeypatch):
     assert isinstance(linear(choice.kernels, weight, None, bfloat16), PaddleLinear)  # cuBLAS through paddle.matmul
 
 
-def tiny_config(head_dim: int = 16) -> ModelConfig:
+def tiny_config(head_dim: int = 16, num_heads: int = 2, num_kv_heads: int = 1) -> ModelConfig:
     return ModelConfig(
         architecture="llama",
         vocab_size=32,
-        hidden_size=2 * head_dim,
+        hidden_size=num_heads * head_dim,
         intermediate_size=24,
         num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=1e-5,
         max_position_embeddings=64,
@@ -123,12 +127,45 @@ def tiny_config(head_dim: int = 16) -> ModelConfig:
     )
 
 
-def test_cuda_attention_takes_heads_it_can_hold_and_leaves_the_rest_to_paddle():
-    kernels = CudaKernels(SimpleNamespace())
-    rotary = SimpleNamespace()
-    assert isinstance(kernels.attention(tiny_config(16), 16, rotary), CustomPagedAttention)
-    assert not isinstance(kernels.attention(tiny_config(12), 16, rotary), CustomPagedAttention)  # not 16-byte rows
-    assert kernels.attention_problem(tiny_config(12)) == "head_dim 12 is not a multiple of 8 up to 256"
+# (kernels, num_heads, num_kv_heads, head_dim, taken). The CUDA attention holds a head of a multiple of 8 elements
+# (16-byte rows) up to 256, and up to 32 query heads per kv head (a block's rows); the C++ CPU attention works on
+# whole AVX-512 vectors of a head: multiples of 16, any group.
+ATTENTION_HEADS = [
+    *(("cuda", 2, 1, head_dim, True) for head_dim in (8, 16, 24, 64, 128, 248, 256)),
+    *(("cuda", 2, 1, head_dim, False) for head_dim in (4, 12, 20, 100, 260, 264, 512)),
+    *(("cuda", num_heads, num_kv_heads, 64, True) for num_heads, num_kv_heads in ((32, 1), (64, 2), (32, 32))),
+    *(("cuda", num_heads, num_kv_heads, 64, False) for num_heads, num_kv_heads in ((33, 1), (64, 1), (66, 2))),
+    *(("cpu", 2, 1, head_dim, True) for head_dim in (16, 32, 48, 64, 128, 256, 512)),
+    *(("cpu", 2, 1, head_dim, False) for head_dim in (8, 12, 20, 24, 40, 100, 264)),
+    ("cpu", 64, 1, 64, True),
+]
+
+
+@pytest.mark.parametrize("kind, num_heads, num_kv_heads, head_dim, taken", ATTENTION_HEADS)
+def test_custom_attention_takes_heads_it_can_hold_and_leaves_the_rest_to_paddle(
+    emulated_ops, kind, num_heads, num_kv_heads, head_dim, taken
+):
+    """The heads a model's custom attention gets, and why the others run in pure Paddle. For the CUDA kernels the
+    kernel's own plan (the emulated build of kernel_api.cu) refuses exactly the heads the worker does not give it."""
+    config = tiny_config(head_dim, num_heads, num_kv_heads)
+    kernels = CudaKernels(SimpleNamespace()) if kind == "cuda" else CustomKernels(SimpleNamespace(), IsaSet())
+
+    problem = kernels.attention_problem(config)
+    attention = kernels.attention(config, 16, SimpleNamespace())
+
+    assert (problem is None) == taken, problem
+    assert isinstance(attention, CustomPagedAttention if taken else RotaryPagedAttention)
+    if not taken:
+        group = num_heads // num_kv_heads
+        assert f"head_dim {head_dim} " in problem or f"{group} query heads share a kv head" in problem, problem
+    if kind == "cuda":
+        query_shape, cache_shape = (1, num_heads, head_dim), (1, 16, num_kv_heads, head_dim)
+        try:
+            emulated_ops.library.plan_attention(query_shape, 1, cache_shape, 1, QUERY_TILE, HostArrays.num_sms)
+        except KernelError as refusal:
+            assert not taken, refusal
+        else:
+            assert taken, "the CUDA kernel plans heads the worker leaves to Paddle"
 
 
 def tiny_model(config: ModelConfig) -> LlamaForCausalLM:
@@ -197,12 +234,10 @@ def test_a_step_copies_from_the_model_to_the_host_once(runner, monkeypatch):
             new_request("b", PROMPT_IDS[:5], drawn, 1),
         ],
     )
-    copies = []
-    to_host = paddle.Tensor.numpy
-    monkeypatch.setattr(paddle.Tensor, "numpy", lambda tensor: copies.append(tensor.shape) or to_host(tensor))
+    copies = HostCopies(monkeypatch)
 
     launched = runner.launch(runner.prepare(step))
-    assert copies == []
+    assert copies.shapes == []
     result = runner.finish(launched)
 
     assert result.error is None and len(result.sampled) == 2 and len(copies) == 1

@@ -10,8 +10,8 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
+from tests.support.isa_kernels import ISA_CAPS, custom_kernels_on
 from tests.support.numerics import bf16_rounded
-from worker.kernels.cpu_isa import IsaSet, cpu_features
 from worker.kernels.reference import PaddleKernels
 from worker.kernels.selection import select_kernels
 from worker.layers.linear import PackedLinear, embedding_and_lm_head, fused_linear, linear
@@ -31,29 +31,11 @@ GGUF_TYPES = {
 }
 
 
-ISA_PATHS = ["avx2", "avx512", "avx512+bf16+vnni", "all"]
-AMX_ROWS = [17, 64, 300]  # of ROWS, the ones AMX computes (from 16 rows): a row past a tile, whole tiles, a partial
+AMX_ROWS = [17, 64, 300]  # of ROWS, the ones AMX computes in every format (from 16 rows): a row past a tile, whole
+# tiles, a partial one
 
 
-def custom_kernels_on(isa_path: str):
-    """The custom kernels on one instruction-set path where this CPU has it (else the test skips, saying why): AVX2
-    forced, AVX-512F alone, its dot products (AVX512-BF16's vdpbf16ps, AVX512-VNNI's vpdpbusd) without AMX, or
-    everything this CPU has, tested only where that includes AMX's tiles (else it is the path before)."""
-    features = cpu_features()
-    if isa_path != "avx2" and "avx512f" not in features:
-        pytest.skip("this CPU has no AVX-512F")
-    if isa_path == "avx512+bf16+vnni" and not {"avx512_bf16", "avx512_vnni"} & features:
-        pytest.skip("this CPU has neither AVX512-BF16 nor AVX512-VNNI")
-    if isa_path == "all" and not IsaSet.of(features).amx:
-        pytest.skip("this CPU has no AMX-BF16 and AMX-INT8 (or Linux does not grant this process their tiles)")
-    kernels = select_kernels("custom", isa_cap=isa_path).kernels
-    assert kernels.isa.avx512 == (isa_path != "avx2")
-    assert kernels.isa.bf16 == (isa_path in ("avx512+bf16+vnni", "all") and "avx512_bf16" in features)
-    assert kernels.isa.amx == (isa_path == "all")
-    return kernels
-
-
-@pytest.fixture(scope="module", params=ISA_PATHS)
+@pytest.fixture(scope="module", params=ISA_CAPS)
 def custom(request):
     return custom_kernels_on(request.param)
 

@@ -19,11 +19,11 @@ import pytest
 import worker.kernels.selection as kernels_module
 from service.contract import wire
 from tests.support.api_peer import ApiPeer
+from tests.support.isa_kernels import ISA_CAPS, custom_kernels_on
 from tests.support.numerics import attention_config, bf16_rounded
 from tests.support.processes import ROOT, loopback_env, metric_samples, start, stop_all
 from worker.attention.reference import PagedAttentionBackend
 from worker.inputs.step_inputs import RequestState, build_step_inputs
-from worker.kernels.cpu_isa import IsaSet, cpu_features
 from worker.kernels.cpu_ops import load_ops
 from worker.kernels.op_build import CustomOpsUnavailable
 from worker.kernels.reference import PaddleKernels
@@ -34,22 +34,13 @@ from worker.sample.sampler import Sampler
 MAX_POSITIONS = 1024
 
 
-@pytest.fixture(scope="module", params=["avx2", "avx512", "avx512+bf16+vnni", "all"])
+@pytest.fixture(scope="module", params=ISA_CAPS)
 def custom(request):
-    """The custom kernels on one instruction set: AVX2 forced, AVX-512F alone, AVX-512 with AVX512-BF16 (its kernel
-    set scores a bf16 cache's keys with vdpbf16ps) without AMX, or all this CPU has, where it includes AMX (its
-    GEMMs on tiles), each where the CPU has it."""
-    features = cpu_features()
-    if request.param != "avx2" and "avx512f" not in features:
-        pytest.skip("this CPU has no AVX-512F")
-    if request.param == "avx512+bf16+vnni" and "avx512_bf16" not in features:
-        pytest.skip("this CPU has no AVX512-BF16")
-    if request.param == "all" and not IsaSet.of(features).amx:
-        pytest.skip("this CPU has no AMX-BF16 and AMX-INT8 (or Linux does not grant this process their tiles)")
-    kernels = select_kernels("custom", isa_cap=request.param).kernels
-    assert kernels.name == "custom" and kernels.isa.avx512 == (request.param != "avx2")
-    assert kernels.isa.bf16 == (request.param in ("avx512+bf16+vnni", "all"))
-    assert kernels.isa.amx == (request.param == "all")
+    """The custom kernels on one instruction set (tests/support/isa_kernels.py): AVX2 forced, AVX-512F alone, AVX-512
+    with AVX512-BF16 (its kernel set scores a bf16 cache's keys with vdpbf16ps) without AMX, or all this CPU has,
+    where it includes AMX (its GEMMs on tiles), each where the CPU has it."""
+    kernels = custom_kernels_on(request.param)
+    assert kernels.name == "custom"
     return kernels
 
 

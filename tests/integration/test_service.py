@@ -32,11 +32,13 @@ PROMPTS = [
 
 def start_stack(logs, **overrides: str):
     """scheduler + worker + two api replicas on one tight KV cache; yields (env, urls)."""
-    # float32: these tests hold the service to transformers' float32 numbers (other dtypes: test_worker_accuracy.py).
+    # float32, unquantized: these tests hold the service to transformers' float32 numbers (other precisions:
+    # test_worker_accuracy.py).
     env = loopback_env(
         BLOCKSERVE_NUM_KV_BLOCKS=str(NUM_KV_BLOCKS),
         BLOCKSERVE_MAX_NUM_SEQS="32",
         BLOCKSERVE_DTYPE="float32",
+        BLOCKSERVE_QUANTIZATION="none",
         **overrides,
     )
     second_api = dict(env, BLOCKSERVE_PORT=str(int(env["BLOCKSERVE_PORT"]) + 1))
@@ -340,22 +342,33 @@ def test_greedy_outputs_are_token_identical_with_the_overlapped_and_the_serial_l
 
 
 def test_two_api_replicas_serve_at_once(stack):
+    """A stream on each replica: both had tokens before either ended (in flight at one moment, in the same steps),
+    and each got the text its prompt gets alone (asked of the other replica)."""
     _, urls = stack
+    asks = dict(max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    events: list[tuple[str, int]] = []  # ("token" or "end", replica), in the order the streams saw them
 
-    async def one(url: str, prompt: str) -> str:
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        completion = await client.completions.create(model=model_name(url), prompt=prompt, max_tokens=8, temperature=0)
-        return completion.choices[0].text
+    async def stream(replica: int, prompt: str) -> str:
+        client = openai.AsyncOpenAI(base_url=f"{urls[replica]}/v1", api_key="unused", max_retries=0, timeout=120)
+        chunks = await client.completions.create(model=model_name(urls[replica]), prompt=prompt, stream=True, **asks)
+        text = ""
+        async for chunk in chunks:
+            if chunk.choices and chunk.choices[0].text:
+                events.append(("token", replica))
+                text += chunk.choices[0].text
+        events.append(("end", replica))
+        return text
 
     async def both() -> list[str]:
-        return await asyncio.gather(*(one(urls[i % 2], PROMPTS[i]) for i in range(6)))
+        return await asyncio.gather(stream(0, PROMPTS[0]), stream(1, PROMPTS[1]))
 
     texts = asyncio.run(both())
-    assert all(texts)
-    alone = client_for(urls[1]).completions.create(
-        model=model_name(urls[1]), prompt=PROMPTS[0], max_tokens=8, temperature=0
-    )
-    assert texts[0] == alone.choices[0].text
+    first_end = events.index(next(event for event in events if event[0] == "end"))
+    assert {replica for kind, replica in events[:first_end] if kind == "token"} == {0, 1}, events
+    for replica, prompt, text in zip((0, 1), PROMPTS, texts):
+        other = urls[1 - replica]
+        alone = client_for(other).completions.create(model=model_name(other), prompt=prompt, **asks)
+        assert text and text == alone.choices[0].text
 
 
 def test_64_concurrent_streams_on_a_cache_for_8_all_finish_with_preemptions(either_stack):

@@ -43,7 +43,9 @@ def greedy_texts(kernels: str, logs, **settings: str) -> tuple[list[str], dict[s
 
 def test_service_on_custom_kernels_generates_the_greedy_text_of_pure_paddle(tmp_path):
     # BLOCKSERVE_CPU_ISA=avx2: the AVX2 path a CPU without AVX-512 runs, on any CPU.
-    custom_texts, custom_info = greedy_texts("custom", tmp_path, BLOCKSERVE_DTYPE="float32", BLOCKSERVE_CPU_ISA="avx2")
+    custom_texts, custom_info = greedy_texts(
+        "custom", tmp_path, BLOCKSERVE_DTYPE="float32", BLOCKSERVE_QUANTIZATION="none", BLOCKSERVE_CPU_ISA="avx2"
+    )
     paddle_texts, paddle_info = greedy_texts("paddle", tmp_path, BLOCKSERVE_HUGE_PAGES="0")
 
     assert custom_texts == paddle_texts and all(custom_texts)

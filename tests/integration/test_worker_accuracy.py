@@ -1,4 +1,4 @@
-"""Each weight precision against float32 on SmolLM2, with the thresholds of the README's configuration table:
+"""Each weight precision against float32 on SmolLM2, with the thresholds the README states ("Precision at a glance"; in full in docs/worker.md):
 the mean KL divergence of the next-token distributions over tests/data/english_text.txt, and the share of
 float32's greedy tokens on the 8 reference prompts that the precision picks too (tests/support/accuracy.py).
 Run on everything this CPU has (the default path) and with AVX2 forced, where the arithmetic differs

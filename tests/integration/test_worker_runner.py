@@ -47,7 +47,9 @@ def new_request(request_id: str, sampling: wire.SamplingParams, block_ids: list[
 @pytest.fixture(scope="module")
 def float32_runner(smollm_path):
     return ModelRunner(
-        load_settings(model=os.fspath(smollm_path), num_kv_blocks=64, max_model_len=2048, dtype="float32")
+        load_settings(
+            model=os.fspath(smollm_path), num_kv_blocks=64, max_model_len=2048, dtype="float32", quantization="none"
+        )
     )
 
 

@@ -86,9 +86,12 @@ def models(request, kernels, smollm_path, hf_smollm_tokenizer, tmp_path_factory)
         build = tiny_qwen2 if request.param == "qwen2-folder" else tiny_llama3_bf16
         build(hf_dir, hf_smollm_tokenizer)
         hf_kwargs = {}
-    settings = load_settings(model=os.fspath(model_path), num_kv_blocks=NUM_KV_BLOCKS, kernels=kernels, dtype="float32")
+    settings = load_settings(
+        model=os.fspath(model_path), num_kv_blocks=NUM_KV_BLOCKS, kernels=kernels, dtype="float32", quantization="none"
+    )
     runner = ModelRunner(settings)
     assert runner.kernels["kernels"] == kernels and runner.kernels["dtype"] == "float32"
+    assert runner.kernels["quantization"] == "none"
     reference = AutoModelForCausalLM.from_pretrained(os.fspath(hf_dir), dtype=torch.float32, **hf_kwargs).eval()
     return runner, reference
 

@@ -58,3 +58,24 @@ def test_step_message_round_trips():
 def test_bad_frames_raise_wire_error(frame):
     with pytest.raises(wire.WireError):
         wire.decode(frame)
+
+
+def test_a_batch_whose_columns_disagree_in_length_is_rejected():
+    frame = wire.encode(wire.DeltaBatch(token_request_ids=["r1", "r2"], token_ids=[5, 6]))
+    wire.decode(frame)
+    lopsided = frame.replace(b"\x92\x05\x06", b"\x91\x05")  # token ids [5, 6] -> [5]
+    assert lopsided != frame
+    with pytest.raises(wire.WireError, match="2 request ids for 1 tokens"):
+        wire.decode(lopsided)
+
+
+def test_a_frame_of_an_older_protocol_is_rejected():
+    frame = wire.encode(wire.Ping(version=1))
+    with pytest.raises(wire.WireError, match="protocol version 1"):
+        wire.decode(frame)
+
+
+def test_fields_travel_by_position_not_by_name():
+    frame = wire.encode(wire.RequestDelta(request_id="r1", token_ids=[5]))
+    assert b"request_id" not in frame and b"token_ids" not in frame
+    assert wire.decode(frame) == wire.RequestDelta(request_id="r1", token_ids=[5])

@@ -8,10 +8,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import worker.kernels.cpu_isa as custom_ops
-from worker.layers.weight_format import WeightFormat
+import worker.kernels.cpu_isa as cpu_isa
 from tests.gpu import kernel_library
 from tests.support import kernel_reference
+from worker.layers.weight_format import WeightFormat
 
 CUSTOM_OPS = Path(__file__).resolve().parents[2] / "custom_ops"
 
@@ -39,10 +39,10 @@ def test_isa_bits_are_the_headers():
         for name, value in bits.items()
     }
 
-    assert named == {name: getattr(custom_ops, name) for name in named}
+    assert named == {name: getattr(cpu_isa, name) for name in named}
     assert sorted(named.values()) == sorted(
         value
-        for name, value in vars(custom_ops).items()
+        for name, value in vars(cpu_isa).items()
         if re.fullmatch(r"ISA_[A-Z0-9_]+", name) and isinstance(value, int)
     )
 

@@ -79,6 +79,36 @@ def test_bfloat16_is_the_default_with_the_cuda_and_the_custom_cpu_kernels_and_fl
     )
 
 
+def test_auto_dtype_on_the_custom_kernels_is_the_measured_one_and_an_explicit_dtype_is_kept():
+    measured = ("float32", "auto: float32, the faster for this model's linear layers (...)")
+    assert resolve_precision("auto", "none", "custom", bf16_dot=True, measured_dtype=measured) == Precision(
+        "float32", "none", measured[1]
+    )
+    assert resolve_precision("bfloat16", "none", "custom", measured_dtype=measured).dtype == "bfloat16"
+    problem = (
+        "head_dim 20 is not a multiple of 16"  # the pure-Paddle attention computes in float32 whatever was measured
+    )
+    bf16 = ("bfloat16", "auto: bfloat16 ...")
+    assert (
+        resolve_precision("auto", "none", "custom", attention_problem=problem, measured_dtype=bf16).dtype == "float32"
+    )
+
+
+def test_auto_quantization_serves_a_gguf_file_as_stored_on_the_cpu_kernels_and_nothing_else_quantized():
+    gguf = resolve_precision("auto", "auto", "custom", bf16_dot=True, gguf_file=True)
+    assert gguf.quantization == "gguf" and "the GGUF file's blocks as stored" in gguf.reason
+    assert resolve_precision("auto", "auto", "custom", bf16_dot=True, gguf_file=False).quantization == "none"
+    assert resolve_precision("auto", "auto", "cuda", gguf_file=True) == Precision(
+        "bfloat16", "none", "auto: bfloat16 on a GPU with the CUDA kernels"
+    )
+    assert resolve_precision("auto", "auto", "paddle", gguf_file=True).quantization == "none"
+    # An explicit setting is kept: none dequantizes the file, int8 requantizes it.
+    assert resolve_precision("float32", "none", "custom", gguf_file=True).quantization == "none"
+    assert resolve_precision("float32", "int8", "custom", gguf_file=True).quantization == "int8"
+    problem = "head_dim 20 is not a multiple of 16"
+    assert resolve_precision("auto", "auto", "custom", attention_problem=problem, gguf_file=True).quantization == "gguf"
+
+
 @pytest.mark.parametrize("kernels, dtype", [("paddle", "bfloat16"), ("paddle", "float16"), ("custom", "float16")])
 def test_a_dtype_the_kernels_cannot_serve_refuses_rather_than_serves_another(kernels, dtype):
     with pytest.raises(PrecisionUnavailable, match=f"BLOCKSERVE_DTYPE={dtype}"):

@@ -11,6 +11,7 @@ from starlette.requests import Request
 
 from service.api.errors import ApiError
 from service.api.tenants import KEY_TENANT, TenantResolver
+from service.contract import wire
 from service.contract.config import Settings, SettingsError, load_settings
 from service.contract.wire import DEFAULT_TENANT
 from service.scheduler.counters import TenantLabels
@@ -277,3 +278,32 @@ def test_api_keys_are_read_as_tenants_and_a_malformed_list_is_refused_without_sh
     with pytest.raises(SettingsError, match="BLOCKSERVE_API_KEYS must be a JSON object") as refused:
         load_settings()
     assert "sk-secret" not in str(refused.value)
+
+
+def test_a_tenant_that_gives_way_admits_none_of_its_requests_in_that_step():
+    """Found by the random-trace property (test_scheduler_properties.py): tenant a held the blocks, b's request
+    came in below its share, a's big prompt gave way for it, and the same step admitted a's request of a worse
+    priority into the room that was freed for b. A tenant that gives way is over its share: it admits nothing
+    in that step (the harness checks, every step, that nothing of a worse priority runs on in the victim's
+    tenant)."""
+    cfg = config(
+        num_blocks=9, block_size=4, max_num_seqs=3, max_num_batched_tokens=8, max_model_len=24,
+        enable_prefix_caching=False, preemption_policy="lifo", priority_aging_s=1.0,
+    )  # fmt: skip
+    harness = Harness(cfg)
+    harness.add("a-low", [1], wire.SamplingParams(max_tokens=1), priority=1, tenant="a")
+    harness.add("a-short", [1, 1, 1], wire.SamplingParams(max_tokens=7), priority=0, tenant="a")
+    harness.add("a-long", list(range(5, 21)) + [1], wire.SamplingParams(max_tokens=5), priority=0, tenant="a")
+    harness.step()
+    harness.add("b", [1], wire.SamplingParams(max_tokens=1), priority=0, tenant="b", tenant_weight=2.0)
+
+    preempted_with: list[list[str]] = []
+    while harness.scheduler.requests:
+        output = harness.step()
+        if output is not None and output.preempted_request_ids:
+            preempted_with.append([r.request_id for r in output.new_requests])
+
+    assert preempted_with and all("a-low" not in admitted for admitted in preempted_with)
+    assert set(harness.finish_reasons) == {"a-low", "a-short", "a-long", "b"}
+    pool = harness.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks

@@ -3,6 +3,7 @@ from collections import deque
 import pytest
 
 from service.contract import wire
+from service.contract.block_hashes import extend_block_hashes
 from service.scheduler.engine import EngineLoop
 from service.scheduler.preemption import lifo, min_recompute
 from service.scheduler.request import RequestStatus
@@ -38,22 +39,71 @@ def test_preempted_request_resumes_with_identical_output(policy, overlapped):
     assert harness.kv.pool.num_free_blocks == cfg.num_blocks
 
 
+class RecomputeLedger(Harness):
+    """The harness, keeping from the steps it sends (the worker's view) what each request recomputes: the
+    tokens it had computed before its latest preemption, scheduled again. At every admission it checks that
+    the request starts after the longest run of its leading full blocks in the prefix cache when it was looked
+    up (the last token always recomputed)."""
+
+    def __init__(self, cfg: SchedulerConfig, overlapped: bool):
+        super().__init__(cfg, overlapped=overlapped)
+        self.computed: dict[str, int] = {}  # tokens the steps so far computed for each request since its admission
+        self.before_preemption: dict[str, int] = {}  # most tokens it had computed before a preemption
+        self.recomputed_tokens = 0
+        # Per resumption: (tokens found cached, tokens of full blocks it had computed and could have found).
+        self.resumed_from: list[tuple[int, int]] = []
+        self.cached_at_lookup: dict[str, set[int]] = {}  # the prefix cache's hashes when a request's was looked up
+        look_up = self.kv.get_computed_blocks
+
+        def cache_seen_by(request):
+            self.cached_at_lookup[request.request_id] = set(self.kv.pool.cached_hashes())
+            return look_up(request)
+
+        self.kv.get_computed_blocks = cache_seen_by
+
+    def send(self, step):
+        output = super().send(step)
+        block_size = self.config.block_size
+        for request_id in output.preempted_request_ids:
+            self.before_preemption[request_id] = max(
+                self.before_preemption.get(request_id, 0), self.computed[request_id]
+            )
+        for new in output.new_requests:
+            cached = self.cached_at_lookup.pop(new.request_id)
+            hashes: list[int] = []
+            extend_block_hashes(hashes, new.token_ids, block_size)
+            cached_run = next(
+                (index for index, block_hash in enumerate(hashes) if block_hash not in cached), len(hashes)
+            )
+            assert new.num_computed_tokens == min(cached_run, (len(new.token_ids) - 1) // block_size) * block_size
+            if new.request_id in self.before_preemption:
+                before = min(self.before_preemption[new.request_id], len(new.token_ids) - 1)
+                self.resumed_from.append((new.num_computed_tokens, before // block_size * block_size))
+            self.computed[new.request_id] = new.num_computed_tokens
+        for chunk in output.new_requests + output.running_requests:
+            start = self.computed[chunk.request_id]
+            end = self.computed[chunk.request_id] = start + chunk.num_scheduled_tokens
+            self.recomputed_tokens += max(0, min(end, self.before_preemption.get(chunk.request_id, 0)) - start)
+        return output
+
+
 @MODES
 def test_resumed_request_recomputes_only_evicted_blocks(overlapped):
+    """A preempted request resumes after every block of its prefix still cached: what it computes again is
+    exactly what it had computed beyond them (evicted blocks, and a tail that filled no block)."""
     cfg = config(num_blocks=12, preemption_policy="lifo")
-    harness = Harness(cfg, overlapped=overlapped)
+    harness = RecomputeLedger(cfg, overlapped)
     for i in range(4):
         harness.add(f"r{i}", [10 + i] * 6, greedy(30))
     harness.run_until_idle()
+
     stats = harness.scheduler.counters
-    assert stats.num_preemptions > 0
-    without_cache = Harness(
-        config(num_blocks=12, preemption_policy="lifo", enable_prefix_caching=False), overlapped=overlapped
-    )
+    assert stats.num_preemptions > 0 and len(harness.resumed_from) == stats.num_preemptions
+    assert stats.num_recomputed_tokens == harness.recomputed_tokens
+    assert any(cached > 0 for cached, _ in harness.resumed_from), "no resumption found blocks still cached"
+    assert any(cached < computed for cached, computed in harness.resumed_from), "no resumption lost blocks"
     for i in range(4):
-        without_cache.add(f"r{i}", [10 + i] * 6, greedy(30))
-    without_cache.run_until_idle()
-    assert stats.num_recomputed_tokens < without_cache.scheduler.counters.num_recomputed_tokens
+        assert harness.outputs[f"r{i}"] == reference_output([10 + i] * 6, greedy(30), cfg)
 
 
 def test_shared_prefix_requests_share_blocks_and_count_hits():

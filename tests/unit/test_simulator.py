@@ -1,5 +1,7 @@
 import json
+from importlib.util import find_spec
 
+import numpy as np
 import pytest
 
 from service.launch.cli import main as blockserve
@@ -25,12 +27,31 @@ def tight_config(policy="min_recompute"):
     )
 
 
-def test_trace_is_seeded_and_poisson_arrivals_are_ordered():
+def test_trace_is_seeded():
     first, again, other = small_trace(seed=3), small_trace(seed=3), small_trace(seed=4)
     assert first == again
     assert first != other
-    arrivals = [r.arrival_time_s for r in first]
-    assert arrivals == sorted(arrivals) and arrivals[0] == 0.0 and arrivals[-1] > 0.0
+
+
+@pytest.mark.parametrize("burstiness", [1.0, 0.5, 4.0], ids=["poisson", "bursty", "regular"])
+def test_arrivals_are_ordered_with_gamma_gaps_of_mean_one_over_the_rate(burstiness):
+    """Shape 1 (the default) is a Poisson process: exponential gaps, their standard deviation their mean."""
+    rate, num_requests = 50.0, 20_000
+    one_token = LengthDistribution("fixed", 1)
+    trace = make_trace(Workload(num_requests, one_token, one_token, rate, burstiness=burstiness, seed=11))
+
+    arrivals = np.array([r.arrival_time_s for r in trace])
+    assert arrivals[0] == 0.0 and np.all(np.diff(arrivals) >= 0)
+    gaps = np.diff(arrivals)
+    # Over 20,000 gaps the mean is off by CV / sqrt(n), 1% at most here, and the CV by 1.3% at shape 0.5: 5% is far.
+    expected_cv = 1.0 / np.sqrt(burstiness)
+    assert abs(gaps.mean() * rate - 1.0) < 0.05
+    assert abs(gaps.std() / gaps.mean() / expected_cv - 1.0) < 0.05
+    if find_spec("scipy") is not None:
+        from scipy import stats
+
+        shape_test = stats.kstest(gaps, "gamma", args=(burstiness, 0.0, 1.0 / (rate * burstiness)))
+        assert shape_test.pvalue > 0.001, shape_test
 
 
 @pytest.mark.parametrize("overlapped", [False, True], ids=["serial", "overlapped"])

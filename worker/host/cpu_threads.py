@@ -9,7 +9,7 @@ The worker holds two OpenMP runtimes: GNU libgomp (the custom ops) and Intel's l
   third of a one-sequence decode step. GOMP_SPINCOUNT bounds the spinning instead: 300,000 rounds,
   libgomp's own default, about 8 ms on a 2-core AMD EPYC. A thread spins across the gaps inside a
   step and sleeps between steps once the worker is idle.
-Measured (benchmarks/bench_worker.py and `blockserve bench`, README "Weights") on that EPYC with the
+Measured (benchmarks/bench_worker.py and `blockserve bench`, docs/worker.md, "Weights as they ship") on that EPYC with the
 scheduler and api on the same cores. Variables already set win, and a set OMP_WAIT_POLICY keeps its
 own spin count.
 """

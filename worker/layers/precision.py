@@ -10,7 +10,7 @@ import numpy as np
 from worker.layers.weight_format import GgufBlocks, WeightFormat
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8", "gguf")
+QUANTIZATIONS = ("auto", "none", "int8", "gguf")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -38,18 +38,25 @@ class Precision:
 
 
 def resolve_precision(
-    dtype: str, quantization: str, kernels: str, bf16_dot: bool = False, attention_problem: str | None = None
+    dtype: str,
+    quantization: str,
+    kernels: str,
+    bf16_dot: bool = False,
+    attention_problem: str | None = None,
+    gguf_file: bool = False,
+    measured_dtype: tuple[str, str] | None = None,
 ) -> Precision:
     """The precision for the settings on `kernels` (the chosen kernels' name); `bf16_dot`: the custom CPU ops
     may multiply bf16 with AVX512-BF16; `attention_problem`: why the kernels' attention cannot take the model's
     heads (Kernels.attention_problem), so that the pure-Paddle attention serves them.
 
-    - custom (the C++ CPU ops): float32 or bfloat16, any quantization; `auto` is bfloat16. With AVX512-BF16
-      the ops multiply it natively; on AVX2 they widen it to float32 in registers, which measured faster
-      than float32 for decodes and as fast for prefill (benchmarks/bench_worker.py, the AVX2 path forced
-      on an AVX-512 CPU), with half the weight and KV-cache memory.
+    - custom (the C++ CPU ops): float32 or bfloat16, any quantization. `auto` is `measured_dtype` (dtype, reason)
+      where given: the faster of the two on this CPU (layers/dtype_probe.py); else bfloat16 (with AVX512-BF16
+      the ops multiply it natively; on AVX2 they widen it to float32 in registers). Quantization `auto` serves
+      a GGUF file (`gguf_file`) as stored, as llama.cpp does: `gguf`; any other checkpoint keeps its precision
+      class: `none`.
     - cuda (the CUDA ops on a GPU): float32, bfloat16 or float16, weights unquantized in that dtype (the
-      linear layers are Paddle's matmul); `auto` is bfloat16.
+      linear layers are Paddle's matmul); `auto` is bfloat16; quantization `auto` is `none`.
     - paddle: float32 only; so too the custom and CUDA kernels where the pure-Paddle attention serves the model's
       heads: it computes and caches in float32 (`auto` is float32 then).
 
@@ -58,6 +65,36 @@ def resolve_precision(
     """
     if dtype not in DTYPES or quantization not in QUANTIZATIONS:
         raise ValueError(f"dtype {dtype!r} / quantization {quantization!r} not in {DTYPES} / {QUANTIZATIONS}")
+    precision = _resolve(
+        dtype,
+        resolve_quantization(quantization, kernels, gguf_file),
+        kernels,
+        bf16_dot,
+        attention_problem,
+        measured_dtype,
+    )
+    if quantization == "auto" and precision.quantization == "gguf":
+        return Precision(
+            precision.dtype, "gguf", f"{precision.reason}; quantization auto: the GGUF file's blocks as stored"
+        )
+    return precision
+
+
+def resolve_quantization(quantization: str, kernels: str, gguf_file: bool) -> str:
+    """BLOCKSERVE_QUANTIZATION resolved: `auto` serves a GGUF file's own blocks where the kernels can (custom)."""
+    if quantization != "auto":
+        return quantization
+    return "gguf" if gguf_file and kernels == "custom" else "none"
+
+
+def _resolve(
+    dtype: str,
+    quantization: str,
+    kernels: str,
+    bf16_dot: bool,
+    attention_problem: str | None,
+    measured_dtype: tuple[str, str] | None,
+) -> Precision:
     if attention_problem is not None and kernels != "paddle":
         return _for_paddle_attention(dtype, quantization, kernels, attention_problem)
     if kernels == "cuda":
@@ -79,6 +116,8 @@ def resolve_precision(
         return Precision("float32", "none", "pure-Paddle kernels compute in float32")
     if dtype != "auto":
         return Precision(dtype, quantization, f"BLOCKSERVE_DTYPE={dtype}")
+    if measured_dtype is not None:
+        return Precision(measured_dtype[0], quantization, measured_dtype[1])
     if bf16_dot:
         return Precision("bfloat16", quantization, "auto: the CPU multiplies bf16 natively (AVX512-BF16)")
     return Precision("bfloat16", quantization, "auto: bf16 storage, widened to float32 in registers (no AVX512-BF16)")

@@ -1,6 +1,6 @@
 """fp32 GEMM rate (GFLOP/s) of the libraries the worker could use, on SmolLM2-135M's linear layers.
 
-Run: OMP_NUM_THREADS=2 python benchmarks/bench_gemm.py [--trials N]
+Run: OMP_NUM_THREADS=2 python benchmarks/bench_gemm.py [--trials N] [--amx]
 
 y[M, N] = x[M, K] @ W[K, N] for M tokens (decode batches 1-64, a 512-token prefill) against the
 fused q|k|v, o, gate|up, down and lm_head weights. Weights are constant, so every candidate that can
@@ -15,6 +15,10 @@ pack or reorder them does so once per (M, weight), outside the timing:
 - paddle mklml packed: cblas_sgemm_pack/compute of the MKL that Paddle's wheel ships (libmklml_intel.so);
 - bs_linear: blockserve's own op (custom_ops/cpu/linear*), AVX2 forced.
 Each figure is the best of --trials timed runs, the candidates taking turns (the machine may be shared).
+
+--amx (on a CPU with AMX): instead, bs_linear's GEMM in the weight formats with dot products (BF16, INT8, Q4_1:
+what a GGUF Q4_K is regrouped into) on AVX512-BF16/VNNI (BLOCKSERVE_CPU_ISA=avx512+bf16+vnni) and on AMX's tiles
+(auto), the two taking turns, and the ratio of their rates.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch  # noqa: E402
 from worker.kernels.selection import select_kernels  # noqa: E402
 from worker.layers.linear import linear  # noqa: E402
 from worker.layers.precision import Precision  # noqa: E402
+from worker.layers.weight_format import GgufBlocks, WeightFormat  # noqa: E402
 
 ROWS = (1, 8, 16, 32, 64, 512)
 WEIGHTS = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
@@ -114,11 +119,57 @@ def best_seconds(runs: dict, trials: int) -> dict[str, float]:
     return best
 
 
+# --amx: the formats timed, as (dtype, quantization) of their Precision.
+AMX_FORMATS = {"bf16": ("bfloat16", "none"), "int8": ("float32", "int8"), "q4_1": ("float32", "gguf")}
+
+
+def format_layer(kernels, format_name: str, weight: np.ndarray):
+    """bs_linear of an [in, out] weight in one of AMX_FORMATS."""
+    dtype, quantization = AMX_FORMATS[format_name]
+    precision = Precision(dtype, quantization, "bench_gemm")
+    if quantization == "gguf":
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        blocks = quantize(np.ascontiguousarray(weight.T), GGMLQuantizationType.Q4_1)
+        return linear(kernels, GgufBlocks(WeightFormat.Q4_1, blocks, weight.shape[0]), None, precision)
+    return linear(kernels, np.ascontiguousarray(weight.T), None, precision)
+
+
+def amx_table(trials: int, formats: list[str]) -> None:
+    """GFLOP/s of bs_linear per format (of AMX_FORMATS) on AVX512-BF16/VNNI and on AMX, and new / old."""
+    paths = {"dot products": select_kernels("custom", isa_cap="avx512+bf16+vnni").kernels}
+    paths["amx"] = select_kernels("custom", isa_cap="all").kernels
+    if not paths["amx"].isa.amx:
+        raise SystemExit("--amx: this CPU has no AMX (or Linux does not grant this process its tiles)")
+    rng = np.random.default_rng(0)
+    print(f"bs_linear GFLOP/s, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, best of {trials}")
+    print(f"{'format':<7}{'weight':<9}{'M x K x N':>18}{'dot products':>14}{'amx':>10}{'amx / dot':>11}")
+    for format_name in formats:
+        for weight_name, (k, n) in WEIGHTS.items():
+            weight = rng.standard_normal((k, n), dtype=np.float32)
+            layers = {name: format_layer(kernels, format_name, weight) for name, kernels in paths.items()}
+            for m in ROWS:
+                x = paddle.to_tensor(rng.standard_normal((m, k), dtype=np.float32))
+                seconds = best_seconds({name: (lambda layer=layer: layer(x)) for name, layer in layers.items()}, trials)
+                rates = {name: 2 * m * k * n / seconds[name] / 1e9 for name in layers}
+                print(
+                    f"{format_name:<7}{weight_name:<9}{f'{m} x {k} x {n}':>18}{rates['dot products']:>14.1f}"
+                    f"{rates['amx']:>10.1f}{rates['amx'] / rates['dot products']:>10.2f}x",
+                    flush=True,
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--amx", action="store_true", help="bs_linear's formats without and with AMX's tiles")
+    parser.add_argument("--formats", nargs="*", choices=list(AMX_FORMATS), default=list(AMX_FORMATS), help="of --amx")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if args.amx:
+        amx_table(args.trials, args.formats)
+        return
     custom = select_kernels("custom", isa_cap="avx2").kernels
     mklml = PaddleMklml()
     rng = np.random.default_rng(0)

@@ -2,6 +2,7 @@
 
 Run: OMP_NUM_THREADS=2 python benchmarks/bench_worker.py [--steps N]
      [--precision KERNELS:DTYPE:QUANTIZATION[:ISA_CAP] ...] [--op-by-op]
+     [--decode-batches B ...] [--prefills COUNTxLEN ...]
      [--temperature T] [--top-p P] [--top-k K]
 
 Decode: B requests with a 128-token context each, one token per request per step.
@@ -20,9 +21,10 @@ cold), so that the read and the steps see the same moments of a shared host; the
 those reads, as the step is the median step, and the line also gives the ratio at the fastest read. The
 breakdown times the parts of the median step with wall-clock timers (Paddle on CPU runs ops
 synchronously); inside the fused decoder stack (the default), the op clocks its own stages (time_stages;
-the clocks are read after the timed step's clock stops), so the linear matmuls and the attention are the same parts in both modes. ISA_CAP (avx2, avx512; default all: BLOCKSERVE_CPU_ISA) keeps the custom ops below what the
+the clocks are read after the timed step's clock stops), so the linear matmuls and the attention are the same parts in both modes. ISA_CAP (avx2, avx512, avx512+bf16+vnni; default all: BLOCKSERVE_CPU_ISA) keeps the custom ops below what the
 CPU has: `custom:float32:none:avx2` and `custom:bfloat16:none:avx2` measure the AVX2 path
-(bf16 storage widened to fp32 in registers) on an AVX-512 machine. The worker's OpenMP settings (worker/host/cpu_threads.py) apply, as in the service.
+(bf16 storage widened to fp32 in registers) on an AVX-512 machine; `custom:bfloat16:none:avx512+bf16+vnni` beside
+`custom:bfloat16:none` on a CPU with AMX measures the GEMMs without and with its tiles in the same run. The worker's OpenMP settings (worker/host/cpu_threads.py) apply, as in the service.
 """
 
 from __future__ import annotations
@@ -284,15 +286,22 @@ class PrecisionRun:
 
 
 def run_precisions(
-    names: list[str], steps: int, op_by_op: bool, probe: ReadProbe, sampling: wire.SamplingParams = GREEDY
+    names: list[str],
+    steps: int,
+    op_by_op: bool,
+    probe: ReadProbe,
+    sampling: wire.SamplingParams = GREEDY,
+    decode_batches: tuple[int, ...] = DECODE_BATCHES,
+    prefills: tuple[tuple[int, int], ...] = PREFILLS,
 ) -> list[PrecisionRun]:
-    """Every case for every precision in `names`, the precisions taking turns step by step."""
+    """Every case (decode batches, prefills) for every precision in `names`, the precisions taking turns step by
+    step."""
     subjects = [subject_of(name, op_by_op, sampling) for name in names]
     cases: list[list] = [[] for _ in subjects]
-    for batch in DECODE_BATCHES:
+    for batch in decode_batches:
         for own, record in zip(cases, time_decode(subjects, batch, steps, probe)):
             own.append((f"decode B={batch}", batch, *record))
-    for count, prompt_len in PREFILLS:
+    for count, prompt_len in prefills:
         for own, record in zip(cases, time_prefill(subjects, count, prompt_len, max(3, steps // 3))):
             own.append((f"prefill {count}x{prompt_len}", count * prompt_len, *record))
     return [
@@ -322,6 +331,12 @@ def main() -> None:
         "--precision", action="append", help=f"KERNELS:DTYPE:QUANTIZATION[:ISA_CAP] (default: {PRECISIONS})"
     )
     parser.add_argument("--op-by-op", action="store_true", help="custom kernels: layers op by op, timed by part")
+    parser.add_argument(
+        "--decode-batches", type=int, nargs="*", default=list(DECODE_BATCHES), help="decode cases: requests per step"
+    )
+    parser.add_argument(
+        "--prefills", nargs="*", default=[f"{c}x{n}" for c, n in PREFILLS], help="prefill cases: COUNTxPROMPT_LEN"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="every request's (default 0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="every request's (default 1: none)")
     parser.add_argument("--top-k", type=int, default=0, help="every request's (default 0: none)")
@@ -331,7 +346,16 @@ def main() -> None:
     )
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     probe = ReadProbe()
-    runs = run_precisions(args.precision or list(PRECISIONS), args.steps, args.op_by_op, probe, sampling)
+    prefills = tuple(tuple(int(part) for part in case.split("x")) for case in args.prefills)
+    runs = run_precisions(
+        args.precision or list(PRECISIONS),
+        args.steps,
+        args.op_by_op,
+        probe,
+        sampling,
+        tuple(args.decode_batches),
+        prefills,
+    )
     reference = next((run for run in runs if run.name == "custom:float32:none"), runs[0])
     print(
         f"\nSmolLM2-135M on {cpu_name()}, Paddle {paddle.__version__}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
@@ -358,20 +382,25 @@ def main() -> None:
             step_s = run.cases[index][2]
             cells.append(f"{step_s * 1e3:.1f} ({num_tokens / step_s:.0f}; {step_s / reference.cases[index][2]:.2f}x)")
         print(f"{case:<16}" + "".join(f"{cell:>34}" for cell in cells))
+    if 1 in args.decode_batches:
+        print_read_ratios(runs, args.decode_batches.index(1))
+    for run in runs:
+        print_breakdown(run)
+
+
+def print_read_ratios(runs: list[PrecisionRun], case_index: int) -> None:
     print(
         "\ndecode B=1 against reading the weights once (goal: step <= 1.5x read) at the median of the reads"
         " taken before each of the precision's B=1 steps (in brackets: at the fastest of them)"
     )
     for run in runs:
         median_read, fastest_read = float(np.median(run.read_bandwidths)), max(run.read_bandwidths)
-        read_s, step_s = run.weight_bytes / median_read, run.cases[0][2]
+        read_s, step_s = run.weight_bytes / median_read, run.cases[case_index][2]
         print(
             f"{run.name:<27} dtype={run.described['dtype']:<9} isa={run.described.get('kernels_isa', '-'):<22} weights {run.weight_bytes / 2**20:6.1f} MiB, "
             f"read at {median_read / 1e9:4.1f} GB/s {read_s * 1e3:5.1f} ms, step {step_s * 1e3:6.1f} ms = {step_s / read_s:.2f}x "
             f"(at {fastest_read / 1e9:4.1f} GB/s: {step_s * fastest_read / run.weight_bytes:.2f}x)"
         )
-    for run in runs:
-        print_breakdown(run)
 
 
 def print_breakdown(run: PrecisionRun) -> None:

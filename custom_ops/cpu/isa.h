@@ -3,26 +3,49 @@
 // does not include Paddle's headers.
 #pragma once
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 namespace bs {
 
 // Bits of the `isa` attribute of every op (0 forces AVX2); worker/kernels/cpu_isa.py names the same bits.
-enum IsaBits : int { kAllowAvx512 = 1, kAllowAvx512Bf16 = 2, kAllowAvx512Vnni = 4 };
+enum IsaBits : int { kAllowAvx512 = 1, kAllowAvx512Bf16 = 2, kAllowAvx512Vnni = 4, kAllowAmx = 8 };
 
 struct Isa {
   bool avx512 = false;  // AVX-512F
   bool bf16 = false;    // AVX512-BF16 (vdpbf16ps)
   bool vnni = false;    // AVX512-VNNI (vpdpbusd)
+  bool amx = false;     // AMX-TILE, AMX-BF16 and AMX-INT8 (tdpbf16ps, tdpbsud), granted by the OS
 };
 
 inline bool cpu_has_avx2_fma_f16c() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
+// Whether the CPU has AMX-TILE, AMX-BF16 and AMX-INT8 (CPUID leaf 7) and Linux lets this process use the
+// tiles: their 8 KiB register state is off until the process asks for it (arch_prctl ARCH_REQ_XCOMP_PERM
+// for XFEATURE_XTILEDATA; the grant holds for every thread of the process, and asking again is harmless).
+// Asked once per process.
+inline bool cpu_has_amx() {
+  static const bool granted = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    constexpr unsigned kAmxBf16 = 1u << 22, kAmxTile = 1u << 24, kAmxInt8 = 1u << 25;
+    if ((edx & (kAmxBf16 | kAmxTile | kAmxInt8)) != (kAmxBf16 | kAmxTile | kAmxInt8)) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+// AMX only above AVX512-BF16 and AVX512-VNNI (its kernels finish with them; every AMX CPU has both).
 inline Isa allowed_isa(int allowed) {
   Isa isa;
   isa.avx512 = (allowed & kAllowAvx512) && __builtin_cpu_supports("avx512f");
   isa.bf16 = isa.avx512 && (allowed & kAllowAvx512Bf16) && __builtin_cpu_supports("avx512bf16");
   isa.vnni = isa.avx512 && (allowed & kAllowAvx512Vnni) && __builtin_cpu_supports("avx512vnni");
+  isa.amx = isa.bf16 && isa.vnni && (allowed & kAllowAmx) && cpu_has_amx();
   return isa;
 }
 

@@ -107,26 +107,64 @@ using MicroKernel = Int8DotKernel<kFormat>;
 #pragma GCC pop_options
 }  // namespace avx512_vnni
 
-// A micro-kernel as the dispatch sees it: the instruction set it needs (null: every CPU the ops run on) and its
-// region's entry points.
+namespace amx_bf16 {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bf16,avx512vnni,amx-tile,amx-bf16,amx-int8,avx2,fma,f16c")
+#include "unroll.h"
+#include "linear_bf16.h"
+#include "linear_amx_bf16.h"
+template <Format kFormat>
+using MicroKernel = AmxBf16Kernel<kFormat>;
+#include "gemm_driver.h"
+#pragma GCC pop_options
+}  // namespace amx_bf16
+
+namespace amx_int8 {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bf16,avx512vnni,amx-tile,amx-bf16,amx-int8,avx2,fma,f16c")
+#include "unroll.h"
+#include "linear_vnni.h"
+#include "simd_avx512.h"  // Vec, for vector_exp.h
+using reg = Vec::reg;
+#include "vector_exp.h"  // silu_times: the fused SiLU-and-multiply computes what silu_and_mul_row does
+#include "linear_amx_int8.h"
+template <Format kFormat>
+using MicroKernel = AmxInt8Kernel<kFormat>;
+#include "gemm_driver.h"
+#pragma GCC pop_options
+}  // namespace amx_int8
+
+// A micro-kernel as the dispatch sees it: the instruction set it needs (null: every CPU the ops run on), the fewest
+// rows of x it computes, and its region's entry points.
 struct MicroKernelRow {
   bool Isa::*needs;
+  int64_t min_rows;
   MicroKernelEntries entries;
 };
 
-// The micro-kernels, fastest first: a GEMM runs on the first that the CPU and the op's isa bits allow and that
-// reads the weight's format. vdpbf16ps for BF16 (x rounded to bf16), vpdpbusd for INT8 and the GGUF blocks (x
-// quantized per 32 inputs to int8), else the weights widened to fp32 (x as it is).
+// From this many rows of x a GEMM runs on AMX tiles (see kMicroKernels). bench_gemm.py --amx on an Intel Xeon
+// (Emerald Rapids), 1 thread, a shared and busy host (ratios within +-30%): BF16 on tdpbf16ps 1.5-3.6x vdpbf16ps at 8
+// rows, 3-7x from 32, but ~0.5-1x at 1 row; the int8 formats on tdpbsud 0.7-1.1x vpdpbusd at 8 rows, 1.1-2x from 16
+// (their per-group scaling on AVX-512 bounds the gain), 0.3-0.6x at 1 row.
+constexpr int64_t kAmxBf16MinRows = 8;
+constexpr int64_t kAmxInt8MinRows = 16;
+
+// The micro-kernels, fastest first: a GEMM runs on the first that the CPU and the op's isa bits allow, that reads
+// the weight's format and takes its rows. AMX tiles from their fewest rows (tdpbf16ps for BF16, tdpbsud for INT8 and
+// the GGUF blocks), vdpbf16ps for BF16 (x rounded to bf16), vpdpbusd for INT8 and the GGUF blocks (x quantized per
+// 32 inputs to int8), else the weights widened to fp32 (x as it is).
 const MicroKernelRow kMicroKernels[] = {
-    {&Isa::bf16, avx512_bf16::entry::kEntries},
-    {&Isa::vnni, avx512_vnni::entry::kEntries},
-    {&Isa::avx512, avx512::entry::kEntries},
-    {nullptr, avx2::entry::kEntries},
+    {&Isa::amx, kAmxBf16MinRows, amx_bf16::entry::kEntries},
+    {&Isa::amx, kAmxInt8MinRows, amx_int8::entry::kEntries},
+    {&Isa::bf16, 0, avx512_bf16::entry::kEntries},
+    {&Isa::vnni, 0, avx512_vnni::entry::kEntries},
+    {&Isa::avx512, 0, avx512::entry::kEntries},
+    {nullptr, 0, avx2::entry::kEntries},
 };
 
-const MicroKernelEntries& micro_kernel(const Isa& isa, Format format) {
+const MicroKernelEntries& micro_kernel(const Isa& isa, Format format, int64_t m) {
   for (const MicroKernelRow& row : kMicroKernels) {
-    if ((row.needs == nullptr || isa.*row.needs) && row.entries.reads(format)) return row.entries;
+    if ((row.needs == nullptr || isa.*row.needs) && m >= row.min_rows && row.entries.reads(format)) return row.entries;
   }
   return kMicroKernels[std::size(kMicroKernels) - 1].entries;
 }
@@ -143,7 +181,7 @@ struct ScratchBuffers {
 
 bool gemm_silu_and_mul(const Isa& isa, Format format, const float* x, int64_t m, int64_t k, const uint8_t* packed,
                        int64_t n, const float* bias, float* out) {
-  const MicroKernelEntries& kernel = micro_kernel(isa, format);
+  const MicroKernelEntries& kernel = micro_kernel(isa, format, m);
   if (bias != nullptr || n % (2 * kPanelWidth) != 0 || !kernel.fuses_silu_and_mul(format, m)) return false;
   ScratchBuffers scratch(kernel.scratch(format, m, k));
   kernel.gemm_silu_and_mul(format, {x, m, k, packed, n, nullptr, out}, scratch.view());
@@ -152,7 +190,7 @@ bool gemm_silu_and_mul(const Isa& isa, Format format, const float* x, int64_t m,
 
 void gemm(const Isa& isa, Format format, const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n,
           const float* bias, float* y) {
-  const MicroKernelEntries& kernel = micro_kernel(isa, format);
+  const MicroKernelEntries& kernel = micro_kernel(isa, format, m);
   ScratchBuffers scratch(kernel.scratch(format, m, k));
   kernel.gemm(format, {x, m, k, packed, n, bias, y}, scratch.view());
 }

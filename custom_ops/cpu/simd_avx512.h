@@ -1,5 +1,5 @@
-// 16-lane fp32 vectors for kernel_impl.h; include only inside a `#pragma GCC target("avx512f,...")` region.
-#pragma once
+// 16-lane fp32 vectors for kernel_impl.h; include only inside a `#pragma GCC target("avx512f,...")` region, once per
+// region (no include guard: linear_gemm.cc has several).
 
 struct Vec {
   using reg = __m512;

@@ -70,10 +70,11 @@ class Settings(BaseSettings):
         description="Worker kernels: custom C++ CPU ops (CUDA ops on a GPU), pure Paddle, or auto = custom where they "
         "build and run",
     )
-    cpu_isa: Literal["auto", "avx2", "avx512"] = Field(
+    cpu_isa: Literal["auto", "avx2", "avx512", "avx512+bf16+vnni"] = Field(
         default="auto",
         description="Most the custom CPU kernels may use: avx2 = AVX2+FMA code only, avx512 = AVX-512F without its "
-        "BF16/VNNI dot products, auto = all the CPU offers (a fleet of mixed CPUs can pin one path)",
+        "BF16/VNNI dot products, avx512+bf16+vnni = those without AMX tiles, auto = all the CPU offers (a fleet of "
+        "mixed CPUs can pin one path)",
     )
     device: str = Field(
         default="auto",

@@ -10,8 +10,8 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
+from tests.support.isa_kernels import ISA_CAPS, custom_kernels_on
 from tests.support.numerics import bf16_rounded
-from worker.kernels.cpu_isa import cpu_features
 from worker.kernels.reference import PaddleKernels
 from worker.kernels.selection import select_kernels
 from worker.layers.linear import PackedLinear, embedding_and_lm_head, fused_linear, linear
@@ -31,19 +31,19 @@ GGUF_TYPES = {
 }
 
 
-@pytest.fixture(scope="module", params=["avx2", "avx512", "all"])
+AMX_ROWS = [17, 64, 300]  # of ROWS, the ones AMX computes in every format (from 16 rows): a row past a tile, whole
+# tiles, a partial one
+
+
+@pytest.fixture(scope="module", params=ISA_CAPS)
 def custom(request):
-    """The custom kernels on one instruction-set path: AVX2 forced, AVX-512F alone, or everything this CPU has
-    (AVX512-BF16's vdpbf16ps and AVX512-VNNI's vpdpbusd)."""
-    features = cpu_features()
-    if request.param != "avx2" and "avx512f" not in features:
-        pytest.skip("this CPU has no AVX-512F")
-    if request.param == "all" and not {"avx512_bf16", "avx512_vnni"} & features:
-        pytest.skip("this CPU has neither AVX512-BF16 nor AVX512-VNNI")
-    kernels = select_kernels("custom", isa_cap=request.param).kernels
-    assert kernels.isa.avx512 == (request.param != "avx2")
-    assert kernels.isa.bf16 == (request.param == "all" and "avx512_bf16" in features)
-    return kernels
+    return custom_kernels_on(request.param)
+
+
+@pytest.fixture(scope="module")
+def amx_and_dot_products():
+    """The kernels with AMX's tiles, and the same CPU's without them (vdpbf16ps, vpdpbusd)."""
+    return custom_kernels_on("all"), custom_kernels_on("avx512+bf16+vnni")
 
 
 def random(rng, *shape) -> np.ndarray:
@@ -148,6 +148,42 @@ def test_gguf_blocks_multiply_as_the_values_they_stand_for(custom, weight_format
         x_used = int8_activations(x) if custom.isa.vnni else x
         got = layer(paddle.to_tensor(x)).numpy()
         np.testing.assert_allclose(got, reference(x_used, values, None), rtol=1e-4, atol=1e-4 * np.sqrt(in_features))
+
+
+@pytest.mark.parametrize("weight_format", [WeightFormat.INT8, *GGUF_TYPES], ids=lambda f: f.name)
+@pytest.mark.parametrize("in_features, out_features", [(37, 53), (96, 17), (300, 40), (576, 200)])
+def test_amx_int8_tiles_equal_vpdpbusd_bit_for_bit(amx_and_dot_products, weight_format, in_features, out_features):
+    """tdpbsud's int32 sums of a group are vpdpbusd's, scaled by the same fp32 operations in the same order."""
+    if weight_format.is_gguf_block and in_features % 32:
+        in_features += 32 - in_features % 32  # GGUF rows are whole blocks
+    amx, dot_products = amx_and_dot_products
+    rng = np.random.default_rng(in_features * 11 + out_features)
+    weight, bias = random(rng, in_features, out_features), random(rng, out_features)
+    on_tiles, _ = pack(amx, weight_format, weight, bias)
+    on_vectors, _ = pack(dot_products, weight_format, weight, bias)
+
+    for rows in AMX_ROWS:
+        x = paddle.to_tensor(random(rng, rows, in_features))
+        np.testing.assert_array_equal(on_tiles(x).numpy(), on_vectors(x).numpy())
+
+
+@pytest.mark.parametrize("in_features, out_features", [(5, 16), (37, 53), (64, 33), (300, 17), (1000, 100)])
+def test_amx_bf16_tiles_sum_what_vdpbf16ps_sums_in_another_order(amx_and_dot_products, in_features, out_features):
+    """Depths of words past the last whole tile (5, 37, 300, 1000 inputs), of whole tiles only (64), one panel or
+    two per tile: tdpbf16ps rounds its fp32 sums in its own order, so the two agree to fp32 rounding."""
+    amx, dot_products = amx_and_dot_products
+    rng = np.random.default_rng(in_features * 13 + out_features)
+    weight, bias = random(rng, in_features, out_features), random(rng, out_features)
+    on_tiles, values = pack(amx, WeightFormat.BF16, weight, bias)
+    on_vectors, _ = pack(dot_products, WeightFormat.BF16, weight, bias)
+
+    for rows in AMX_ROWS:
+        x = random(rng, rows, in_features)
+        got, expected = on_tiles(paddle.to_tensor(x)).numpy(), on_vectors(paddle.to_tensor(x)).numpy()
+        exact = reference(bf16_rounded(x), values, bias)
+        # fp32 sums of k + 1 terms, in any order: within (k + 1) * 2^-24 of the sum of their magnitudes
+        bound = (in_features + 1) * 2.0**-24 * (np.abs(bf16_rounded(x)) @ np.abs(values) + np.abs(bias)) + 1e-30
+        assert np.all(np.abs(got - exact) <= bound) and np.all(np.abs(expected - exact) <= bound)
 
 
 @pytest.mark.parametrize("weight_format", list(WeightFormat), ids=lambda f: f.name)

@@ -36,11 +36,11 @@ MAX_POSITIONS = 1024
 
 @pytest.fixture(scope="module", params=ISA_CAPS)
 def custom(request):
-    """The custom kernels on one instruction set: AVX2 forced, AVX-512F alone, or AVX-512 with AVX512-BF16
-    (its kernel set scores a bf16 cache's keys with vdpbf16ps), each where the CPU has it."""
+    """The custom kernels on one instruction set (tests/support/isa_kernels.py): AVX2 forced, AVX-512F alone, AVX-512
+    with AVX512-BF16 (its kernel set scores a bf16 cache's keys with vdpbf16ps) without AMX, or all this CPU has,
+    where it includes AMX (its GEMMs on tiles), each where the CPU has it."""
     kernels = custom_kernels_on(request.param)
-    assert kernels.name == "custom" and kernels.isa.avx512 == (request.param != "avx2")
-    assert kernels.isa.bf16 == (request.param == "all")
+    assert kernels.name == "custom"
     return kernels
 
 
@@ -337,14 +337,15 @@ def test_a_bfloat16_cache_holds_the_rounded_keys_and_attention_reads_them_as_flo
 
 def test_vector_instructions_appear_only_in_functions_built_for_their_instruction_set():
     """No build-machine arch flag or global -mavx*: the dispatch and Paddle glue are baseline x86-64, AVX
-    instructions live only in the avx2/avx512* kernels, zmm registers only in the avx512* ones, and the
-    BF16 and VNNI dot products only in the kernels built for them."""
+    instructions live only in the avx2/avx512*/amx* kernels, zmm registers only in the avx512* and amx* ones, the
+    BF16 and VNNI dot products only in the kernels built for them, and AMX's tiles only in the AMX GEMM kernels."""
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("objdump (binutils) is not installed")
     (library,) = Path(load_ops().__file__).parent.glob("*.so")
     listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", "-C", str(library)], capture_output=True, text=True)
-    function, found = "", {"vector": set(), "zmm": set(), "vdpbf16ps": set(), "vpdpbusd": set()}
+    dot_products = ("vdpbf16ps", "vpdpbusd", "tdpbf16ps", "tdpbsud", "ldtilecfg")
+    function, found = "", {"vector": set(), "zmm": set(), **{name: set() for name in dot_products}}
     for line in listing.stdout.splitlines():
         if header := re.match(r"^[0-9a-f]+ <(.*)>:$", line):
             function = header.group(1)
@@ -353,17 +354,20 @@ def test_vector_instructions_appear_only_in_functions_built_for_their_instructio
                 found["vector"].add(function)
             if "%zmm" in line:
                 found["zmm"].add(function)
-            if instruction[0] in ("vdpbf16ps", "vpdpbusd"):
+            if instruction[0] in dot_products:
                 found[instruction[0]].add(function)
 
     def outside(functions: set[str], *namespaces: str) -> list[str]:
         return [f for f in functions if not any(f"{namespace}::" in f for namespace in namespaces)]
 
     assert all(found.values()), {name: len(functions) for name, functions in found.items()}
-    assert outside(found["vector"], "avx2", "avx512", "avx512_bf16", "avx512_vnni") == []
-    assert outside(found["zmm"], "avx512", "avx512_bf16", "avx512_vnni") == []
-    assert outside(found["vdpbf16ps"], "avx512_bf16") == []
+    assert outside(found["vector"], "avx2", "avx512", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") == []
+    assert outside(found["zmm"], "avx512", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") == []
+    assert outside(found["vdpbf16ps"], "avx512_bf16", "amx_bf16") == []  # AMX's: the words past its tiles
     assert outside(found["vpdpbusd"], "avx512_vnni") == []
+    assert outside(found["tdpbf16ps"], "amx_bf16") == []
+    assert outside(found["tdpbsud"], "amx_int8") == []
+    assert outside(found["ldtilecfg"], "amx_bf16", "amx_int8") == []
 
 
 def test_a_failing_build_serves_with_paddle_and_says_so_in_one_line(tmp_path, monkeypatch, caplog):

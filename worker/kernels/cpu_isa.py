@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 
 REQUIRED_CPU_FEATURES = ("avx2", "fma", "f16c")
+AMX_CPU_FEATURES = ("amx_tile", "amx_bf16", "amx_int8")
 # The ops' `isa` attribute bits (custom_ops/cpu/isa.h): extensions allowed beyond AVX2 + FMA + F16C.
-ISA_AVX512, ISA_AVX512_BF16, ISA_AVX512_VNNI = 1, 2, 4
-ISA_CAPS = ("avx2", "avx512", "all")  # avx2 forces AVX2; avx512 allows AVX-512F only; all = what the CPU has
+ISA_AVX512, ISA_AVX512_BF16, ISA_AVX512_VNNI, ISA_AMX = 1, 2, 4, 8
+# The most the ops may use (BLOCKSERVE_CPU_ISA): avx2 forces AVX2; avx512 allows AVX-512F only; avx512+bf16+vnni its
+# dot products too, not AMX (what a CPU without AMX runs); all = what the CPU has.
+ISA_CAPS = ("avx2", "avx512", "avx512+bf16+vnni", "all")
+
+# Linux's arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): the process asks for the AMX tiles' register state.
+SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
 
 
 @dataclass(frozen=True)
@@ -17,26 +25,40 @@ class IsaSet:
     avx512: bool = False  # AVX-512F
     bf16: bool = False  # AVX512-BF16: bf16 weights multiplied with vdpbf16ps
     vnni: bool = False  # AVX512-VNNI: int8 weights multiplied with vpdpbusd
+    amx: bool = False  # AMX-BF16 and AMX-INT8: the same weights multiplied in tiles from 16 rows of x
 
     @property
     def bits(self) -> int:
-        return ISA_AVX512 * self.avx512 | ISA_AVX512_BF16 * self.bf16 | ISA_AVX512_VNNI * self.vnni
+        return ISA_AVX512 * self.avx512 | ISA_AVX512_BF16 * self.bf16 | ISA_AVX512_VNNI * self.vnni | ISA_AMX * self.amx
 
     @property
     def name(self) -> str:
-        """avx2, avx512, avx512+bf16, avx512+vnni or avx512+bf16+vnni."""
+        """avx2, avx512, avx512+bf16, avx512+vnni, avx512+bf16+vnni or avx512+bf16+vnni+amx."""
         if not self.avx512:
             return "avx2"
-        return "avx512" + "+bf16" * self.bf16 + "+vnni" * self.vnni
+        return "avx512" + "+bf16" * self.bf16 + "+vnni" * self.vnni + "+amx" * self.amx
 
     @classmethod
     def of(cls, features: set[str], cap: str = "all") -> IsaSet:
-        """What this CPU (its /proc/cpuinfo flags) offers, up to `cap` (one of ISA_CAPS)."""
+        """What this CPU (its /proc/cpuinfo flags) offers, up to `cap` (one of ISA_CAPS); AMX where the flags have it
+        and Linux grants this process its tiles (os_grants_amx), as the ops themselves check."""
         if cap not in ISA_CAPS:
             raise ValueError(f"isa cap {cap!r} is not one of {ISA_CAPS}")
         avx512 = cap != "avx2" and "avx512f" in features
-        extended = avx512 and cap == "all"
-        return cls(avx512, extended and "avx512_bf16" in features, extended and "avx512_vnni" in features)
+        extended = avx512 and cap != "avx512"
+        bf16, vnni = extended and "avx512_bf16" in features, extended and "avx512_vnni" in features
+        amx = bf16 and vnni and cap == "all" and all(f in features for f in AMX_CPU_FEATURES) and os_grants_amx()
+        return cls(avx512, bf16, vnni, amx)
+
+
+@functools.cache
+def os_grants_amx() -> bool:
+    """Whether Linux lets this process use the AMX tiles (it asks, once: the grant holds for the whole process)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def cpu_features() -> set[str]:

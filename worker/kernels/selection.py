@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 KERNEL_MODES = ("auto", "custom", "paddle")  # auto = custom where it builds and the device can run it
 REPORTED_CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
-CPU_ISA_CAPS = {"auto": "all", "avx2": "avx2", "avx512": "avx512"}  # BLOCKSERVE_CPU_ISA -> an isa cap
+# BLOCKSERVE_CPU_ISA -> an isa cap
+CPU_ISA_CAPS = {"auto": "all", "avx2": "avx2", "avx512": "avx512", "avx512+bf16+vnni": "avx512+bf16+vnni"}
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ def select_kernels(mode: str, isa_cap: str = "all") -> KernelChoice:
     """The kernels for `mode` (see KERNEL_MODES); `custom` raises CustomOpsUnavailable where they cannot run.
 
     `isa_cap` (cpu_isa.ISA_CAPS) keeps the custom ops below what the CPU has: `avx2` forces their AVX2
-    code, `avx512` AVX-512F without the dot-product extensions (tests cover every path).
+    code, `avx512` AVX-512F without the dot-product extensions, `avx512+bf16+vnni` those without AMX (tests cover
+    every path).
     """
     if mode not in KERNEL_MODES:
         raise ValueError(f"kernel mode {mode!r} is not one of {KERNEL_MODES}")

@@ -1,0 +1,44 @@
+// AMX tiles for the GEMM micro-kernels of linear_amx_bf16.h and linear_amx_int8.h: the tile configuration
+// (ldtilecfg's 64-byte palette 1) and the tile instructions as inline assembly. Included inside an AMX region of
+// linear_gemm.cc; no include guard, nothing from the standard library.
+//
+// GCC's own intrinsics (amxtileintrin.h) tell the compiler neither that tileloadd reads memory nor that
+// tilestored writes it, and _tile_loadconfig reads its 64 bytes through an 8-byte operand: stores to a buffer
+// a tile then loads, or reads of what a tile stored, could be moved across them. Here every tile instruction
+// that touches memory clobbers "memory". Tile registers are named in the instruction, so they are macros.
+
+// Palette 1: up to 16 rows of up to 64 bytes per tile register.
+struct alignas(64) TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];  // bytes per row of each tile register
+  uint8_t rows[16];
+};
+static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
+
+constexpr int kTileRegisterRows = 16;  // rows of a tile register, at most
+
+static inline TileConfig empty_tile_config() {
+  TileConfig config;
+  __builtin_memset(&config, 0, sizeof config);
+  config.palette = 1;
+  return config;
+}
+
+static inline void set_tile(TileConfig& config, int tile, int rows, int row_bytes) {
+  config.rows[tile] = static_cast<uint8_t>(rows);
+  config.colsb[tile] = static_cast<uint16_t>(row_bytes);
+}
+
+static inline void load_tile_config(const TileConfig& config) { asm volatile("ldtilecfg %0" ::"m"(config) : "memory"); }
+static inline void release_tiles() { asm volatile("tilerelease" ::: "memory"); }
+
+#define BS_TILE_ZERO(tmm) asm volatile("tilezero %%tmm" #tmm ::)
+#define BS_TILE_LOAD(tmm, base, stride) \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #tmm ::"r"(base), "r"(static_cast<long>(stride)) : "memory")
+#define BS_TILE_STORE(tmm, base, stride) \
+  asm volatile("tilestored %%tmm" #tmm ", (%0,%1,1)" ::"r"(base), "r"(static_cast<long>(stride)) : "memory")
+// c += a . b: tdpbf16ps (bf16 pairs, fp32 sums), tdpbsud (signed bytes of a, unsigned bytes of b, int32 sums).
+#define BS_TILE_DPBF16PS(c, a, b) asm volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+#define BS_TILE_DPBSUD(c, a, b) asm volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)

@@ -1,0 +1,51 @@
+"""Which instruction sets the custom CPU ops may use: what the CPU reports, capped by BLOCKSERVE_CPU_ISA, with AMX
+only where Linux grants the process its tiles."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+import worker.kernels.cpu_isa as cpu_isa
+from service.contract.config import Settings
+from worker.kernels.cpu_isa import ISA_AMX, ISA_CAPS, IsaSet
+from worker.kernels.selection import CPU_ISA_CAPS
+
+SAPPHIRE_RAPIDS = {"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"}
+
+
+@pytest.fixture
+def granted(monkeypatch):
+    def grant(answer: bool):
+        monkeypatch.setattr(cpu_isa, "os_grants_amx", lambda: answer)
+
+    return grant
+
+
+@pytest.mark.parametrize(
+    "cap, name",
+    [("all", "avx512+bf16+vnni+amx"), ("avx512+bf16+vnni", "avx512+bf16+vnni"), ("avx512", "avx512"), ("avx2", "avx2")],
+)
+def test_each_cap_keeps_the_ops_at_or_below_its_level(granted, cap, name):
+    granted(True)
+    isa = IsaSet.of(SAPPHIRE_RAPIDS, cap)
+
+    assert isa.name == name
+    assert bool(isa.bits & ISA_AMX) == (cap == "all")
+
+
+def test_amx_needs_the_os_grant_and_all_three_of_its_flags(granted):
+    granted(False)
+    assert not IsaSet.of(SAPPHIRE_RAPIDS).amx
+    granted(True)
+    assert IsaSet.of(SAPPHIRE_RAPIDS).amx
+    for flag in ("amx_tile", "amx_bf16", "amx_int8", "avx512_bf16"):
+        assert not IsaSet.of(SAPPHIRE_RAPIDS - {flag}).amx, flag
+
+
+def test_every_cpu_isa_setting_names_a_cap():
+    settings_values = typing.get_args(Settings.model_fields["cpu_isa"].annotation)
+
+    assert set(settings_values) == set(CPU_ISA_CAPS)
+    assert set(CPU_ISA_CAPS.values()) == set(ISA_CAPS)

@@ -30,7 +30,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", action="append", help=f"DTYPE:QUANTIZATION (default: {PRECISIONS})")
     parser.add_argument(
-        "--cpu-isa", default="auto", choices=("auto", "avx2", "avx512", "avx512+bf16+vnni"), help="BLOCKSERVE_CPU_ISA of every runner"
+        "--cpu-isa",
+        default="auto",
+        choices=("auto", "avx2", "avx512", "avx512+bf16+vnni"),
+        help="BLOCKSERVE_CPU_ISA of every runner",
     )
     args = parser.parse_args()
     model_path = Path(default_model_path())

@@ -12,6 +12,19 @@ from service.contract.config import default_model_path
 from tests.support.fake_scheduler import ApiServer, FakeScheduler
 
 
+@pytest.fixture(scope="session", autouse=True)
+def custom_ops_built():
+    """The C++ ops built once, before any test starts a worker: a worker process then loads the cached build, so
+    the tests' start-up limits time a start-up, not a cold compile (minutes on a busy 2-core machine)."""
+    from worker.kernels.cpu_ops import load_ops
+    from worker.kernels.op_build import CustomOpsUnavailable
+
+    try:
+        load_ops()
+    except CustomOpsUnavailable:
+        pass  # the fallback's own tests say what a worker does then
+
+
 @pytest.fixture(scope="module")
 def stack():
     """A scripted scheduler and the real api app in front of it, shared by a test module."""

@@ -3,6 +3,7 @@ from it, so it must not rot; its ISA cap reaches the worker."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from types import SimpleNamespace
@@ -20,6 +21,9 @@ def bench_worker(monkeypatch):
 
     monkeypatch.setattr(bench_worker, "DECODE_BATCHES", (1, 2))
     monkeypatch.setattr(bench_worker, "PREFILLS", ((1, 20),))
+    # The cases are run_precisions' defaults, bound when it was defined: short ones here.
+    short = functools.partial(bench_worker.run_precisions, decode_batches=(1, 2), prefills=((1, 20),))
+    monkeypatch.setattr(bench_worker, "run_precisions", short)
     yield bench_worker
     sys.modules.pop("bench_worker", None)
 
@@ -77,11 +81,10 @@ def test_bench_worker_precisions_take_turns_step_by_step(bench_worker, monkeypat
         return building(*args, **kwargs)
 
     monkeypatch.setattr(model_runner_module, "build_step_inputs", slow_building)
-    monkeypatch.setattr(bench_worker, "DECODE_BATCHES", (1,))
     probe = bench_worker.ReadProbe()
     names = ["custom:float32:none", "custom:bfloat16:none:avx2"]
 
-    runs = bench_worker.run_precisions(names, steps=3, op_by_op=False, probe=probe)
+    runs = bench_worker.run_precisions(names, steps=3, op_by_op=False, probe=probe, decode_batches=(1,))
 
     fp32, bf16 = names
     decode, prefill = timed_by[:6], timed_by[6:]

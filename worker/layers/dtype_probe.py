@@ -1,7 +1,8 @@
 """BLOCKSERVE_DTYPE=auto on the custom CPU kernels, chosen by measurement on the CPU the worker runs on.
 
 The name of an instruction says little about its speed: on an AMD Zen 4, bf16 weights through AVX512-BF16 made
-a decode step 1.7x faster than float32; on an Intel Emerald Rapids the same code measured no faster. So the
+a decode step 1.7x faster than float32; on an Intel Emerald Rapids the same code measured no faster (both as issue 50
+reports them, measured in earlier sessions). So the
 worker times its model's own linear layers (one decoder layer's q|k|v, o, gate|up and down, at a decode step's
 rows and a prompt chunk's) with bfloat16 and with float32 weights, the two taking turns, and keeps the faster.
 Both keep the accuracy thresholds (docs/worker.md). The result is cached in Paddle's extension folder, beside the

@@ -58,7 +58,7 @@ def create_app(settings: Settings) -> FastAPI:
             on_compiled=lambda kind, seconds: metrics.grammar_compile.labels(kind).observe(seconds),
             on_request=lambda kind: metrics.constrained_requests.labels(kind).inc(),
         )
-        app.state.context = ApiContext(client, TenantResolver(settings), grammars)
+        app.state.context = ApiContext(client, TenantResolver(settings), grammars, settings.tool_call_parser)
         try:
             yield
         finally:

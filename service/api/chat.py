@@ -24,13 +24,14 @@ from service.api.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     FunctionCall,
+    FunctionCallDelta,
     ToolCall,
     ToolCallDelta,
     Usage,
 )
 from service.api.served_model import ServedModel
 from service.api.sse import sse_event, sse_response
-from service.api.tools import ParsedCall, ToolCallStream, parse_hermes
+from service.api.tool_parser import CallDelta, ParsedCall, ToolCallParser, parse_reply
 
 router = APIRouter()
 
@@ -47,6 +48,7 @@ async def create_chat_completion(
     model.check_token_ids(list(body.logit_bias_ids()), "logit_bias")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs to be true.", param="top_logprobs")
+    body.calls_written_as(model.tool_format)
     grammar = await context.grammars.for_request(body)
     messages = [message.template_dict() for message in body.messages]
     tools = body.tool_dicts() if body.calls_tools() else None
@@ -72,14 +74,13 @@ async def create_chat_completion(
 
 
 def _choice(body: ChatCompletionRequest, model: ServedModel, result: ChoiceResult) -> ChatChoice:
-    """A whole choice: its text, or (with tools) its text outside the calls and the calls, with finish_reason
-    tool_calls where there are any."""
+    """A whole choice: its text, or (with tools) its text outside the calls and the calls."""
     message, finish_reason = AssistantMessage(content=result.text), result.finish_reason
     if body.calls_tools():
-        content, calls = parse_hermes(result.text, {tool.function.name for tool in body.tools or []})
+        content, calls = parse_reply(result.text, model.tool_format, body.tool_names())
         if calls:
             message = AssistantMessage(content=content, tool_calls=[_tool_call(call) for call in calls])
-            finish_reason = "tool_calls"
+            finish_reason = _calls_finish_reason(finish_reason)
     return ChatChoice(
         index=result.index,
         message=message,
@@ -88,8 +89,20 @@ def _choice(body: ChatCompletionRequest, model: ServedModel, result: ChoiceResul
     )
 
 
+def _calls_finish_reason(finish_reason: str | None) -> str | None:
+    """tool_calls where the model ended a reply with calls itself; a cut one (length) says so."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 def _tool_call(call: ParsedCall) -> ToolCall:
     return ToolCall(id=call.id, type="function", function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _tool_call_delta(call: CallDelta) -> ToolCallDelta:
+    function = FunctionCallDelta(name=call.name, arguments=call.arguments)
+    if call.id is None:
+        return ToolCallDelta(index=call.index, function=function)
+    return ToolCallDelta(index=call.index, id=call.id, type="function", function=function)
 
 
 async def _chunks(
@@ -108,26 +121,27 @@ async def _chunks(
     for index in range(body.n):
         yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
     num_output_tokens = [0] * body.n
-    names = {tool.function.name for tool in body.tools or []}
-    streams = [ToolCallStream(names) for _ in range(body.n)] if body.calls_tools() else None
+    parsers = None
+    if body.calls_tools():
+        parsers = [ToolCallParser(model.tool_format, body.tool_names()) for _ in range(body.n)]
     async with aclosing(pieces):
         async for piece in pieces:
             num_output_tokens[piece.index] = piece.num_output_tokens
             text, calls, finish_reason = piece.text, [], piece.finish_reason
-            if streams is not None:
-                text = streams[piece.index].feed(text)
-                if finish_reason is not None:
-                    tail, calls = streams[piece.index].finish()
-                    text += tail
-                    finish_reason = "tool_calls" if calls else finish_reason
-            deltas = [
-                ToolCallDelta(index=i, id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
-                for i, call in enumerate(calls)
-            ]
+            if parsers is not None:
+                parser = parsers[piece.index]
+                parsed = [parser.feed(text), *([parser.finish()] if finish_reason is not None else [])]
+                text = "".join(delta.content for delta in parsed)
+                calls = [_tool_call_delta(call) for delta in parsed for call in delta.calls]
+                if parser.num_calls:
+                    finish_reason = _calls_finish_reason(finish_reason)
+            logprobs = chat_logprobs(model, piece.logprobs) if body.logprobs else None
+            if not (text or calls or logprobs or finish_reason):
+                continue  # all of it held back
             choice = ChatChunkChoice(
                 index=piece.index,
-                delta=ChatDelta(content=text or None, tool_calls=deltas or None),
-                logprobs=chat_logprobs(model, piece.logprobs) if body.logprobs else None,
+                delta=ChatDelta(content=text or None, tool_calls=calls or None),
+                logprobs=logprobs,
                 finish_reason=finish_reason,
             )
             yield chunk([choice])

@@ -17,8 +17,15 @@ log = logging.getLogger(__name__)
 
 
 class ApiContext:
-    def __init__(self, client: EngineSet, tenant_of: TenantResolver, grammars: GrammarCache | None = None) -> None:
+    def __init__(
+        self,
+        client: EngineSet,
+        tenant_of: TenantResolver,
+        grammars: GrammarCache | None = None,
+        tool_call_parser: str = "auto",
+    ) -> None:
         self.client = client
+        self.tool_call_parser = tool_call_parser
         self.tenant_of = tenant_of
         self.grammars = GrammarCache() if grammars is None else grammars
         self._built_from: ModelInfo | None = None
@@ -34,7 +41,7 @@ class ApiContext:
         if info is not self._built_from:
             self._built_from, self._model = info, None
             try:
-                self._model = ServedModel(info)
+                self._model = ServedModel(info, self.tool_call_parser)
             except Exception:
                 log.exception("the tokenizer of model %s does not load", info.name)
         if self._model is None:

@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     WithJsonSchema,
     field_validator,
     model_serializer,
@@ -32,7 +33,8 @@ from service.api.constraints import (
     json_schema_constraint,
     only_one,
 )
-from service.api.tools import tool_call_constraint
+from service.api.tool_parser import ToolFormat
+from service.api.tools import HERMES, tool_call_constraint
 from service.contract import limits
 from service.contract.limits import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from service.contract.wire import SamplingParams
@@ -433,9 +435,17 @@ class ChatCompletionRequest(GenerationRequest):
     _chat_integers = field_validator("max_tokens", "max_completion_tokens", "top_logprobs", mode="before")(
         whole_numbers
     )
+    _tool_format: ToolFormat = PrivateAttr(HERMES)  # the served model's, set by the route
+
+    def calls_written_as(self, tool_format: ToolFormat) -> None:
+        """The format of the served model's tool calls, which the grammar of required calls writes."""
+        self._tool_format = tool_format
 
     def tool_dicts(self) -> list[dict]:
         return [tool.model_dump(exclude_none=True, by_alias=True) for tool in self.tools or []]
+
+    def tool_names(self) -> set[str]:
+        return {tool.function.name for tool in self.tools or []}
 
     def calls_tools(self) -> bool:
         """Whether the reply is parsed for tool calls: tools given, and tool_choice not none."""
@@ -449,7 +459,9 @@ class ChatCompletionRequest(GenerationRequest):
         if len(set(names)) < len(names):
             raise ConstraintError("Each function of tools needs a name of its own.", "tools")
         choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
-        calls = tool_call_constraint(self.tool_dicts(), choice, self.parallel_tool_calls is not False)
+        calls = tool_call_constraint(
+            self.tool_dicts(), choice, self.parallel_tool_calls is not False, self._tool_format
+        )
         return [*super().constraints(), *([calls] if calls is not None else [])]
 
 
@@ -532,23 +544,33 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class ToolCallDelta(BaseModel):
-    """A whole tool call in a streamed delta (OpenAI's clients join deltas by `index`)."""
+class OmitsNone(BaseModel):
+    """A delta carries only what changed: fields that are None are left out."""
+
+    @model_serializer(mode="wrap")
+    def _omit_empty(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class FunctionCallDelta(OmitsNone):
+    name: str | None = Field(None, description="In a call's first delta")
+    arguments: str | None = Field(None, description="The next piece of the arguments' JSON text")
+
+
+class ToolCallDelta(OmitsNone):
+    """Part of a tool call in a streamed delta: the first has its id, type and name, the rest pieces of its
+    arguments (OpenAI's clients join them by `index`)."""
 
     index: int
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(OmitsNone):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_empty(self, handler):  # a delta carries only what changed
-        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class ChatChunkChoice(BaseModel):

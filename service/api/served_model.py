@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders
 
 from service.api.chat_template import ChatTemplateError, render_chat
 from service.api.errors import ApiError
-from service.api.tools import template_renders_tools, with_tool_preamble
+from service.api.tools import format_for, template_renders_tools, with_tool_preamble
 from service.contract.wire import ModelInfo
 
 
@@ -29,8 +29,9 @@ def byte_level_alphabet() -> dict[str, int]:
 class ServedModel:
     """Tokenizer, chat template and limits of the model the scheduler serves."""
 
-    def __init__(self, info: ModelInfo) -> None:
+    def __init__(self, info: ModelInfo, tool_call_parser: str = "auto") -> None:
         self.info = info
+        self.tool_format = format_for(tool_call_parser, info.chat_template)  # how its replies write tool calls
         self.name = info.name
         self.max_model_len = info.max_model_len
         self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
@@ -51,7 +52,7 @@ class ServedModel:
         if not self.info.chat_template:
             raise ApiError(400, "This model has no chat template; use /v1/completions.", param="messages")
         if tools and not template_renders_tools(self.info.chat_template):
-            messages, tools = with_tool_preamble(messages, tools), None
+            messages, tools = with_tool_preamble(messages, tools, self.tool_format), None
         try:
             text = render_chat(
                 self.info.chat_template,

@@ -223,6 +223,11 @@ class Settings(BaseSettings):
         default=False,
         description="scheduler: listen beyond loopback without CURVE (only where a network policy keeps peers out)",
     )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
+        default="auto",
+        description="api: the format replies write tool calls in: hermes (<tool_call> tags), llama3_json (Llama 3.1 "
+        "and 3.2's JSON), auto = the one the model's chat template shows (hermes if it shows none)",
+    )
     max_request_body_bytes: ByteSize = Field(
         default=ByteSize(4 * 1024**2), gt=0, description="api: largest request body accepted (413 above), e.g. 4MiB"
     )

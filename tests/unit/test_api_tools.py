@@ -1,5 +1,6 @@
 """Tool calls in the api: the tools described to a template that does not render them, the grammar tool_choice
-required or named asks for, Hermes calls parsed from a reply, whole or streamed, and the 400s for bad choices."""
+required or named asks for in each format, the format a model family's template picks, and the 400s for bad choices.
+(Reading calls from replies: test_api_tool_parser.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from service.api.errors import ApiError
 from service.api.grammar_cache import GrammarCache
 from service.api.protocol import ChatCompletionRequest
 from service.api.served_model import ServedModel
-from service.api.tools import ToolCallStream, parse_hermes
+from service.api.tools import HERMES, LLAMA3_JSON, format_for
 from tests.support.tiny_model import EOS_TOKEN_ID, tiny_model_info, tiny_tokenizer
 
 WEATHER = {
@@ -37,7 +38,8 @@ def chat(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
 
 
-def grammar_of(body) -> str | None:
+def grammar_of(body, tool_format=HERMES) -> str | None:
+    body.calls_written_as(tool_format)
     return asyncio.run(GrammarCache().for_request(body))
 
 
@@ -92,24 +94,42 @@ def test_a_template_without_tools_gets_them_in_a_system_preamble():
     assert prompt.index("get_weather") < prompt.index("hi")
 
 
-def test_hermes_calls_are_parsed_and_the_rest_is_content():
-    content, calls = parse_hermes(f"Let me look.\n{CALL_WEATHER}\n{CALL_NOW}", {"get_weather", "now"})
-    assert content == "Let me look."
-    assert [(call.name, json.loads(call.arguments)) for call in calls] == [
-        ("get_weather", {"city": "Paris", "unit": "c"}),
-        ("now", {}),
-    ]
-    assert len({call.id for call in calls}) == 2
-    assert parse_hermes(CALL_WEATHER, {"now"}) == (CALL_WEATHER, [])  # an unknown function stays text
-    assert parse_hermes("<tool_call>\n{not json}\n</tool_call>", {"now"})[1] == []
+LLAMA_WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+LLAMA_NOW = '{"name": "now", "parameters": {}}'
 
 
-def test_a_stream_holds_back_from_a_possible_call_on():
-    stream = ToolCallStream({"now"})
-    pieces = ["Sure", ". <tool", '_call>\n{"name": "now", ', '"arguments": {}}\n</tool_call>']
-    assert [stream.feed(piece) for piece in pieces] == ["Sure", ". ", "", ""]
-    tail, calls = stream.finish()
-    assert tail == "" and [call.name for call in calls] == ["now"]
-    plain = ToolCallStream({"now"})
-    assert plain.feed("a <") == "a " and plain.feed("b") == "<b"
-    assert plain.finish() == ("", [])
+def test_llama3_json_required_calls_are_its_json_objects_separated_by_semicolons():
+    grammar = grammar_of(chat(tools=[WEATHER, NOW], tool_choice="required"), LLAMA3_JSON)
+    assert accepts(grammar, LLAMA_WEATHER) and accepts(grammar, LLAMA_NOW)
+    assert accepts(grammar, f"{LLAMA_WEATHER}; {LLAMA_NOW}")
+    assert not accepts(grammar, CALL_NOW)  # Hermes' markup is not this format
+    assert not accepts(grammar, LLAMA_NOW.replace("parameters", "arguments"))
+    named = grammar_of(chat(tools=[WEATHER, NOW], tool_choice={"type": "function", "function": {"name": "now"}}))
+    assert not accepts(named, LLAMA_NOW)
+    named = grammar_of(
+        chat(tools=[WEATHER, NOW], tool_choice={"type": "function", "function": {"name": "now"}}), LLAMA3_JSON
+    )
+    assert accepts(named, LLAMA_NOW) and not accepts(named, LLAMA_WEATHER)
+
+
+LLAMA_TEMPLATE = (
+    "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>{{ m.content }}<|eot_id|>{% endfor %}"
+    "{% if tools %}Respond with JSON, or <|python_tag|> for built-in tools{% endif %}"
+)
+QWEN_TEMPLATE = "{% if tools %}<tools>{{ tools | tojson }}</tools> in <tool_call></tool_call> tags{% endif %}"
+
+
+def test_the_chat_template_picks_its_familys_format_unless_the_setting_names_one():
+    assert format_for("auto", LLAMA_TEMPLATE) is LLAMA3_JSON
+    assert format_for("auto", QWEN_TEMPLATE) is HERMES
+    assert format_for("auto", tiny_model_info().chat_template) is HERMES  # SmolLM2's: shows no calls
+    assert format_for("auto", None) is HERMES
+    assert format_for("hermes", LLAMA_TEMPLATE) is HERMES
+    assert format_for("llama3_json", QWEN_TEMPLATE) is LLAMA3_JSON
+
+
+def test_a_template_without_tools_is_asked_for_the_chosen_format():
+    model = ServedModel(tiny_model_info(), "llama3_json")
+    assert model.tool_format is LLAMA3_JSON
+    prompt = model.decode(model.encode_chat([{"role": "user", "content": "hi"}], [NOW]))
+    assert '"parameters": dictionary of argument name' in prompt and "<tool_call>" not in prompt

@@ -427,8 +427,8 @@ class ChatCompletionRequest(GenerationRequest):
     tools: Annotated[list[ChatTool], Field(min_length=1)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None,
-        description="auto (with tools; the default): the reply's calls are parsed; required, or a named function: "
-        "the reply is calls, by grammar; none: no calls",
+        description="auto (with tools; the default): the reply's calls are parsed, and a begun call is kept valid by "
+        "grammar; required, or a named function: the reply is calls, by grammar; none: no calls",
     )
     parallel_tool_calls: bool | None = Field(None, description="Whether a required reply may hold several calls")
 
@@ -452,17 +452,21 @@ class ChatCompletionRequest(GenerationRequest):
         return bool(self.tools) and self.tool_choice != "none"
 
     def constraints(self) -> list[Constraint]:
-        """The generation's constraints, and the grammar of calls that tool_choice required or named asks for."""
+        """The generation's constraints, and the grammar of the calls tool_choice allows. With "auto" that grammar
+        only keeps a begun call valid; another constraint, or ignore_eos, leaves it out (the reply is still parsed)."""
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ConstraintError("tool_choice needs tools.", "tool_choice")
         names = [tool.function.name for tool in self.tools or []]
         if len(set(names)) < len(names):
             raise ConstraintError("Each function of tools needs a name of its own.", "tools")
         choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        others = super().constraints()
+        if choice in (None, "auto") and (others or self.ignore_eos):
+            return others
         calls = tool_call_constraint(
             self.tool_dicts(), choice, self.parallel_tool_calls is not False, self._tool_format
         )
-        return [*super().constraints(), *([calls] if calls is not None else [])]
+        return [*others, *([calls] if calls is not None else [])]
 
 
 # ---------------------------------------------------------------- responses

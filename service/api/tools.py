@@ -13,6 +13,7 @@ unless `parallel_tool_calls`); "auto" only parses the reply (service/api/tool_pa
 from __future__ import annotations
 
 import json
+import re
 
 from service.api.constraints import JSON_LAYOUT, Constraint, ConstraintError, canonical_json
 from service.api.tool_parser import ToolFormat
@@ -77,8 +78,9 @@ def with_tool_preamble(
 def tool_call_constraint(
     tools: list[dict], tool_choice: object, parallel: bool, tool_format: ToolFormat
 ) -> Constraint | None:
-    """The grammar `tool_choice` asks for: calls of any tool ("required") or of the one named; None otherwise."""
-    if tool_choice in (None, "auto", "none"):
+    """The grammar of the calls `tool_choice` allows: calls of any tool ("required") or of the one named, and nothing
+    else; with "auto" (None), any text, but a call once begun is a valid call of a tool. None for "none"."""
+    if tool_choice == "none" or not tools:
         return None
     functions = [tool["function"] for tool in tools]
     if isinstance(tool_choice, dict):
@@ -100,11 +102,34 @@ def tool_call_constraint(
         for function in functions
     ]
     schema = {"anyOf": bodies} if len(bodies) > 1 else bodies[0]
-    body = canonical_json({**schema, "x-guidance": JSON_LAYOUT})
+    body = f"body: %json {canonical_json({**schema, 'x-guidance': JSON_LAYOUT})}\n"
+    if tool_choice in (None, "auto"):
+        return Constraint("tools", "tools", _calls_among_text(tool_format, parallel) + body)
+    return Constraint(
+        "tools", "tool_choice" if isinstance(tool_choice, dict) else "tools", _calls(tool_format, parallel) + body
+    )
+
+
+def _calls(tool_format: ToolFormat, parallel: bool) -> str:
+    """Lark rules of a reply that is calls."""
     calls = f"call ({json.dumps(tool_format.separator)} call)*" if parallel else "call"
     if tool_format.close:
-        call = f"{json.dumps(tool_format.open + chr(10))} body {json.dumps(chr(10) + tool_format.close)}"
-    else:
-        call = "body"
-    lark = f"start: {calls}\ncall: {call}\nbody: %json {body}\n"
-    return Constraint("tools", "tool_choice" if isinstance(tool_choice, dict) else "tools", lark)
+        return f"start: {calls}\ncall: {json.dumps(tool_format.open + chr(10))} body {json.dumps(chr(10) + tool_format.close)}\n"
+    return f"start: {calls}\ncall: body\n"
+
+
+def _calls_among_text(tool_format: ToolFormat, parallel: bool) -> str:
+    """Lark rules of a reply of text and calls, where the format allows them: text never holds the opening markup
+    but as the start of a valid call. (Lexemes that end at the markup: llguidance's lexer does not back up to split
+    text from markup, so text and markup are one lexeme.)"""
+    if tool_format.calls_follow_text:
+        markup = re.escape(tool_format.open)
+        calls = "(OPENED call)*" if parallel else "(OPENED call)?"
+        return (
+            f"start: {calls} TEXT\n"
+            f"call: {json.dumps(chr(10))} body {json.dumps(chr(10) + tool_format.close)}\n"
+            f"OPENED: /(?s:.*){markup}/ & ~/(?s:.*{markup}.+)/\n"
+            f"TEXT: /(?s:.*)/ & ~/(?s:.*{markup}.*)/\n"
+        )
+    calls = f"body ({json.dumps(tool_format.separator)} body)*" if parallel else "body"
+    return f"start: SPACE? {calls} | TEXT\nSPACE: /[ \\t\\n\\r]+/\nTEXT: /(?s:.*)/ & ~/[ \\t\\n\\r]*\\{{(?s:.*)/\n"

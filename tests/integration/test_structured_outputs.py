@@ -401,8 +401,36 @@ def test_required_tool_choice_gives_calls_with_valid_arguments(client, model):
         check_call(choice.message.tool_calls[0], [WEATHER_TOOL, TIME_TOOL])
 
 
+def streamed_reply(client, **request) -> tuple[str, dict[int, list], str | None]:
+    """A streamed reply's content, each call's deltas by index, and its finish_reason."""
+    content, deltas, finish = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **request):
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for call in choice.delta.tool_calls or []:
+            deltas.setdefault(call.index, []).append(call)
+        finish = choice.finish_reason or finish
+    return content, deltas, finish
+
+
+def joined(deltas: dict[int, list]) -> list[tuple[str, str]]:
+    """The calls a client joins from their deltas: each call's first delta has its id and name, the rest only
+    pieces of its arguments."""
+    calls = []
+    for index, pieces in sorted(deltas.items()):
+        first, rest = pieces[0], pieces[1:]
+        assert first.id.startswith("call_") and first.type == "function" and first.function.name
+        assert all(piece.id is None and piece.function.name is None for piece in rest)
+        calls.append((first.function.name, "".join(piece.function.arguments or "" for piece in pieces)))
+    assert list(sorted(deltas)) == list(range(len(deltas)))
+    return calls
+
+
 def test_a_named_tool_choice_calls_that_function_streamed_as_openai_does(client, model):
-    chunks = client.chat.completions.create(
+    _, deltas, finish = streamed_reply(
+        client,
         model=model,
         messages=WEATHER_QUESTION,
         tools=[WEATHER_TOOL, TIME_TOOL],
@@ -410,20 +438,43 @@ def test_a_named_tool_choice_calls_that_function_streamed_as_openai_does(client,
         temperature=TEMPERATURE,
         seed=9,
         max_tokens=100,
-        stream=True,
     )
-    calls, finish = {}, None
-    for chunk in chunks:
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        for call in delta.tool_calls or []:
-            calls[call.index] = call
-        finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
-    assert [call.function.name for call in calls.values()] == ["get_time"] * len(calls) and calls
-    for call in calls.values():
-        check_call(call, [TIME_TOOL])
+    calls = joined(deltas)
+    assert [name for name, _ in calls] == ["get_time"] * len(calls) and calls
+    for _, arguments in calls:
+        jsonschema.validate(json.loads(arguments), TIME_TOOL["function"]["parameters"])
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"tool_choice": "required", "logit_bias": {"2": -100}},  # no EOS: calls until max_tokens, the last one cut
+        {"tool_choice": "auto"},
+    ],
+    ids=["parallel required calls", "auto"],
+)
+def test_streamed_tool_calls_join_into_the_calls_of_the_same_reply_unstreamed(client, model, choice):
+    request = dict(
+        model=model,
+        messages=[{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}],
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        temperature=TEMPERATURE,
+        seed=21,
+        max_tokens=90,
+        **choice,
+    )
+    whole = client.chat.completions.create(**request).choices[0]
+    content, deltas, finish = streamed_reply(client, **request)
+    calls = [(call.function.name, call.function.arguments) for call in whole.message.tool_calls or []]
+    assert joined(deltas) == calls
+    assert content == (whole.message.content or "") and finish == whole.finish_reason
+    assert "<tool_call>" not in content
+    if choice["tool_choice"] == "required":
+        assert len(calls) >= 2 and finish == "length"
+        for name, arguments in calls[:-1]:
+            (tool,) = [tool for tool in (WEATHER_TOOL, TIME_TOOL) if tool["function"]["name"] == name]
+            jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
 
 
 def test_a_tool_choice_naming_an_unknown_function_is_a_400(client, model):

@@ -32,6 +32,8 @@ WEATHER = {
 NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
 CALL_WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 CALL_NOW = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+LLAMA_WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+LLAMA_NOW = '{"name": "now", "parameters": {}}'
 
 
 def chat(**fields) -> ChatCompletionRequest:
@@ -66,10 +68,30 @@ def test_a_named_function_is_the_only_call_allowed():
     assert accepts(grammar, CALL_NOW) and not accepts(grammar, CALL_WEATHER)
 
 
-def test_auto_and_none_constrain_nothing():
-    assert grammar_of(chat(tools=[WEATHER])) is None
-    assert grammar_of(chat(tools=[WEATHER], tool_choice="auto")) is None
+def test_auto_allows_any_text_but_a_begun_call_must_be_a_valid_one():
+    grammar = grammar_of(chat(tools=[WEATHER, NOW]))
+    assert grammar == grammar_of(chat(tools=[WEATHER, NOW], tool_choice="auto"))
+    assert accepts(grammar, "It is sunny.") and accepts(grammar, "") and accepts(grammar, "a <b> </tool_call> c")
+    assert accepts(grammar, f"Let me see. {CALL_WEATHER}\n{CALL_NOW} Done.")
+    assert not accepts(grammar, "Calling <tool_call>\n{not json}\n</tool_call>")
+    assert not accepts(grammar, CALL_NOW.replace("now", "later"))
+    assert not accepts(grammar, CALL_WEATHER.replace('"c"', '"k"'))
+    single = grammar_of(chat(tools=[WEATHER, NOW], parallel_tool_calls=False))
+    assert accepts(single, f"{CALL_NOW} then text") and not accepts(single, f"{CALL_NOW}\n{CALL_NOW}")
+
+
+def test_llama3_json_auto_allows_text_or_calls_from_the_start():
+    grammar = grammar_of(chat(tools=[WEATHER, NOW]), LLAMA3_JSON)
+    assert accepts(grammar, "It is sunny.") and accepts(grammar, "  It is {sunny}.")
+    assert accepts(grammar, LLAMA_NOW) and accepts(grammar, f"\n{LLAMA_WEATHER}; {LLAMA_NOW}")
+    assert not accepts(grammar, '{"answer": 42}') and not accepts(grammar, ' {"name": "later", "parameters": {}}')
+
+
+def test_none_another_constraint_or_ignore_eos_leave_the_calls_unconstrained():
     assert grammar_of(chat(tools=[WEATHER], tool_choice="none")) is None
+    assert grammar_of(chat(tools=[WEATHER], ignore_eos=True)) is None
+    json_only = grammar_of(chat(tools=[WEATHER], response_format={"type": "json_object"}))
+    assert accepts(json_only, '{"a": 1}') and not accepts(json_only, CALL_NOW)
 
 
 @pytest.mark.parametrize(
@@ -92,10 +114,6 @@ def test_a_template_without_tools_gets_them_in_a_system_preamble():
     prompt = model.decode(model.encode_chat([{"role": "user", "content": "hi"}], [WEATHER]))
     assert "<tool_call>" in prompt and json.dumps(WEATHER) in prompt
     assert prompt.index("get_weather") < prompt.index("hi")
-
-
-LLAMA_WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
-LLAMA_NOW = '{"name": "now", "parameters": {}}'
 
 
 def test_llama3_json_required_calls_are_its_json_objects_separated_by_semicolons():

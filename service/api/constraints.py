@@ -42,6 +42,7 @@ class Constraint:
     kind: str  # one of KINDS
     param: str  # the request field errors name
     text: str
+    best_effort: bool = False  # one the engine cannot enforce is left out, not refused (tool_choice auto's)
 
     def grammar(self) -> str:
         """The llguidance grammar; GrammarError if it is not one llguidance can enforce."""

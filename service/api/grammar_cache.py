@@ -65,19 +65,19 @@ class GrammarCache:
         self._on_request(constraint.kind)
         return await self.grammar(constraint)
 
-    async def grammar(self, constraint: Constraint) -> str:
-        """The constraint's grammar; a 400 naming its field if it has none, or if its build takes too long."""
+    async def grammar(self, constraint: Constraint) -> str | None:
+        """The constraint's grammar; a 400 naming its field if it has none, or if its build takes too long (None for a
+        best-effort constraint)."""
         build = self._build_of(constraint)
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(build)), self._timeout_s)
         except GrammarError as exc:
-            raise ApiError(400, f"Invalid value for '{constraint.param}': {exc}", param=constraint.param) from None
+            problem = str(exc)
         except asyncio.TimeoutError:  # Python 3.10's, apart from the builtin TimeoutError
-            raise ApiError(
-                400,
-                f"Invalid value for '{constraint.param}': its grammar takes longer than {self._timeout_s:g} s to build.",
-                param=constraint.param,
-            ) from None
+            problem = f"its grammar takes longer than {self._timeout_s:g} s to build."
+        if constraint.best_effort:
+            return None
+        raise ApiError(400, f"Invalid value for '{constraint.param}': {problem}", param=constraint.param)
 
     def _build_of(self, constraint: Constraint) -> Future[str]:
         key = (constraint.kind, constraint.text)

@@ -104,7 +104,7 @@ def tool_call_constraint(
     schema = {"anyOf": bodies} if len(bodies) > 1 else bodies[0]
     body = f"body: %json {canonical_json({**schema, 'x-guidance': JSON_LAYOUT})}\n"
     if tool_choice in (None, "auto"):
-        return Constraint("tools", "tools", _calls_among_text(tool_format, parallel) + body)
+        return Constraint("tools", "tools", _calls_among_text(tool_format, parallel) + body, best_effort=True)
     return Constraint(
         "tools", "tool_choice" if isinstance(tool_choice, dict) else "tools", _calls(tool_format, parallel) + body
     )

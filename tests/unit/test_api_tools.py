@@ -87,6 +87,14 @@ def test_llama3_json_auto_allows_text_or_calls_from_the_start():
     assert not accepts(grammar, '{"answer": 42}') and not accepts(grammar, ' {"name": "later", "parameters": {}}')
 
 
+def test_parameters_the_engine_cannot_enforce_leave_auto_unconstrained_and_refuse_required():
+    unique = {"type": "function", "function": {"name": "tag", "parameters": {"type": "array", "uniqueItems": True}}}
+    assert grammar_of(chat(tools=[unique])) is None
+    with pytest.raises(ApiError) as caught:
+        grammar_of(chat(tools=[unique], tool_choice="required"))
+    assert caught.value.status_code == 400 and caught.value.param == "tools"
+
+
 def test_none_another_constraint_or_ignore_eos_leave_the_calls_unconstrained():
     assert grammar_of(chat(tools=[WEATHER], tool_choice="none")) is None
     assert grammar_of(chat(tools=[WEATHER], ignore_eos=True)) is None

@@ -430,7 +430,9 @@ class ChatCompletionRequest(GenerationRequest):
         description="auto (with tools; the default): the reply's calls are parsed, and a begun call is kept valid by "
         "grammar; required, or a named function: the reply is calls, by grammar; none: no calls",
     )
-    parallel_tool_calls: bool | None = Field(None, description="Whether a required reply may hold several calls")
+    parallel_tool_calls: bool | None = Field(
+        None, description="Whether a reply may hold several calls (false: the grammar allows one)"
+    )
 
     _chat_integers = field_validator("max_tokens", "max_completion_tokens", "top_logprobs", mode="before")(
         whole_numbers
@@ -438,7 +440,7 @@ class ChatCompletionRequest(GenerationRequest):
     _tool_format: ToolFormat = PrivateAttr(HERMES)  # the served model's, set by the route
 
     def calls_written_as(self, tool_format: ToolFormat) -> None:
-        """The format of the served model's tool calls, which the grammar of required calls writes."""
+        """The format of the served model's tool calls, which the grammar of its calls writes."""
         self._tool_format = tool_format
 
     def tool_dicts(self) -> list[dict]:

@@ -18,6 +18,7 @@ class CallObject:
         self._arguments_keys = arguments_keys
         self.name: str | None = None
         self.has_arguments = False
+        self.reads_a_name = False  # a "name" key has been read: the object is a call, unless its value shows otherwise
         self.failed = False
         self._where = OPEN
         self._key = ""
@@ -75,6 +76,7 @@ class CallObject:
         text, self._value = self._value_text, None
         if self._where in (KEY, KEY_OR_CLOSE):
             self._key, self._where = json.loads(text), COLON
+            self.reads_a_name |= self._key == "name"
             return
         if self._key == "name" and self.name is None:
             self.name = json.loads(text)

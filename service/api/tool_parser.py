@@ -6,7 +6,8 @@ them, their whitespace laid out as `json.dumps` lays it. A whole reply is read b
 reply's deltas join into the calls and content of the same reply unstreamed.
 
 What is not a call stays content, as vLLM's parsers leave a reply they cannot parse: held text whose JSON breaks
-before the name is known, or that names no listed function, goes out as content. A call already announced stands
+before the name is known, or that names no listed function, goes out as content. A reply that ends (max_tokens)
+inside a call before its name is read drops that call's text, as vLLM's streaming parsers never send it. A call already announced stands
 (vLLM's streaming parsers do the same): if its JSON breaks, its arguments are what was valid so far, and the rest of
 the call is dropped; if the reply is cut (max_tokens), so are its arguments, and finish_reason says `length`.
 Whitespace between text and a call, and at the ends of a reply with calls, is dropped.
@@ -95,6 +96,8 @@ class ToolCallParser:
     def finish(self) -> ParsedDelta:
         """What was held, at the end of the reply."""
         if self._reading == CALL and self._call_index is None:
+            if self._format.open in self._call_text or self._call.reads_a_name or self.num_calls:
+                self._call_text = ""  # a call cut before its name was read: markup, not text
             self._not_a_call()
             self._reading = TEXT if self._format.calls_follow_text else PLAIN
         if self._reading in (START, TEXT):

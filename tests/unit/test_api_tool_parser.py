@@ -27,6 +27,7 @@ REPLIES = {
     "broken after the name": '<tool_call>{"name": "now", "arguments": {"a": 1 2}}</tool_call>tail',
     "cut in the arguments": '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa',
     "unclosed": '<tool_call>{"name": "now", "arguments": {"x": true}}',
+    "cut in the name": 'Sure. <tool_call>\n{"name": "get_',
 }
 LLAMA_REPLIES = {
     "one call": '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}',
@@ -34,6 +35,8 @@ LLAMA_REPLIES = {
     "text": "It is sunny {in} Paris.",
     "an object that is no call": '  {"answer": 42}',
     "call then text": '{"name": "now", "arguments": {}}\nThat is the time.',
+    "cut in the name": '{"name": "get_',
+    "cut in an object that is no call": '{"answer": 4',
 }
 
 
@@ -134,6 +137,14 @@ def test_an_announced_call_stands_as_far_as_its_json_went():
     assert whole(REPLIES["broken after the name"]) == ("tail", [{"name": "now", "arguments": '{"a": 1'}])
     assert whole(REPLIES["cut in the arguments"]) == ("", [{"name": "get_weather", "arguments": '{"city": "Pa'}])
     assert whole(REPLIES["unclosed"]) == ("", [{"name": "now", "arguments": '{"x": true}'}])
+
+
+def test_a_call_cut_before_its_name_is_dropped_not_shown_as_text():
+    assert whole(REPLIES["cut in the name"]) == ("Sure.", [])
+    assert whole(LLAMA_REPLIES["cut in the name"], LLAMA3_JSON) == ("", [])
+    assert whole(f"{CALL_NOW}\n{CALL_NOW[:23]}") == ("", [{"name": "now", "arguments": "{}"}])  # ...{"name": "n
+    cut_answer = LLAMA_REPLIES["cut in an object that is no call"]
+    assert whole(cut_answer, LLAMA3_JSON) == (cut_answer, [])  # names no function: text after all
 
 
 def test_llama3_calls_start_the_reply_after_an_optional_python_tag():

@@ -446,22 +446,27 @@ def test_a_named_tool_choice_calls_that_function_streamed_as_openai_does(client,
         jsonschema.validate(json.loads(arguments), TIME_TOOL["function"]["parameters"])
 
 
+OPEN_CALL_TOKEN_IDS = (44, 19324, 79, 4350, 46)  # SmolLM2's "<", "tool", "_", "call", ">"
+
+
 @pytest.mark.parametrize(
     "choice",
     [
         {"tool_choice": "required", "logit_bias": {"2": -100}},  # no EOS: calls until max_tokens, the last one cut
-        {"tool_choice": "auto"},
+        # SmolLM2 never calls a tool of its own accord: pushed to begin one, the grammar of auto makes it a valid call.
+        {"tool_choice": "auto", "logit_bias": {str(token_id): 10 for token_id in OPEN_CALL_TOKEN_IDS}},
     ],
-    ids=["parallel required calls", "auto"],
+    ids=["parallel required calls", "auto, a call begun"],
 )
 def test_streamed_tool_calls_join_into_the_calls_of_the_same_reply_unstreamed(client, model, choice):
     request = dict(
         model=model,
         messages=[{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}],
         tools=[WEATHER_TOOL, TIME_TOOL],
-        temperature=TEMPERATURE,
-        seed=21,
-        max_tokens=90,
+        # Greedy: the second request finds more of its prompt in the prefix cache, and a float32 logit a few ulps
+        # off can flip a sampled token (seen here); the greedy choice flips only at an exact tie.
+        temperature=0,
+        max_tokens=70,  # a call takes about 30 tokens
         **choice,
     )
     whole = client.chat.completions.create(**request).choices[0]
@@ -470,11 +475,10 @@ def test_streamed_tool_calls_join_into_the_calls_of_the_same_reply_unstreamed(cl
     assert joined(deltas) == calls
     assert content == (whole.message.content or "") and finish == whole.finish_reason
     assert "<tool_call>" not in content
-    if choice["tool_choice"] == "required":
-        assert len(calls) >= 2 and finish == "length"
-        for name, arguments in calls[:-1]:
-            (tool,) = [tool for tool in (WEATHER_TOOL, TIME_TOOL) if tool["function"]["name"] == name]
-            jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
+    assert len(calls) >= (2 if choice["tool_choice"] == "required" else 1)
+    for name, arguments in calls[:-1] if finish == "length" else calls:  # max_tokens may cut the last one
+        (tool,) = [tool for tool in (WEATHER_TOOL, TIME_TOOL) if tool["function"]["name"] == name]
+        jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
 
 
 def test_a_tool_choice_naming_an_unknown_function_is_a_400(client, model):

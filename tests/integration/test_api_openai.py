@@ -1,11 +1,12 @@
 """The api as OpenAI's own client sees it, in front of a scripted scheduler."""
 
+import msgspec
 import openai
 import pytest
 
 from service.api.detokenizer import REPLACEMENT_CHAR
-from tests.support.fake_scheduler import wait_until
-from tests.support.tiny_model import MAX_MODEL_LEN, MODEL_NAME, tiny_tokenizer
+from tests.support.fake_scheduler import ApiServer, FakeScheduler, wait_until
+from tests.support.tiny_model import CHAT_TEMPLATE, MAX_MODEL_LEN, MODEL_NAME, tiny_model_info, tiny_tokenizer
 
 CHAT = [{"role": "user", "content": "Say hello"}]
 
@@ -209,3 +210,51 @@ def test_whole_numbers_written_as_floats_are_integers(fake, client):
     assert sent.prompt_token_ids == [5, 6] and (sent.sampling.max_tokens, sent.sampling.seed) == (3, 7)
     assert sent.priority == -2
     assert sent.sampling.stop_token_ids == [9]
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}} for name in ("weather", "now")
+]
+CALLS_REPLY = (
+    'Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo", "days": [1, 2]}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+)
+
+
+@pytest.fixture(scope="module")
+def tools_stack():
+    """A model whose chat template renders tools itself (no preamble: a short prompt), with room for a reply of
+    calls in the tiny tokenizer's many tokens."""
+    template = CHAT_TEMPLATE + "{% if tools %}{% endif %}"
+    info = msgspec.structs.replace(tiny_model_info(), chat_template=template, max_model_len=512)
+    with FakeScheduler(model=info) as fake, ApiServer(fake.addr) as api:
+        api.wait_ready()
+        yield fake, openai.OpenAI(base_url=f"{api.base_url}/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+def test_streamed_tool_calls_come_as_openai_sends_them_one_token_a_delta(tools_stack):
+    fake, client = tools_stack
+    fake.reply_text = CALLS_REPLY
+    request = dict(model=MODEL_NAME, messages=CHAT, tools=TOOLS, max_tokens=200)
+    whole = client.chat.completions.create(**request).choices[0]
+    content, pieces, finish = "", [], None
+    for chunk in client.chat.completions.create(stream=True, **request):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        pieces += delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert [(call.function.name, call.function.arguments) for call in whole.message.tool_calls] == [
+        ("weather", '{"city": "Oslo", "days": [1, 2]}'),
+        ("now", "{}"),
+    ]
+    assert whole.message.content == content == "Let me check." and whole.finish_reason == finish == "tool_calls"
+    firsts = [piece for piece in pieces if piece.id is not None]
+    assert [(piece.index, piece.type, piece.function.name) for piece in firsts] == [
+        (0, "function", "weather"),
+        (1, "function", "now"),
+    ]
+    assert all(piece.function.name is None and piece.type is None for piece in pieces if piece.id is None)
+    for index, call in enumerate(whole.message.tool_calls):
+        arguments = "".join(piece.function.arguments or "" for piece in pieces if piece.index == index)
+        assert arguments == call.function.arguments
+    assert len([piece for piece in pieces if piece.index == 0]) > 3  # the arguments came in pieces

@@ -36,7 +36,7 @@ class _Outgoing:
 class FakeScheduler:
     """Set the public attributes to script the next answers; read the recorded lists."""
 
-    def __init__(self, addr: str = "tcp://127.0.0.1:*") -> None:
+    def __init__(self, addr: str = "tcp://127.0.0.1:*", model: wire.ModelInfo | None = None) -> None:
         self.reply_text = "Hello world"
         self.ready = True
         self.silent = False  # ignore everything, like a wedged scheduler
@@ -49,7 +49,7 @@ class FakeScheduler:
         self.aborted: list[str] = []
         self.replicas: dict[bytes, str] = {}
         self._tokenizer = tiny_tokenizer()
-        self._model = tiny_model_info()
+        self._model = tiny_model_info() if model is None else model
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)

@@ -7,10 +7,10 @@ reply's deltas join into the calls and content of the same reply unstreamed.
 
 What is not a call stays content, as vLLM's parsers leave a reply they cannot parse: held text whose JSON breaks
 before the name is known, or that names no listed function, goes out as content. A reply that ends (max_tokens)
-inside a call before its name is read drops that call's text, as vLLM's streaming parsers never send it. A call already announced stands
-(vLLM's streaming parsers do the same): if its JSON breaks, its arguments are what was valid so far, and the rest of
-the call is dropped; if the reply is cut (max_tokens), so are its arguments, and finish_reason says `length`.
-Whitespace between text and a call, and at the ends of a reply with calls, is dropped.
+inside a call before its name is read drops that call's text, as vLLM's streaming parsers never send it. A call
+already announced stands (vLLM's streaming parsers do the same): if its JSON breaks, its arguments are what was valid
+so far, and the rest of the call is dropped; if the reply is cut (max_tokens), so are its arguments, and
+finish_reason says `length`. Whitespace between text and a call, and at the ends of a reply with calls, is dropped.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class ToolFormat:
     name: str  # BLOCKSERVE_TOOL_CALL_PARSER's value
     open: str  # the markup before a call
     close: str  # the markup after a call ("" if none)
-    separator: str  # between calls, in the grammar of required calls
+    separator: str  # between calls, in the grammars of calls
     arguments_keys: tuple[str, ...]  # the key of the arguments in a call's object, first the one the grammar writes
     calls_follow_text: bool  # False: a reply with calls is calls from its start, and `open` is optional there
     preamble: str  # asks for this format, for a chat template that does not render tools

@@ -113,9 +113,10 @@ def tool_call_constraint(
 def _calls(tool_format: ToolFormat, parallel: bool) -> str:
     """Lark rules of a reply that is calls."""
     calls = f"call ({json.dumps(tool_format.separator)} call)*" if parallel else "call"
-    if tool_format.close:
-        return f"start: {calls}\ncall: {json.dumps(tool_format.open + chr(10))} body {json.dumps(chr(10) + tool_format.close)}\n"
-    return f"start: {calls}\ncall: body\n"
+    if not tool_format.close:
+        return f"start: {calls}\ncall: body\n"
+    opening, closing = json.dumps(tool_format.open + "\n"), json.dumps("\n" + tool_format.close)
+    return f"start: {calls}\ncall: {opening} body {closing}\n"
 
 
 def _calls_among_text(tool_format: ToolFormat, parallel: bool) -> str:
@@ -123,11 +124,11 @@ def _calls_among_text(tool_format: ToolFormat, parallel: bool) -> str:
     but as the start of a valid call. (Lexemes that end at the markup: llguidance's lexer does not back up to split
     text from markup, so text and markup are one lexeme.)"""
     if tool_format.calls_follow_text:
-        markup = re.escape(tool_format.open)
+        markup, closing = re.escape(tool_format.open), json.dumps("\n" + tool_format.close)
         calls = "(OPENED call)*" if parallel else "(OPENED call)?"
         return (
             f"start: {calls} TEXT\n"
-            f"call: {json.dumps(chr(10))} body {json.dumps(chr(10) + tool_format.close)}\n"
+            f'call: "\\n" body {closing}\n'
             f"OPENED: /(?s:.*){markup}/ & ~/(?s:.*{markup}.+)/\n"
             f"TEXT: /(?s:.*)/ & ~/(?s:.*{markup}.*)/\n"
         )

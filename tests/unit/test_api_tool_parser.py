@@ -20,7 +20,9 @@ CALL_NOW = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
 REPLIES = {
     "text, two calls, text": f"Let me look.\n{CALL_WEATHER}\n{CALL_NOW}\nDone.",
     "calls alone": CALL_WEATHER + CALL_NOW,
-    "odd layout": '<tool_call>{ "arguments" :{"a":[1 ,2.5e-3,{"b":null}],"s":"x \\" \\u00e9 }"} ,"name":"now"}</tool_call>',
+    "odd layout": (
+        '<tool_call>{ "arguments" :{"a":[1 ,2.5e-3,{"b":null}],"s":"x \\" \\u00e9 }"} ,"name":"now"}</tool_call>'
+    ),
     "no calls": "Just text with a < and <tool and </tool_call> in it ",
     "not JSON": "<tool_call>\n{not json}\n</tool_call> after",
     "unknown function": '<tool_call>{"name": "launch", "arguments": {}}</tool_call>',

@@ -10,7 +10,8 @@ before the name is known, or that names no listed function, goes out as content.
 inside a call before its name is read drops that call's text, as vLLM's streaming parsers never send it. A call
 already announced stands (vLLM's streaming parsers do the same): if its JSON breaks, its arguments are what was valid
 so far, and the rest of the call is dropped; if the reply is cut (max_tokens), so are its arguments, and
-finish_reason says `length`. Whitespace between text and a call, and at the ends of a reply with calls, is dropped.
+finish_reason says `length`. Whitespace before a call is dropped, and so is whitespace a call leaves at the start or
+the end of the content.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class ToolCallParser:
         self._tool_names = tool_names
         self._reading = TEXT if tool_format.calls_follow_text else START
         self._held = ""  # text not given out yet: markup that may be beginning, whitespace that may border a call
-        self._skip_space = False  # right after a call: whitespace is dropped
+        self._skip_space = False  # right after a call, before any content: whitespace is dropped
+        self._shown_content = False
         self._call: CallObject | None = None
         self._call_text = ""  # the call's text so far, given out as content if it is no call after all
         self._call_index: int | None = None  # set once the call is announced
@@ -101,15 +103,19 @@ class ToolCallParser:
             self._not_a_call()
             self._reading = TEXT if self._format.calls_follow_text else PLAIN
         if self._reading in (START, TEXT):
-            self._out.content += self._held.rstrip() if self.num_calls else self._held
+            self._show(self._held.rstrip() if self.num_calls else self._held)
         self._held = ""
         out, self._out = self._out, ParsedDelta()
         return out
 
+    def _show(self, text: str) -> None:
+        self._out.content += text
+        self._shown_content |= bool(text)
+
     def _char(self, char: str) -> None:
         reading = self._reading
         if reading == PLAIN:
-            self._out.content += char
+            self._show(char)
         elif reading == TEXT:
             self._text_char(char)
         elif reading == START:
@@ -133,7 +139,7 @@ class ToolCallParser:
         keep = next((n for n in range(len(opening) - 1, 0, -1) if held.endswith(opening[:n])), 0)
         text, markup = held[: len(held) - keep], held[len(held) - keep :]
         shown = text.rstrip()
-        self._out.content += shown
+        self._show(shown)
         self._held = text[len(shown) :] + markup
 
     def _start_char(self, char: str) -> None:
@@ -150,7 +156,7 @@ class ToolCallParser:
             self._call_char("{")
         else:
             self._reading = PLAIN
-            self._out.content += held
+            self._show(held)
 
     def _start_call(self, markup: str) -> None:
         self._reading = CALL
@@ -197,7 +203,7 @@ class ToolCallParser:
             self._reading, self._held = AFTER_CALL, ""
 
     def _not_a_call(self) -> None:
-        self._out.content += self._call_text
+        self._show(self._call_text)
         self._call_text = ""
 
     def _after_call_char(self, char: str) -> None:
@@ -210,11 +216,11 @@ class ToolCallParser:
                 self._start_call("")
             else:
                 self._reading = PLAIN
-                self._out.content += char
+                self._show(char)
             return
         self._held += char
         if self._held.endswith(tool_format.close):
-            self._reading, self._held, self._skip_space = TEXT, "", True
+            self._reading, self._held, self._skip_space = TEXT, "", not self._shown_content
         elif self._held.endswith(tool_format.open):
             self._held = ""
             self._start_call(tool_format.open)

@@ -66,7 +66,7 @@ def without_ids(calls: list[dict]) -> list[dict]:
 
 def test_hermes_calls_are_parsed_and_the_rest_is_content():
     content, calls = parse_reply(REPLIES["text, two calls, text"], HERMES, NAMES)
-    assert content == "Let me look.Done."
+    assert content == "Let me look.\nDone."  # whitespace before a call is dropped, after one kept between texts
     assert [(call.name, call.arguments) for call in calls] == [
         ("get_weather", '{"city": "Paris", "unit": "c"}'),
         ("now", "{}"),
@@ -106,7 +106,7 @@ def test_llama3_replies_join_the_same_one_character_at_a_time(name):
 def test_markup_never_goes_out_as_content_and_each_call_is_announced_once():
     text = REPLIES["text, two calls, text"]
     _, _, deltas = streamed(text, list(range(len(text))))
-    assert "".join(delta.content for delta in deltas) == "Let me look.Done."
+    assert "".join(delta.content for delta in deltas) == "Let me look.\nDone."
     pieces = [call for delta in deltas for call in delta.calls]
     firsts = [call for call in pieces if call.id is not None]
     assert [(call.index, call.name, call.arguments) for call in firsts] == [(0, "get_weather", ""), (1, "now", "")]

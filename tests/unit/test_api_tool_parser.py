@@ -96,6 +96,26 @@ def test_any_cutting_joins_into_the_whole_reply(name, cuts):
     assert (content, without_ids(calls)) == whole(text)
 
 
+FRAGMENTS = [
+    "<tool_call>", "</tool_call>", "<|python_tag|>", '{"name": "now", "arguments": ', '{"name": "get_weather", ',
+    '"parameters": ', '"name": "nope"', "{", "}", "[", "]", '"a"', '"\\u00e9\\""', ":", ",", ";", "1.5", "-", "true",
+    "hi", " ", "\n", "<", ">", '"',
+]  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(FRAGMENTS), max_size=30),
+    cuts=st.lists(st.integers(0, 400), max_size=20),
+    tool_format=st.sampled_from([HERMES, LLAMA3_JSON]),
+)
+def test_any_text_however_cut_streams_into_what_the_whole_reply_reads(pieces, cuts, tool_format):
+    text = "".join(pieces)
+    content, calls, deltas = streamed(text, [cut for cut in cuts if cut < len(text)], tool_format)
+    assert (content, without_ids(calls)) == whole(text, tool_format)
+    assert all(call.id is None or call.name in NAMES for delta in deltas for call in delta.calls)
+
+
 @pytest.mark.parametrize("name", sorted(LLAMA_REPLIES))
 def test_llama3_replies_join_the_same_one_character_at_a_time(name):
     text = LLAMA_REPLIES[name]

@@ -210,20 +210,51 @@ DOCUMENTS = [
 ]
 
 
+def scanned(document: str) -> tuple[bool, str]:
+    """Whether the scanner reads `document` as one whole JSON value, and its text as laid out."""
+    scanner, text = JsonScanner(), ""
+    for position, char in enumerate(document):
+        added = scanner.feed(char)
+        if added is None:  # whitespace may follow a whole value
+            return scanner.done and not document[position:].strip(" \t\n\r"), text
+        text += added
+    scanner.finish()
+    return scanner.done and not scanner.failed, text
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5), children, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=JSON_VALUES, indent=st.sampled_from([None, 0, 2]), compact=st.booleans())
+def test_json_however_laid_out_scans_into_json_dumps_layout(value, indent, compact):
+    separators = (",", ":") if compact else None
+    accepted, text = scanned(json.dumps(value, indent=indent, separators=separators))
+    assert accepted and text == json.dumps(value)
+
+
 @pytest.mark.parametrize("document", DOCUMENTS)
 def test_the_scanner_accepts_exactly_what_json_loads_accepts(document):
-    scanner, text = JsonScanner(), ""
-    for char in document:
-        added = scanner.feed(char)
-        if added is None:
-            break
-        text += added
-    else:
-        scanner.finish()
     try:
-        value = json.loads(document)
+        value, valid = json.loads(document), True
     except json.JSONDecodeError:
-        assert not scanner.done or scanner.failed or len(text) < len(document)
-        return
-    assert scanner.done and not scanner.failed
-    assert text == json.dumps(value, ensure_ascii=False) or json.loads(text) == value
+        valid = False
+    accepted, text = scanned(document)
+    assert accepted == valid and (not valid or json.loads(text) == value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.sampled_from(['{', '}', '[', ']', '"a"', '"\\u00e9"', ":", ",", " ", "1", "-", "0", ".5",
+                                         "e3", "true", "nul", '"', "\\"]), min_size=1, max_size=14))  # fmt: skip
+def test_the_scanner_accepts_what_json_loads_accepts_of_any_fragments(pieces):
+    document = "".join(pieces)
+    try:
+        json.loads(document)
+        valid = True
+    except json.JSONDecodeError:
+        valid = False
+    assert scanned(document)[0] == valid

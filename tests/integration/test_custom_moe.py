@@ -5,6 +5,8 @@ chose."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import paddle
 import pytest
@@ -20,7 +22,7 @@ from worker.layers.weight_format import GgufBlocks, WeightFormat
 # (hidden, intermediate, experts, top k): widths off the 16-column panel (an intermediate not a whole panel cannot
 # fuse SiLU-and-multiply into the GEMM), and a whole-panel one that can.
 SHAPES = [(37, 24, 8, 2), (64, 48, 6, 3), (96, 32, 8, 2)]
-GGUF_SHAPES = [(64, 48, 6, 3), (96, 32, 8, 2)]  # GGUF rows are whole blocks of 32
+GGUF_SHAPES = [(64, 64, 6, 3), (96, 32, 8, 2)]  # GGUF rows (of gate, up and down) are whole blocks of 32
 TOKENS = [1, 5, 37]  # one decode, a few, more than a tile on several experts (AMX from 16 rows)
 PRECISIONS = {
     WeightFormat.F32: Precision("float32", "none", "test"),
@@ -63,10 +65,17 @@ def numpy_experts(x, ids, weights, matrices) -> np.ndarray:
     return out
 
 
-def as_stored(matrix: np.ndarray, weight_format: WeightFormat) -> np.ndarray | GgufBlocks:
-    if not weight_format.is_gguf_block:
-        return matrix
-    return GgufBlocks(weight_format, quantize(matrix, GGMLQuantizationType(int(weight_format))), matrix.shape[1])
+@functools.cache  # quantizing to Q4 in Python takes seconds: once for every instruction set
+def stored_experts(hidden: int, intermediate: int, num_experts: int, weight_format: WeightFormat) -> tuple[list, ...]:
+    """(gates, ups, downs) as a checkpoint holds them: fp32 arrays, or a GGUF file's blocks."""
+    rng = np.random.default_rng(hidden + intermediate + int(weight_format))
+    matrices = expert_weights(rng, hidden, intermediate, num_experts)
+    if weight_format.is_gguf_block:
+        quant_type = GGMLQuantizationType(int(weight_format))
+        matrices = [
+            [GgufBlocks(weight_format, quantize(m, quant_type), m.shape[1]) for m in expert] for expert in matrices
+        ]
+    return tuple(map(list, zip(*matrices)))
 
 
 @pytest.mark.parametrize("hidden, intermediate, num_experts, top_k", SHAPES)
@@ -89,12 +98,8 @@ def test_grouped_experts_match_the_loop_over_experts_of_the_same_packed_layers(c
     and SiLU-and-multiply (fused into the GEMM or not) differ."""
     precision = PRECISIONS[weight_format]
     for hidden, intermediate, num_experts, top_k in GGUF_SHAPES if weight_format.is_gguf_block else SHAPES:
-        rng = np.random.default_rng(hidden + intermediate + int(weight_format))
-        matrices = [
-            [as_stored(m, weight_format) for m in expert]
-            for expert in expert_weights(rng, hidden, intermediate, num_experts)
-        ]
-        gates, ups, downs = map(list, zip(*matrices))
+        rng = np.random.default_rng(hidden * intermediate)
+        gates, ups, downs = stored_experts(hidden, intermediate, num_experts, weight_format)
         grouped = experts(custom, gates, ups, downs, precision)
         assert (grouped.gate_up_format, grouped.down_format) == (weight_format, weight_format)
         loop = PaddleExperts(

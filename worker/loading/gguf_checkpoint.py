@@ -50,11 +50,11 @@ def hf_name(gguf_name: str, family_names: dict[str, str] | None = None) -> str:
         return _GLOBAL_NAMES[gguf_name]
     names = {**_LAYER_NAMES, **(family_names or {})}
     match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is not None and f"{match.group(2)}.{match.group(3)}" in _LAYER_FULL_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_FULL_NAMES[f'{match.group(2)}.{match.group(3)}']}"
     if match is None or match.group(2) not in names:
         raise KeyError(f"unexpected GGUF tensor {gguf_name!r}")
     layer, part, kind = match.groups()
-    if f"{part}.{kind}" in _LAYER_FULL_NAMES:
-        return f"model.layers.{layer}.{_LAYER_FULL_NAMES[f'{part}.{kind}']}"
     return f"model.layers.{layer}.{names[part]}.{kind}"
 
 

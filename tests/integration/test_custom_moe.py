@@ -20,8 +20,9 @@ from worker.layers.precision import Precision
 from worker.layers.weight_format import GgufBlocks, WeightFormat
 
 # (hidden, intermediate, experts, top k): widths off the 16-column panel (an intermediate not a whole panel cannot
-# fuse SiLU-and-multiply into the GEMM), and a whole-panel one that can.
-SHAPES = [(37, 24, 8, 2), (64, 48, 6, 3), (96, 32, 8, 2)]
+# fuse SiLU-and-multiply into the GEMM), and a whole-panel one that can; many experts, so that 37 tokens choose
+# enough of them for the threads to take whole experts (at least 4 per thread: up to 11 threads), as few do not.
+SHAPES = [(37, 24, 8, 2), (64, 48, 6, 3), (96, 32, 8, 2), (32, 16, 48, 4)]
 GGUF_SHAPES = [(64, 64, 6, 3), (96, 32, 8, 2)]  # GGUF rows (of gate, up and down) are whole blocks of 32
 TOKENS = [1, 5, 37]  # one decode, a few, more than a tile on several experts (AMX from 16 rows)
 PRECISIONS = {

@@ -42,7 +42,7 @@ class Router:
         """(expert ids int64 [tokens, top_k], their weights fp32 [tokens, top_k])."""
         logits = paddle.matmul(x.astype(self.weight.dtype), self.weight).astype("float32")
         probabilities = F.softmax(logits, axis=-1)
-        scores = probabilities if self.correction is None else probabilities + self.correction
+        scores = probabilities if self.correction is None else probabilities + self.correction.astype("float32")
         expert_ids = paddle.topk(scores, self.top_k, axis=-1)[1]
         weights = paddle.take_along_axis(probabilities, expert_ids, axis=-1)
         if self.normalize:

@@ -1,6 +1,7 @@
 """The decoder of every family (models/registry.py) over a flat batch of tokens with a paged KV cache: Llama's
 layer, with the variations a family's config describes (models/config.py: norms before, around or after each
-sublayer, q/k norms, GeGLU, multipliers, per-layer rotary, windows and soft-caps).
+sublayer, q/k norms, GeGLU, multipliers, per-layer rotary, windows and soft-caps, a mixture of experts in place of
+the MLP: layers/experts.py).
 
 Projections that read the same input are one GEMM (q|k|v, gate|up: layers/linear.py), and
 residual adds are fused into the RMS norms. Weights are held in the precision's formats

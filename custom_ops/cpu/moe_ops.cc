@@ -4,6 +4,12 @@
 // gate|up, with SiLU-and-multiply fused where the micro-kernel has it, then down. The rows are gathered into expert
 // order before and summed back per token after, each in one parallel pass: every output row is written by one thread,
 // in the order of the token's choices.
+// Where the step chose many experts for its threads (a decode step's: a few rows each), the threads take whole
+// experts, each expert's GEMMs on one thread: one parallel region for the layer instead of two or three per
+// expert, whose barriers cost more than such GEMMs. Otherwise (few experts, many rows each: a prefill of a model
+// with few experts) the experts run one after another, each GEMM parallel over its panels.
+#include <omp.h>
+
 #include <vector>
 
 #include "cpu_isa.h"
@@ -16,6 +22,10 @@
 namespace {
 
 using bs::linear::Format;
+
+// The threads take whole experts where the step chose at least this many per thread (dynamic scheduling evens
+// out their rows); below it, an expert's GEMM parallel over its panels balances better.
+constexpr int64_t kExpertsPerThread = 4;
 
 Format format_of(int id) {
   PD_CHECK(bs::linear::is_format(id), "unknown weight format ", id);
@@ -79,7 +89,6 @@ std::vector<paddle::Tensor> MoeExperts(const paddle::Tensor& x, const paddle::Te
   const Grouping grouping = group_by_expert(expert_ids.data<int64_t>(), tokens, top_k, num_experts);
   const int64_t rows = tokens * top_k;
   std::vector<float> gathered(rows * hidden), activated(rows * intermediate_size), expert_out(rows * hidden);
-  std::vector<float> gate_up_out;  // where the GEMM cannot fuse SiLU-and-multiply
   const float* x_data = x.data<float>();
 #pragma omp parallel for schedule(static) if (rows * hidden >= bs::kParallelFloats)
   for (int64_t row = 0; row < rows; ++row) {
@@ -87,22 +96,32 @@ std::vector<paddle::Tensor> MoeExperts(const paddle::Tensor& x, const paddle::Te
   }
 
   const bs::KernelSet& kernels = bs::kernels_for(resolved);
+  std::vector<int64_t> chosen;  // the experts with rows
   for (int64_t e = 0; e < num_experts; ++e) {
-    const int64_t first = grouping.starts[e], count = grouping.starts[e + 1] - first;
-    if (count == 0) continue;
-    const uint8_t* expert_gate_up = gate_up.data<uint8_t>() + e * gate_up_bytes;
-    float* expert_activated = &activated[first * intermediate_size];
-    if (!bs::linear::gemm_silu_and_mul(resolved, gate_up_format, &gathered[first * hidden], count, hidden,
-                                       expert_gate_up, 2 * intermediate_size, nullptr, expert_activated)) {
-      if (static_cast<int64_t>(gate_up_out.size()) < count * 2 * intermediate_size) {
-        gate_up_out.resize(count * 2 * intermediate_size);
+    if (grouping.starts[e + 1] > grouping.starts[e]) chosen.push_back(e);
+  }
+  const int64_t num_chosen = static_cast<int64_t>(chosen.size());
+  const bool experts_in_parallel = num_chosen >= kExpertsPerThread * omp_get_max_threads();
+#pragma omp parallel if (experts_in_parallel)
+  {
+    std::vector<float> gate_up_out;  // where the GEMM cannot fuse SiLU-and-multiply
+#pragma omp for schedule(dynamic)
+    for (int64_t i = 0; i < num_chosen; ++i) {
+      const int64_t e = chosen[i], first = grouping.starts[e], count = grouping.starts[e + 1] - first;
+      const uint8_t* expert_gate_up = gate_up.data<uint8_t>() + e * gate_up_bytes;
+      float* expert_activated = &activated[first * intermediate_size];
+      if (!bs::linear::gemm_silu_and_mul(resolved, gate_up_format, &gathered[first * hidden], count, hidden,
+                                         expert_gate_up, 2 * intermediate_size, nullptr, expert_activated)) {
+        if (static_cast<int64_t>(gate_up_out.size()) < count * 2 * intermediate_size) {
+          gate_up_out.resize(count * 2 * intermediate_size);
+        }
+        bs::linear::gemm(resolved, gate_up_format, &gathered[first * hidden], count, hidden, expert_gate_up,
+                         2 * intermediate_size, nullptr, gate_up_out.data());
+        bs::silu_and_mul_rows(kernels, gate_up_out.data(), expert_activated, count, intermediate_size);
       }
-      bs::linear::gemm(resolved, gate_up_format, &gathered[first * hidden], count, hidden, expert_gate_up,
-                       2 * intermediate_size, nullptr, gate_up_out.data());
-      bs::silu_and_mul_rows(kernels, gate_up_out.data(), expert_activated, count, intermediate_size);
+      bs::linear::gemm(resolved, down_format, expert_activated, count, intermediate_size,
+                       down.data<uint8_t>() + e * down_bytes, hidden, nullptr, &expert_out[first * hidden]);
     }
-    bs::linear::gemm(resolved, down_format, expert_activated, count, intermediate_size,
-                     down.data<uint8_t>() + e * down_bytes, hidden, nullptr, &expert_out[first * hidden]);
   }
 
   auto out = paddle::empty({tokens, hidden}, paddle::DataType::FLOAT32, x.place());

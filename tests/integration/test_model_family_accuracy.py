@@ -8,8 +8,9 @@ nearly flat, so near-ties flip under any rounding (measured 0.73-0.95 agreement 
 trained SmolLM2 (test_worker_accuracy.py). The agreement is printed. So too a random router's choices: in the tiny
 Mixtral (8 experts, 2 renormalised, every layer) bfloat16's rounding changes a choice of 3.5-7% of the tokens in
 layers 1-3 (0 in layer 0), each a jump in the layer's output, and its KL (0.03 in bfloat16, 0.16 with int8) measures
-those flips more than the kernels: it is not held to the thresholds (the experts' op is held to NumPy in every format
-in test_custom_moe.py)."""
+those flips more than the kernels (transformers' own bfloat16 is as far from its float32 on this model: KL 0.023, and
+0.001 on the tiny Qwen3-MoE and Mistral): it is not held to the thresholds (the experts' op is held to NumPy in every
+format in test_custom_moe.py)."""
 
 from __future__ import annotations
 

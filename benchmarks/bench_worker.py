@@ -104,7 +104,12 @@ def instrument(runner: ModelRunner, timers: Timers) -> None:
         linears = ("qkv", "o", "gate_up", "down")
         model.layers = [
             dataclasses.replace(
-                layer, **{name: timers.wrap("linear matmuls", getattr(layer, name)) for name in linears}
+                layer,
+                **{
+                    name: timers.wrap("linear matmuls", getattr(layer, name))
+                    for name in linears
+                    if getattr(layer, name) is not None  # a mixture of experts' layer without shared experts
+                },
             )
             for layer in model.layers
         ]

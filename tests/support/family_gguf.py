@@ -1,11 +1,13 @@
 """A tiny family model's Hugging Face folder written as a GGUF file the way llama.cpp's converter writes it: its
 tensor names (gguf's own TensorNameMap), q/k rows permuted for the architectures whose rotary pairs are (2i, 2i+1)
-in llama.cpp and (i, i + d/2) in the folder, Gemma's norms stored as 1 + w, the family's keys, and the SmolLM2
-GGUF's tokenizer. Weights stay float32."""
+in llama.cpp and (i, i + d/2) in the folder, Gemma's norms stored as 1 + w, a mixture's experts stacked in one
+tensor per layer and projection ([experts, out, in]), the family's keys, and the SmolLM2 GGUF's tokenizer. Weights
+stay float32."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -14,7 +16,24 @@ from safetensors.numpy import load_file
 
 PERMUTED_ARCHITECTURES = ("llama", "granite", "smollm3")  # convert_hf_to_gguf.py's LlamaModel.permute
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")  # their converter adds 1 to every norm weight
-GGUF_ARCHITECTURE = {"gemma3_text": "gemma3"}  # model_type -> general.architecture, where they differ
+# model_type -> general.architecture, where they differ (llama.cpp writes Mixtral as llama)
+GGUF_ARCHITECTURE = {
+    "gemma3_text": "gemma3",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",
+    "ernie4_5_moe": "ernie4_5-moe",
+}
+MODEL_ARCH = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+EXPERT_TENSORS = {  # an expert's matrix in the folder -> llama.cpp's stacked tensor
+    "gate_proj": gguf.MODEL_TENSOR.FFN_GATE_EXP,
+    "w1": gguf.MODEL_TENSOR.FFN_GATE_EXP,
+    "up_proj": gguf.MODEL_TENSOR.FFN_UP_EXP,
+    "w3": gguf.MODEL_TENSOR.FFN_UP_EXP,
+    "down_proj": gguf.MODEL_TENSOR.FFN_DOWN_EXP,
+    "w2": gguf.MODEL_TENSOR.FFN_DOWN_EXP,
+}
+CORRECTION = re.compile(r"model\.layers\.(\d+)\.mlp\.moe_statics\.e_score_correction_bias")
 TOKENIZER_KEYS = (
     "tokenizer.ggml.model",
     "tokenizer.ggml.tokens",
@@ -41,15 +60,26 @@ def write_family_gguf(folder: Path, path: Path, tokenizer_gguf: Path) -> None:
     writer = gguf.GGUFWriter(str(path), arch)
     _write_keys(writer, arch, config)
     _copy_tokenizer(writer, tokenizer_gguf)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], num_layers)
+    names = gguf.get_tensor_name_map(MODEL_ARCH[arch], num_layers)
+    experts: dict[str, dict[int, np.ndarray]] = {}
     for hf_name, array in load_file(folder / "model.safetensors").items():
         array = array.astype(np.float32)
+        if expert := EXPERT.fullmatch(hf_name):
+            layer, index, part = expert.groups()
+            stacked_name = gguf.TENSOR_NAMES[EXPERT_TENSORS[part]].format(bid=layer) + ".weight"
+            experts.setdefault(stacked_name, {})[int(index)] = array
+            continue
+        if correction := CORRECTION.fullmatch(hf_name):  # ERNIE 4.5 MoE's
+            writer.add_tensor(f"blk.{correction.group(1)}.exp_probs_b.bias", array.reshape(-1))
+            continue
         if arch in PERMUTED_ARCHITECTURES and ("q_proj" in hf_name or "k_proj" in hf_name):
             heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
             array = permute_rows(array, heads)
         if arch in GEMMA_ARCHITECTURES and hf_name.endswith("norm.weight"):
             array = array + np.float32(1.0)
         writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), array)
+    for stacked_name, by_index in experts.items():
+        writer.add_tensor(stacked_name, np.stack([by_index[e] for e in sorted(by_index)]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -78,6 +108,16 @@ def _write_keys(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    num_experts = config.get("num_experts") or config.get("num_local_experts") or config.get("moe_num_experts")
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config.get("num_experts_per_tok") or config["moe_k"])
+        if config.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch == "ernie4_5-moe":
+        writer.add_expert_shared_count(config["moe_num_shared_experts"])
+        writer.add_leading_dense_block_count(config["moe_layer_start_index"])
+        writer.add_interleave_moe_layer_step(config["moe_layer_interval"])
     if arch == "granite":
         writer.add_embedding_scale(config["embedding_multiplier"])
         writer.add_residual_scale(config["residual_multiplier"])

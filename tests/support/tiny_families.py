@@ -23,6 +23,7 @@ DIMS = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+NUM_EXPERTS, TOP_K = 8, 2  # the mixtures of experts': each token picks 2 of 8
 LONGROPE_ORIGINAL_LENGTH = 32  # tokens: a prompt past it takes the long factors
 
 
@@ -78,6 +79,21 @@ def _configs() -> dict[str, tuple[type, dict]]:
             dict(embedding_multiplier=6.0, attention_multiplier=0.15, residual_multiplier=0.4, logits_scaling=2.5),
         ),
         "ernie4_5": (t.Ernie4_5Config, dict(use_bias=True)),
+        "qwen3_moe": (
+            t.Qwen3MoeConfig,
+            dict(num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=32, mlp_only_layers=[1]),
+        ),
+        "mixtral": (t.MixtralConfig, dict(num_local_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K)),
+        "ernie4_5_moe": (
+            t.Ernie4_5_MoeConfig,
+            dict(
+                moe_num_experts=NUM_EXPERTS,
+                moe_k=TOP_K,
+                moe_intermediate_size=32,
+                moe_num_shared_experts=1,
+                moe_layer_start_index=1,
+            ),
+        ),
     }
 
 
@@ -96,6 +112,10 @@ GGUF_FAMILY_MODELS = {
     "smollm3": {},
     "granite": {},
     "ernie4_5": {},
+    "qwen3_moe": dict(norm_topk_prob=True, mlp_only_layers=[]),  # llama.cpp's qwen3moe: experts in every layer,
+    # their weights renormalised
+    "mixtral": {},
+    "ernie4_5_moe": {},
 }
 
 
@@ -108,10 +128,10 @@ def save_tiny_model(name: str, folder: Path, tokenizer, dtype: torch.dtype = tor
     config_class, settings = _configs()[name]
     config = config_class(**{**DIMS, **settings, **overrides})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if name == "ernie4_5":  # transformers leaves its biases at zero: make them count
+    if name in ("ernie4_5", "ernie4_5_moe"):  # transformers leaves its biases at zero: make them count
         with torch.no_grad():
             for parameter_name, parameter in model.named_parameters():
-                if parameter_name.endswith(".bias"):
-                    parameter.normal_(0.0, 0.2)
+                if parameter_name.endswith("bias"):  # ERNIE 4.5 MoE's router correction too: it moves choices
+                    parameter.normal_(0.0, 0.2 if parameter_name.endswith(".bias") else 0.05)
     model.to(dtype).save_pretrained(folder)
     tokenizer.save_pretrained(folder)

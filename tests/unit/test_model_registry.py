@@ -70,9 +70,83 @@ def test_an_unknown_model_type_is_refused_in_one_line_listing_the_supported_ones
     assert all(f.hf_model_types[0] in message for f in FAMILIES)
 
 
-def test_a_mixture_of_experts_is_refused_saying_what_it_is():
-    with pytest.raises(UnsupportedModelError, match=r"'qwen3_moe' \(a mixture of experts\) is not supported"):
-        config_from_hf(hf_config("qwen3_moe"))
+def test_an_unsupported_mixture_of_experts_is_refused_saying_what_it_is():
+    with pytest.raises(UnsupportedModelError, match=r"'qwen2_moe' \(a mixture of experts with a gated shared"):
+        config_from_hf(hf_config("qwen2_moe"))
+
+
+def test_qwen3_moe_reads_its_sparse_layers_and_whether_it_renormalises():
+    config = config_from_hf(
+        hf_config(
+            "qwen3_moe",
+            num_experts=8,
+            num_experts_per_tok=2,
+            decoder_sparse_step=2,
+            mlp_only_layers=[3],
+            norm_topk_prob=True,
+        )
+    )
+
+    assert (config.num_experts, config.num_experts_per_token, config.normalize_expert_weights) == (8, 2, True)
+    assert config.moe_layers == (False, True, False, False)
+    assert not config.is_llama_layer
+
+
+def test_ernie_moe_reads_its_dense_first_layers_and_the_floor_of_its_weights_sum():
+    config = config_from_hf(
+        hf_config("ernie4_5_moe", moe_num_experts=8, moe_k=2, moe_layer_start_index=1, moe_norm_min=1e-9)
+    )
+
+    assert config.moe_layers == (False, True, True, True)
+    assert config.normalize_expert_weights and config.expert_weights_sum_min == 1e-9
+
+
+def test_mixtral_renormalises_the_chosen_experts_weights_in_every_layer():
+    config = config_from_hf(hf_config("mixtral", num_local_experts=8, num_experts_per_tok=2))
+
+    assert config.moe_layers == (True,) * 4 and config.normalize_expert_weights
+
+
+@pytest.mark.parametrize(
+    "fields, refused",
+    [
+        (dict(moe_num_experts=[64, 64]), "moe_num_experts"),
+        (dict(use_bias=True), "ERNIE 4.5 MoE use_bias"),
+    ],
+)
+def test_ernie_moe_variants_the_worker_cannot_run_are_refused(fields, refused):
+    with pytest.raises(UnsupportedModelError, match=refused):
+        config_from_hf(hf_config("ernie4_5_moe", **fields))
+
+
+def gguf_metadata(arch: str, **fields) -> dict:
+    return {
+        "general.architecture": arch,
+        f"{arch}.embedding_length": 64,
+        f"{arch}.feed_forward_length": 128,
+        f"{arch}.block_count": 2,
+        f"{arch}.attention.head_count": 4,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-6,
+        f"{arch}.context_length": 256,
+        f"{arch}.vocab_size": 128,
+        **{f"{arch}.{key}": value for key, value in fields.items()},
+    }
+
+
+def test_a_llama_gguf_file_with_experts_is_mixtral_with_its_router_layers():
+    routers = {"blk.0.ffn_gate_inp.weight", "blk.1.ffn_gate_inp.weight"}
+
+    config = config_from_gguf(gguf_metadata("llama", expert_count=8, expert_used_count=2), routers)
+
+    assert config.architecture == "mixtral"
+    assert config.moe_layers == (True, True) and config.normalize_expert_weights
+
+
+def test_a_gguf_router_other_than_softmax_is_refused():
+    metadata = gguf_metadata("qwen3moe", expert_count=8, expert_used_count=2, expert_gating_func=2)
+
+    with pytest.raises(UnsupportedModelError, match=r"GGUF expert gating function 2 is not supported"):
+        config_from_gguf(metadata, {"blk.0.ffn_gate_inp.weight"})
 
 
 def test_gemma3s_multimodal_checkpoint_is_refused_pointing_at_its_text_form():

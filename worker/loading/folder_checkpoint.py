@@ -47,7 +47,13 @@ class FolderCheckpoint:
         for file in self._files:
             with safe_open(file, framework="paddle") as tensors:
                 for name in tensors.keys():
-                    yield name, self._as_layers_read(name, tensors.get_tensor(name).astype("float32").numpy())
+                    array = self._as_layers_read(name, tensors.get_tensor(name).astype("float32").numpy())
+                    yield self._decoder_name(name), array
+
+    def _decoder_name(self, name: str) -> str:
+        for part, replacement in self.family.hf_renames:
+            name = name.replace(part, replacement)
+        return name
 
     def _as_layers_read(self, name: str, array: np.ndarray) -> np.ndarray:
         if self.family.hf_norm_offset and is_norm_weight(name):

@@ -32,7 +32,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
+_LAYER_FULL_NAMES = {"exp_probs_b.bias": "mlp.moe_statics.e_score_correction_bias"}  # ERNIE 4.5 MoE's
+# The experts' matrices, stacked [experts, out, in] in one tensor each: read as one matrix per expert.
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -43,10 +50,22 @@ def hf_name(gguf_name: str, family_names: dict[str, str] | None = None) -> str:
         return _GLOBAL_NAMES[gguf_name]
     names = {**_LAYER_NAMES, **(family_names or {})}
     match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is not None and f"{match.group(2)}.{match.group(3)}" in _LAYER_FULL_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_FULL_NAMES[f'{match.group(2)}.{match.group(3)}']}"
     if match is None or match.group(2) not in names:
         raise KeyError(f"unexpected GGUF tensor {gguf_name!r}")
     layer, part, kind = match.groups()
     return f"model.layers.{layer}.{names[part]}.{kind}"
+
+
+def expert_names(gguf_name: str, num_experts: int) -> list[str] | None:
+    """`blk.3.ffn_up_exps.weight` -> the Hugging Face names of its experts' matrices (`model.layers.3.mlp.experts.
+    {e}.up_proj.weight`); None for a tensor of no experts."""
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _EXPERT_NAMES:
+        return None
+    layer, part, _ = match.groups()
+    return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_NAMES[part]}.weight" for e in range(num_experts)]
 
 
 class GGUFCheckpoint:
@@ -75,13 +94,27 @@ class GGUFCheckpoint:
         `keep_blocks` the matrices of a type the custom GEMM serves as their blocks (copied out of the file)."""
         for tensor in self._reader.tensors:
             shape = [int(dim) for dim in reversed(tensor.shape)]
-            blocks = None
-            if keep_blocks and len(shape) == 2:
-                blocks = served_blocks(tensor.tensor_type, np.array(tensor.data).reshape(shape[0], -1), shape[1])
-            if blocks is not None:
-                array = blocks
-            else:
-                array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-            if self.family.gguf_rope_interleaved:
-                array = rows_in_half_rotation(tensor.name, array, self.config)
-            yield hf_name(tensor.name, self.family.gguf_layer_names), array
+            names = expert_names(tensor.name, shape[0]) if len(shape) == 3 else None
+            if names is None:
+                array = self._matrix(tensor, shape, keep_blocks)
+                if self.family.gguf_rope_interleaved:
+                    array = rows_in_half_rotation(tensor.name, array, self.config)
+                yield hf_name(tensor.name, self.family.gguf_layer_names), array
+                continue
+            stacked = np.array(tensor.data).reshape(shape[0], shape[1], -1)
+            for name, expert in zip(names, stacked):
+                yield name, self._matrix_of(tensor.tensor_type, expert, shape[1:], keep_blocks)
+
+    def _matrix(self, tensor, shape: list[int], keep_blocks: bool) -> np.ndarray | GgufBlocks:
+        if len(shape) == 2:
+            return self._matrix_of(tensor.tensor_type, np.array(tensor.data).reshape(shape[0], -1), shape, keep_blocks)
+        return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+
+    @staticmethod
+    def _matrix_of(tensor_type, rows: np.ndarray, shape: list[int], keep_blocks: bool) -> np.ndarray | GgufBlocks:
+        """A matrix [out, in] of a file's rows (one per output feature, as stored): its blocks where kept and served,
+        else its fp32 values."""
+        blocks = served_blocks(tensor_type, rows, shape[1]) if keep_blocks else None
+        if blocks is not None:
+            return blocks
+        return np.asarray(dequantize(rows, tensor_type), dtype=np.float32).reshape(shape)

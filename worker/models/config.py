@@ -58,9 +58,20 @@ class ModelConfig:
     attention_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     logit_multiplier: float = 1.0  # on the logits (Granite: 1 / logits_scaling)
+    # A mixture of experts: in the layers `moe_layers` marks, a router's softmax over `num_experts` picks each
+    # token's `num_experts_per_token` experts, whose outputs are summed weighted by their probabilities, renormalised
+    # to sum 1 where `normalize_expert_weights` (the sum floored at `expert_weights_sum_min`).
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    moe_layers: tuple[bool, ...] = ()  # per layer: experts (True) or the dense MLP
+    normalize_expert_weights: bool = False
+    expert_weights_sum_min: float = 0.0
 
     def layer_rope(self, layer: int) -> RopeConfig | None:
         return self.layer_ropes[layer] if self.layer_ropes else self.rope
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     def sliding_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
@@ -85,6 +96,7 @@ class ModelConfig:
             and self.attention_scale is None
             and self.attention_softcap is None
             and self.final_logit_softcap is None
+            and not any(self.moe_layers)
         )
 
 

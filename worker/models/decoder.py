@@ -1,6 +1,7 @@
 """The decoder of every family (models/registry.py) over a flat batch of tokens with a paged KV cache: Llama's
 layer, with the variations a family's config describes (models/config.py: norms before, around or after each
-sublayer, q/k norms, GeGLU, multipliers, per-layer rotary, windows and soft-caps).
+sublayer, q/k norms, GeGLU, multipliers, per-layer rotary, windows and soft-caps, a mixture of experts in place of
+the MLP: layers/experts.py).
 
 Projections that read the same input are one GEMM (q|k|v, gate|up: layers/linear.py), and
 residual adds are fused into the RMS norms. Weights are held in the precision's formats
@@ -21,6 +22,7 @@ from worker.attention.backend import AttentionBackend, LayerAttention
 from worker.attention.kv_cache import KVCache
 from worker.kernels.protocol import Kernels
 from worker.layers.activation import gelu_tanh_and_mul
+from worker.layers.experts import MixtureOfExperts, experts, router
 from worker.layers.linear import Linear, Weight, embedding_and_lm_head, fused_linear
 from worker.layers.precision import Precision
 from worker.layers.rotary import RotaryEmbedding
@@ -37,16 +39,17 @@ class DecoderLayer:
     post_attention_norm: paddle.Tensor  # "pre": before the MLP; otherwise on the attention's output
     qkv: Linear  # output q | k | v
     o: Linear
-    gate_up: Linear  # output gate | up
-    down: Linear
+    gate_up: Linear | None  # output gate | up (None: a mixture of experts without shared experts)
+    down: Linear | None
     pre_feedforward_norm: paddle.Tensor | None = None  # "sandwich": before the MLP
     post_feedforward_norm: paddle.Tensor | None = None  # "sandwich", "post": on the MLP's output
     q_norm: paddle.Tensor | None = None  # [head_dim] per head, or [heads * head_dim] over the projection
     k_norm: paddle.Tensor | None = None
+    moe: MixtureOfExperts | None = None  # in place of the MLP, or beside it (the MLP: the shared experts)
 
     @property
     def linears(self) -> tuple[Linear, ...]:
-        return self.qkv, self.o, self.gate_up, self.down
+        return tuple(linear for linear in (self.qkv, self.o, self.gate_up, self.down) if linear is not None)
 
     @property
     def norms(self) -> list[paddle.Tensor]:
@@ -70,7 +73,7 @@ class CausalDecoder:
         self.precision = precision
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
         self.layer_attention = self._layer_attention(max_positions)
-        self.layers = [self._load_layer(weights, f"model.layers.{i}.") for i in range(config.num_layers)]
+        self.layers = [self._load_layer(weights, i) for i in range(config.num_layers)]
         self.norm = paddle.to_tensor(weights.pop("model.norm.weight"))
         self.embed_tokens, self.lm_head = embedding_and_lm_head(
             kernels, weights.pop("model.embed_tokens.weight"), weights.pop("lm_head.weight", None), precision
@@ -96,7 +99,9 @@ class CausalDecoder:
             )
         return layers
 
-    def _load_layer(self, weights: dict[str, Weight], prefix: str) -> DecoderLayer:
+    def _load_layer(self, weights: dict[str, Weight], index: int) -> DecoderLayer:
+        prefix = f"model.layers.{index}."
+
         def linear(*names: str) -> Linear:
             """The projections `names` (weights [out, in] as Hugging Face stores them) as one layer."""
             found = [weights.pop(f"{prefix}{name}.weight") for name in names]
@@ -109,6 +114,10 @@ class CausalDecoder:
 
         fused_qkv = f"{prefix}self_attn.qkv_proj.weight" in weights  # Phi-3 stores them fused
         fused_gate_up = f"{prefix}mlp.gate_up_proj.weight" in weights
+        moe, mlp = None, "mlp."
+        if self.config.is_moe_layer(index):
+            moe, mlp = self._load_moe(weights, prefix), "mlp.shared_experts."
+        has_mlp = fused_gate_up or f"{prefix}{mlp}gate_proj.weight" in weights
         return DecoderLayer(
             input_norm=norm("input_layernorm"),
             post_attention_norm=norm("post_attention_layernorm"),
@@ -116,13 +125,34 @@ class CausalDecoder:
             if fused_qkv
             else linear("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
             o=linear("self_attn.o_proj"),
-            gate_up=linear("mlp.gate_up_proj") if fused_gate_up else linear("mlp.gate_proj", "mlp.up_proj"),
-            down=linear("mlp.down_proj"),
+            gate_up=(linear("mlp.gate_up_proj") if fused_gate_up else linear(f"{mlp}gate_proj", f"{mlp}up_proj"))
+            if has_mlp
+            else None,
+            down=linear(f"{mlp}down_proj") if has_mlp else None,
             pre_feedforward_norm=norm("pre_feedforward_layernorm"),
             post_feedforward_norm=norm("post_feedforward_layernorm"),
             q_norm=norm("self_attn.q_norm"),
             k_norm=norm("self_attn.k_norm"),
+            moe=moe,
         )
+
+    def _load_moe(self, weights: dict[str, Weight], prefix: str) -> MixtureOfExperts:
+        """A layer's router and experts (`mlp.gate`, `mlp.experts.{e}.*`: Hugging Face's names)."""
+        config = self.config
+
+        def expert_weights(name: str) -> list[Weight]:
+            return [weights.pop(f"{prefix}mlp.experts.{e}.{name}.weight") for e in range(config.num_experts)]
+
+        correction = weights.pop(f"{prefix}mlp.moe_statics.e_score_correction_bias", None)
+        layer_router = router(
+            weights.pop(f"{prefix}mlp.gate.weight"),
+            correction,
+            config.num_experts_per_token,
+            config.normalize_expert_weights,
+            config.expert_weights_sum_min,
+        )
+        gates, ups, downs = expert_weights("gate_proj"), expert_weights("up_proj"), expert_weights("down_proj")
+        return MixtureOfExperts(layer_router, experts(self.kernels, gates, ups, downs, self.precision))
 
     def weight_tensors(self) -> list[paddle.Tensor]:
         """The tensors of the weights the model holds (packed matrices, embedding, norms, biases), each once."""
@@ -130,6 +160,7 @@ class CausalDecoder:
         for layer in self.layers:
             tensors += layer.norms
             tensors += [tensor for linear in layer.linears for tensor in linear.tensors()]
+            tensors += layer.moe.tensors() if layer.moe is not None else []
         return list({id(tensor): tensor for tensor in tensors}.values())  # a tied table counts once
 
     def weight_bytes(self) -> int:
@@ -182,6 +213,13 @@ class CausalDecoder:
         return self._scaled(self._mlp(layer, x)), residual
 
     def _mlp(self, layer: DecoderLayer, x: paddle.Tensor) -> paddle.Tensor:
+        """The MLP's output; in a mixture of experts' layer the experts', plus the shared experts' where it has them."""
+        if layer.moe is None:
+            return self._dense_mlp(layer, x)
+        routed = layer.moe(x, self.kernels.silu_and_mul)
+        return routed if layer.gate_up is None else routed + self._dense_mlp(layer, x)
+
+    def _dense_mlp(self, layer: DecoderLayer, x: paddle.Tensor) -> paddle.Tensor:
         gate_up = layer.gate_up(x)
         if self.config.activation == "gelu_tanh":
             return layer.down(gelu_tanh_and_mul(gate_up))

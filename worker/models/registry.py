@@ -4,21 +4,51 @@ file's general.architecture. Anything else stops the worker at start-up, naming 
 from __future__ import annotations
 
 from worker.models.config import ModelConfig, refuse
-from worker.models.families import ernie4_5, gemma2, gemma3, granite, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3
+from worker.models.families import (
+    ernie4_5,
+    ernie4_5_moe,
+    gemma2,
+    gemma3,
+    granite,
+    llama,
+    mistral,
+    mixtral,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+)
 from worker.models.family import Family
 
 FAMILIES: tuple[Family, ...] = tuple(
-    module.FAMILY for module in (llama, qwen2, qwen3, mistral, gemma2, gemma3, phi3, olmo2, smollm3, granite, ernie4_5)
+    module.FAMILY
+    for module in (
+        llama,
+        qwen2,
+        qwen3,
+        mistral,
+        gemma2,
+        gemma3,
+        phi3,
+        olmo2,
+        smollm3,
+        granite,
+        ernie4_5,
+        qwen3_moe,
+        mixtral,
+        ernie4_5_moe,
+    )
 )
 HF_MODEL_TYPES = {model_type: family for family in FAMILIES for model_type in family.hf_model_types}
 GGUF_ARCHITECTURES = {arch: family for family in FAMILIES for arch in family.gguf_architectures}
 BY_NAME = {family.name: family for family in FAMILIES}
-# Where the model_type names a family's multimodal or mixture-of-experts form: what to serve instead.
+# Where the model_type names a family's multimodal form: what to serve instead.
 NOT_YET = {
     "gemma3": "Gemma 3's multimodal checkpoint (serve a text-only gemma3_text one)",
-    "qwen3_moe": "a mixture of experts",
-    "ernie4_5_moe": "a mixture of experts",
-    "mixtral": "a mixture of experts",
+    "qwen2_moe": "a mixture of experts with a gated shared expert",
+    "deepseek_v3": "a mixture of experts with grouped sigmoid routing",
 }
 
 

@@ -1,9 +1,10 @@
-"""Llama (and the models that are Llama in all but name: SmolLM2, Llama 3.x, TinyLlama, ...)."""
+"""Llama (and the models that are Llama in all but name: SmolLM2, Llama 3.x, TinyLlama, ...). llama.cpp writes
+Mixtral as llama too, with experts (expert_count): such a file is read as Mixtral."""
 
 from __future__ import annotations
 
 from worker.models.config import config_from_gguf_common, config_from_hf_common
-from worker.models.family import Family
+from worker.models.family import Family, gguf_moe_details
 
 
 def config_from_hf(config: dict):
@@ -11,6 +12,9 @@ def config_from_hf(config: dict):
 
 
 def config_from_gguf(metadata: dict, tensor_names: set[str]):
+    if int(metadata.get("llama.expert_count", 0)) > 0:
+        moe = gguf_moe_details(metadata, tensor_names, normalize_by_default=True)
+        return config_from_gguf_common(metadata, tensor_names, "mixtral", **moe)
     return config_from_gguf_common(metadata, tensor_names, "llama")
 
 

@@ -1,0 +1,66 @@
+"""A GGUF file's experts, stacked by llama.cpp in one tensor per layer and projection ([experts, out, in]), are read
+as one matrix per expert under Hugging Face's names: the blocks of each expert as stored where the custom GEMM
+serves their type, else its values (the family tests' files are float32: here quantized ones)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from tests.support.family_gguf import _copy_tokenizer
+from worker.layers.weight_format import GgufBlocks, WeightFormat
+from worker.loading.gguf_checkpoint import GGUFCheckpoint
+
+NUM_EXPERTS, HIDDEN, WIDTH = 4, 64, 32
+STORED = {  # llama.cpp's stacked tensor -> (its type, the name of each expert's matrix)
+    "ffn_gate_exps": (GGMLQuantizationType.Q8_0, "gate_proj"),
+    "ffn_up_exps": (GGMLQuantizationType.Q4_0, "up_proj"),
+    "ffn_down_exps": (GGMLQuantizationType.F16, "down_proj"),  # not served as blocks: read as values
+}
+
+
+def write_mixtral_gguf(path, smollm_path, stacked: dict[str, np.ndarray]) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(WIDTH)
+    writer.add_head_count(4)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_expert_count(NUM_EXPERTS)
+    writer.add_expert_used_count(2)
+    _copy_tokenizer(writer, smollm_path)
+    writer.add_tensor("blk.0.ffn_gate_inp.weight", np.ones((NUM_EXPERTS, HIDDEN), np.float32))
+    for name, (quant_type, _) in STORED.items():
+        writer.add_tensor(f"blk.0.{name}.weight", quantize(stacked[name], quant_type), raw_dtype=quant_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_stacked_quantized_experts_are_read_one_matrix_per_expert(tmp_path, smollm_path):
+    rng = np.random.default_rng(0)
+    stacked = {
+        "ffn_gate_exps": rng.standard_normal((NUM_EXPERTS, WIDTH, HIDDEN), dtype=np.float32),
+        "ffn_up_exps": rng.standard_normal((NUM_EXPERTS, WIDTH, HIDDEN), dtype=np.float32),
+        "ffn_down_exps": rng.standard_normal((NUM_EXPERTS, HIDDEN, WIDTH), dtype=np.float32),
+    }
+    path = tmp_path / "mixtral.gguf"
+    write_mixtral_gguf(path, smollm_path, stacked)
+
+    checkpoint = GGUFCheckpoint(path)
+    read = dict(checkpoint.tensors(keep_blocks=True))
+
+    assert checkpoint.config.architecture == "mixtral" and checkpoint.config.moe_layers == (True,)
+    for name, (quant_type, hf_part) in STORED.items():
+        for expert in range(NUM_EXPERTS):
+            matrix = read[f"model.layers.0.mlp.experts.{expert}.{hf_part}.weight"]
+            expected = dequantize(quantize(stacked[name][expert], quant_type), quant_type)
+            if quant_type == GGMLQuantizationType.F16:
+                np.testing.assert_array_equal(matrix, expected)
+            else:
+                assert isinstance(matrix, GgufBlocks) and matrix.format == WeightFormat(int(quant_type))
+                np.testing.assert_array_equal(matrix.dequantized(), expected)

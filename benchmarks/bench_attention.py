@@ -2,9 +2,10 @@
 custom kernels against pure Paddle, on the shapes of bench_worker.py's decode B=1, decode B=64 and
 prefill 1x512, a decode of 64 sequences at 300 tokens (three key spans each) and a decode of one
 sequence at 2000 tokens, with a float32 and a bfloat16 KV cache
-(Paddle's attention runs the float32 one only).
+(Paddle's attention runs the float32 one only), and with the 8-bit caches (int8, fp8_e4m3), whose steps take turns
+with the bf16 cache's, step by step in one process, and are quoted as a ratio of its time.
 
-Run: python benchmarks/bench_attention.py [--repeats N] [--cache-dtype float32|bfloat16 ...]
+Run: python benchmarks/bench_attention.py [--repeats N] [--cache-dtype float32|bfloat16|int8|fp8_e4m3 ...]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 
 from service.contract import wire  # noqa: E402
+from worker.attention.kv_rows import EIGHT_BIT, KV_ROW_FORMATS, encode_rows  # noqa: E402
 from worker.inputs.step_inputs import RequestState, build_step_inputs  # noqa: E402
 from worker.kernels.reference import PaddleKernels  # noqa: E402
 from worker.kernels.selection import select_kernels  # noqa: E402
@@ -69,15 +71,25 @@ def step_inputs(num_requests: int, num_cached: int, num_new: int):
     ) * blocks_each
 
 
-def time_attention(kernels, case, repeats: int, cache_dtype: str = "float32") -> float:
-    """Median seconds of prepare + attend_qkv over every layer."""
+def random_caches(shape: list[int], cache_dtype: str, seed: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+    rng = np.random.default_rng(seed)
+    if cache_dtype in EIGHT_BIT:
+        return tuple(
+            paddle.to_tensor(encode_rows(rng.standard_normal(shape, dtype=np.float32), cache_dtype)).view(
+                KV_ROW_FORMATS[cache_dtype].paddle_dtype
+            )
+            for _ in range(2)
+        )
+    return tuple(paddle.to_tensor(rng.standard_normal(shape, dtype=np.float32)).astype(cache_dtype) for _ in range(2))
+
+
+def attention_step(kernels, case, cache_dtype: str = "float32"):
+    """A callable: prepare + attend_qkv over every layer."""
     cfg = SMOLLM2
     inputs, num_blocks = step_inputs(*case)
     attention = kernels.attention(cfg, BLOCK_SIZE, RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings))
     shape = [num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim]
-    caches = [
-        (paddle.randn(shape).astype(cache_dtype), paddle.randn(shape).astype(cache_dtype)) for _ in range(NUM_LAYERS)
-    ]
+    caches = [random_caches(shape, cache_dtype, layer) for layer in range(NUM_LAYERS)]
     width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     qkv = paddle.to_tensor(np.random.default_rng(0).standard_normal((len(inputs.positions), width), dtype=np.float32))
 
@@ -86,24 +98,37 @@ def time_attention(kernels, case, repeats: int, cache_dtype: str = "float32") ->
         for key_cache, value_cache in caches:
             attention.attend_qkv(qkv, key_cache, value_cache, metadata)
 
-    step()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
+    return step
+
+
+def time_attention(kernels, case, repeats: int, cache_dtype: str = "float32") -> float:
+    """Median seconds of prepare + attend_qkv over every layer."""
+    return alternated({cache_dtype: attention_step(kernels, case, cache_dtype)}, repeats)[cache_dtype]
+
+
+def alternated(steps: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each step, the steps taking turns (after one warm-up each)."""
+    for step in steps.values():
         step()
-        times.append(time.perf_counter() - started)
-    return float(np.median(times))
+    times = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            started = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - started)
+    return {name: float(np.median(taken)) for name, taken in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cache-dtype", action="append", choices=("float32", "bfloat16"))
+    parser.add_argument("--cache-dtype", action="append", choices=("float32", "bfloat16", *EIGHT_BIT))
     args = parser.parse_args()
     custom = select_kernels("custom").kernels
     print(f"attention of {NUM_LAYERS} layers, SmolLM2 shapes, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
-    print(f"{'case':<20}{'cache':>10}{'paddle ms':>11}{'custom ms':>11}{'ratio':>8}")
-    for cache_dtype in args.cache_dtype or ("float32", "bfloat16"):
+    print(f"{'case':<20}{'cache':>10}{'paddle ms':>11}{'custom ms':>11}{'ratio':>8}{'/ bf16':>8}")
+    dtypes = args.cache_dtype or ("float32", "bfloat16")
+    for cache_dtype in [dtype for dtype in dtypes if dtype not in EIGHT_BIT]:
         for name, case in CASES.items():
             custom_s = time_attention(custom, case, args.repeats, cache_dtype)
             if cache_dtype == "float32":
@@ -112,6 +137,13 @@ def main() -> None:
             else:
                 paddle_ms, ratio = f"{'-':>11}", f"{'-':>8}"
             print(f"{name:<20}{cache_dtype:>10}{paddle_ms}{custom_s * 1e3:>11.2f}{ratio}")
+    eight_bit = [dtype for dtype in dtypes if dtype in EIGHT_BIT]
+    for name, case in CASES.items() if eight_bit else ():
+        steps = {dtype: attention_step(custom, case, dtype) for dtype in ("bfloat16", *eight_bit)}
+        medians = alternated(steps, args.repeats)
+        for dtype in eight_bit:
+            ratio = medians[dtype] / medians["bfloat16"]
+            print(f"{name:<20}{dtype:>10}{'-':>11}{medians[dtype] * 1e3:>11.2f}{'-':>8}{ratio:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from worker.inputs.device_inputs import DeviceInputs
 from worker.inputs.model_inputs import HostInputs
 from worker.kernels.selection import CPU_ISA_CAPS, select_kernels
 from worker.layers.dtype_probe import measured_dtype
-from worker.layers.precision import resolve_precision, resolve_quantization
+from worker.layers.precision import resolve_kv_cache, resolve_precision, resolve_quantization
 from worker.loading.checkpoint import open_checkpoint
 from worker.loading.gguf_checkpoint import GGUFCheckpoint
 from worker.loading.model_loader import load_model, served_config
@@ -83,8 +83,14 @@ def assemble_worker(settings: Settings) -> WorkerParts:
         gguf_file=gguf_file,
         measured_dtype=measured,
     )
+    precision = resolve_kv_cache(settings.kv_cache_dtype, precision, kernels.name, attention_problem)
     log.info(
-        "device=%s dtype=%s quantization=%s (%s)", device, precision.dtype, precision.quantization, precision.reason
+        "device=%s dtype=%s quantization=%s kv_cache=%s (%s)",
+        device,
+        precision.dtype,
+        precision.quantization,
+        precision.kv_cache_dtype,
+        precision.reason,
     )
     with on_host():  # on a GPU the weights are read in host memory and moved once, cast to the dtype
         # On a CPU with huge pages, the weights in one buffer, so that all of them move into 2 MiB pages.

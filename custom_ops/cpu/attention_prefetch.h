@@ -20,7 +20,7 @@ struct SpanPrefetch {
       : tile(of), end_key(to), cursor(from), block(from / of->block_size), within(from % of->block_size),
         key_locality(into_l1 ? 3 : 2) {
     step = asks > 0 ? (to - from + asks - 1) / asks : to - from;
-    bytes = of->num_tile_kv_heads * of->head_dim * static_cast<int64_t>(sizeof(Cache));
+    bytes = of->num_tile_kv_heads * kv_row_elements<Cache>(of->head_dim) * static_cast<int64_t>(sizeof(Cache));
   }
   // The span of `of` from key `span`.
   static SpanPrefetch span_of(const AttentionTile<Cache>* of, int64_t span, int64_t asks, bool into_l1 = false) {
@@ -34,7 +34,7 @@ struct SpanPrefetch {
       const AttentionTile<Cache>& t = *tile;
       const int64_t slot = t.block_ids[block] * t.block_size + within;
       if (++within == t.block_size) within = 0, ++block;
-      const int64_t offset = (slot * t.num_kv_heads + t.kv_head) * t.head_dim;
+      const int64_t offset = (slot * t.num_kv_heads + t.kv_head) * kv_row_elements<Cache>(t.head_dim);
       const char* key_rows = reinterpret_cast<const char*>(t.key_cache + offset);
       const char* value_rows = reinterpret_cast<const char*>(t.value_cache + offset);
       for (int64_t line = 0; line < bytes; line += 64) {

@@ -22,6 +22,22 @@ static inline void score_rows(const float* q, int64_t head_dim, const Cache* con
       }
     }
     for (int r = 0; r < ROWS; ++r) Vec::hsum4_store(acc[r][0], acc[r][1], acc[r][2], acc[r][3], scores + r * kKeySpan + j);
+    if constexpr (KvElement<Cache>::kScaled) {  // each key's codes were summed: times its row's scale
+      for (int c = 0; c < 4; ++c) {
+        const float scale = KvElement<Cache>::scale(keys[j + c], head_dim);
+        for (int r = 0; r < ROWS; ++r) scores[r * kKeySpan + j + c] *= scale;
+      }
+    }
+  }
+}
+
+// probs[j] of a span as it weighs value j's loaded codes: times the value row's scale for a scaled cache.
+template <class Cache>
+static inline float value_weight(float prob, const Cache* value, int64_t head_dim) {
+  if constexpr (KvElement<Cache>::kScaled) {
+    return prob * KvElement<Cache>::scale(value, head_dim);
+  } else {
+    return prob;
   }
 }
 
@@ -44,7 +60,7 @@ static inline void accumulate_values(float* acc, const float* probs, const Cache
       reg v[CHUNK];
       for (int c = 0; c < CHUNK; ++c) v[c] = KvElement<Cache>::load(values[j] + d + c * W);
       for (int r = 0; r < ROWS; ++r) {
-        const reg p = Vec::set1(probs[r * kKeySpan + j]);
+        const reg p = Vec::set1(value_weight(probs[r * kKeySpan + j], values[j], head_dim));
         for (int c = 0; c < CHUNK; ++c) a[r][c] = Vec::fmadd(p, v[c], a[r][c]);
       }
     }
@@ -54,7 +70,10 @@ static inline void accumulate_values(float* acc, const float* probs, const Cache
   for (; d < head_dim; d += W) {
     for (int r = 0; r < ROWS; ++r) {
       reg a = Vec::load(acc + r * head_dim + d);
-      for (int64_t j = 0; j < num_keys; ++j) a = Vec::fmadd(Vec::set1(probs[r * kKeySpan + j]), KvElement<Cache>::load(values[j] + d), a);
+      for (int64_t j = 0; j < num_keys; ++j) {
+        a = Vec::fmadd(Vec::set1(value_weight(probs[r * kKeySpan + j], values[j], head_dim)),
+                       KvElement<Cache>::load(values[j] + d), a);
+      }
       Vec::store(acc + r * head_dim + d, a);
     }
   }

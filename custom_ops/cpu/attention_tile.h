@@ -61,7 +61,7 @@ static inline void score_span_by_slot(const AttentionTile<Cache>& t, const HeadR
   for (int64_t j = 0; j < padded_keys; j += 4) {
     for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
       const Cache* keys[4];
-      for (int c = 0; c < 4; ++c) keys[c] = t.key_cache + slot_offsets[j + c] + h * dim;
+      for (int c = 0; c < 4; ++c) keys[c] = t.key_cache + slot_offsets[j + c] + h * kv_row_elements<Cache>(dim);
       float* head_scores = scores + h * rows * kKeySpan + j;
       int64_t r = first_row;
       for (; r + 3 <= rows; r += 3) score_head_rows<3, kDot>(heads[h], r, dim, keys, 4, head_scores, ahead);
@@ -159,6 +159,7 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
     for (int64_t r = 0; r < rows; ++r) head.running_max[r] = -__builtin_inff(), head.running_sum[r] = 0.0f;
   }
 
+  const int64_t row = kv_row_elements<Cache>(dim);  // elements from one row of the cache to the next
   int64_t slot_offsets[kKeySpan];  // elements from the cache's start to the slot's first kv head of the tile
   const Cache* keys[kKeySpan];
   const Cache* values[kKeySpan];
@@ -174,7 +175,7 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
   for (int64_t span = t.key_begin; span < t.key_end; span += kKeySpan) {
     const int64_t span_keys = t.key_end - span < kKeySpan ? t.key_end - span : kKeySpan;
     for (int64_t j = 0, block = span / t.block_size, within = span % t.block_size; j < span_keys; ++j) {
-      slot_offsets[j] = ((t.block_ids[block] * t.block_size + within) * t.num_kv_heads + t.kv_head) * dim;
+      slot_offsets[j] = ((t.block_ids[block] * t.block_size + within) * t.num_kv_heads + t.kv_head) * row;
       if (++within == t.block_size) within = 0, ++block;  // no division per key
     }
     ahead.span_begins(t, span);  // what was not asked for while the span (or tile) before computed
@@ -188,11 +189,11 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
     for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
       float* head_scores = by_slot ? scores + h * rows * kKeySpan : scores;
       if constexpr (!by_slot) {  // a by_slot tile's keys were scored by score_span_by_slot
-        for (int64_t j = 0; j < span_keys; ++j) keys[j] = t.key_cache + slot_offsets[j] + h * dim;
+        for (int64_t j = 0; j < span_keys; ++j) keys[j] = t.key_cache + slot_offsets[j] + h * row;
         for (int64_t j = span_keys; j < padded_keys; ++j) keys[j] = keys[0];
       }
       if constexpr (!(kDot && by_slot)) {  // kDot && by_slot: values_span_by_slot sums the values
-        for (int64_t j = 0; j < span_keys; ++j) values[j] = t.value_cache + slot_offsets[j] + h * dim;
+        for (int64_t j = 0; j < span_keys; ++j) values[j] = t.value_cache + slot_offsets[j] + h * row;
       }
       bool scored = false;  // every row's scores of the span computed at once, keys in lanes
       if constexpr (kDot && !by_slot) {

@@ -141,7 +141,7 @@ std::vector<paddle::Tensor> HoldDecoderStack(
            "bad head counts, intermediate or vocabulary size");
   auto stack = std::make_shared<HeldStack>();
   stack->width = input_norms[0].numel();
-  stack->head_dim = key_caches[0].shape().size() == 4 ? key_caches[0].shape()[3] : 0;
+  stack->head_dim = bs::kv_caches(key_caches[0], value_caches[0]).head_dim;  // a scaled cache's rows are longer
   stack->attention_width = num_heads * stack->head_dim;
   stack->qkv_width = (num_heads + 2 * num_kv_heads) * stack->head_dim;
   stack->intermediate_size = intermediate_size;

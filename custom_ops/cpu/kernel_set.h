@@ -23,7 +23,7 @@ constexpr int64_t kParallelFloats = 1 << 15;
 template <class Cache>
 struct AttentionTile {
   const float* query;        // [tokens, num_heads, head_dim]
-  const Cache* key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
+  const Cache* key_cache;    // [num_blocks, block_size, num_kv_heads, row]: rows of head_dim values (kv_types.h)
   const Cache* value_cache;  // same layout
   const int64_t* block_ids;  // the request's block-table row
   float* out;                // [tokens, num_heads * head_dim]
@@ -65,8 +65,8 @@ template <class T>
 struct KvKernels {
   // Rotary embedding of one key head into the cache: KernelSet::rotate_head's, each value stored as a T.
   void (*rotate_head)(const float* x, const float* cos, const float* sin, T* out, int64_t head_dim);
-  // out[0..width) = x as T (a token's values).
-  void (*store)(const float* x, T* out, int64_t width);
+  // A token's values x [num_rows, head_dim] into its slot as T, row by row (kv_row_elements<T> apart).
+  void (*store)(const float* x, T* out, int64_t head_dim, int64_t num_rows);
   void (*attend_tile)(const AttentionTile<T>& tile);
 };
 

@@ -12,11 +12,46 @@ struct Bf16 {
   uint16_t bits;
 };
 
+// The 8-bit caches: a row (one token's kv head, head_dim values) is head_dim 8-bit codes, then the row's scale as a
+// bf16 in the row's last 2 elements (value = decoded code * scale). The scale is the row's largest magnitude over
+// the code's largest, rounded up to a bf16, so that no code overflows; a zero row has scale 0.
+// int8: codes -127..127, rounded to nearest even.
+struct Int8 {
+  int8_t bits;
+};
+// fp8 e4m3 (OCP's "fn": no infinities, 0x7f/0xff NaN): 1 sign, 4 exponent (bias 7), 3 mantissa bits; codes up to
+// +-448, rounded to nearest even.
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+
+// How a row of head_dim values lies in a cache of T: kScaleElements elements after the values hold its scale.
+template <class T>
+struct KvRowLayout {
+  static constexpr int64_t kScaleElements = 0;
+};
+template <>
+struct KvRowLayout<Int8> {
+  static constexpr int64_t kScaleElements = 2;
+};
+template <>
+struct KvRowLayout<Fp8E4M3> {
+  static constexpr int64_t kScaleElements = 2;
+};
+// The most head_dim a scaled cache's row may have (a key's row is rotated in fp32 on the stack, then written).
+constexpr int64_t kMaxScaledHeadDim = 1024;
+
+// Elements from one row's start to the next's.
+template <class T>
+constexpr int64_t kv_row_elements(int64_t head_dim) {
+  return head_dim + KvRowLayout<T>::kScaleElements;
+}
+
 template <class... Ts>
 struct TypeList {};
 
 // Every KV element type.
-using KvElementTypes = TypeList<float, Bf16>;
+using KvElementTypes = TypeList<float, Bf16, Int8, Fp8E4M3>;
 
 template <class T>
 struct TypeTag {

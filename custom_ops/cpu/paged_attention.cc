@@ -23,6 +23,15 @@ template <>
 struct KvDtype<Bf16> {
   static constexpr paddle::DataType value = paddle::DataType::BFLOAT16;
 };
+template <>
+struct KvDtype<Int8> {
+  static constexpr paddle::DataType value = paddle::DataType::INT8;
+};
+// uint8: Paddle's CPU kernels take no float8 tensor (numel has none), and the rows hold their scales' bytes too.
+template <>
+struct KvDtype<Fp8E4M3> {
+  static constexpr paddle::DataType value = paddle::DataType::UINT8;
+};
 
 // "float32, bfloat16": the dtypes a cache may have.
 std::string kv_dtype_names() {
@@ -40,12 +49,12 @@ std::string kv_dtype_names() {
 // ahead, 0.85 and 0.84x with 12; whole steps 0.987-0.996x.
 constexpr int64_t kWriteAhead = 4;
 
-// Asks for the cache lines of a slot's K and V (kv_width elements each), to write.
+// Asks for the cache lines of a slot's K and V (slot_width elements each), to write.
 template <class Cache>
-inline void ask_to_write(const Cache* k_cache, const Cache* v_cache, int64_t slot, int64_t kv_width) {
-  const char* key = reinterpret_cast<const char*>(k_cache + slot * kv_width);
-  const char* value = reinterpret_cast<const char*>(v_cache + slot * kv_width);
-  for (int64_t line = 0; line < kv_width * static_cast<int64_t>(sizeof(Cache)); line += 64) {
+inline void ask_to_write(const Cache* k_cache, const Cache* v_cache, int64_t slot, int64_t slot_width) {
+  const char* key = reinterpret_cast<const char*>(k_cache + slot * slot_width);
+  const char* value = reinterpret_cast<const char*>(v_cache + slot * slot_width);
+  for (int64_t line = 0; line < slot_width * static_cast<int64_t>(sizeof(Cache)); line += 64) {
     __builtin_prefetch(key + line, 1, 3);
     __builtin_prefetch(value + line, 1, 3);
   }
@@ -57,28 +66,29 @@ inline void rope_write_token(const KernelSet& kernels, const float* token, int64
                              const float* cos_table, const float* sin_table, float* q_row, Cache* k_cache,
                              Cache* v_cache, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
   const KvKernels<Cache>& cache_kernels = kernels.for_cache<Cache>();
-  const int64_t kv_width = num_kv_heads * head_dim;
+  const int64_t kv_width = num_kv_heads * head_dim, row = kv_row_elements<Cache>(head_dim);
   const float *c = cos_table + position * head_dim, *s = sin_table + position * head_dim;
   for (int64_t h = 0; h < num_heads; ++h) {
     kernels.rotate_head(token + h * head_dim, c, s, q_row + h * head_dim, head_dim);
   }
   const float* key = token + num_heads * head_dim;
-  Cache* key_slot = k_cache + slot * kv_width;
+  Cache* key_slot = k_cache + slot * num_kv_heads * row;
   for (int64_t h = 0; h < num_kv_heads; ++h) {
-    cache_kernels.rotate_head(key + h * head_dim, c, s, key_slot + h * head_dim, head_dim);
+    cache_kernels.rotate_head(key + h * head_dim, c, s, key_slot + h * row, head_dim);
   }
-  cache_kernels.store(key + kv_width, v_cache + slot * kv_width, kv_width);
+  cache_kernels.store(key + kv_width, v_cache + slot * num_kv_heads * row, head_dim, num_kv_heads);
 }
 
 template <class Cache>
 void rope_write(const KernelSet& kernels, const float* src, const StepTokens& tokens, const float* cos_table,
                 const float* sin_table, float* q_out, Cache* k_cache, Cache* v_cache, int64_t num_heads,
                 int64_t num_kv_heads, int64_t head_dim) {
-  const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim, kv_width = num_kv_heads * head_dim;
+  const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
+  const int64_t slot_width = num_kv_heads * kv_row_elements<Cache>(head_dim);
   const int64_t *pos = tokens.positions, *slots = tokens.slots;
 #pragma omp parallel for schedule(static) if (tokens.count * row >= kParallelFloats)
   for (int64_t t = 0; t < tokens.count; ++t) {
-    if (t + kWriteAhead < tokens.count) ask_to_write(k_cache, v_cache, slots[t + kWriteAhead], kv_width);
+    if (t + kWriteAhead < tokens.count) ask_to_write(k_cache, v_cache, slots[t + kWriteAhead], slot_width);
     rope_write_token(kernels, src + t * row, pos[t], slots[t], cos_table, sin_table, q_out + t * num_heads * head_dim,
                      k_cache, v_cache, num_heads, num_kv_heads, head_dim);
   }
@@ -170,9 +180,10 @@ void attend(void (*attend_tile)(const AttentionTile<Cache>&), const std::vector<
       }
       tile.first_span_prefetched = prefetched;
       if (rope != nullptr) {
-        const int64_t t = tile.first_token, head_dim = caches.head_dim, kv_width = caches.num_kv_heads * head_dim;
+        const int64_t t = tile.first_token, head_dim = caches.head_dim;
         if (following < num_items) {
-          ask_to_write(storage.key, storage.value, rope->tokens.slots[next_tile.first_token], kv_width);
+          ask_to_write(storage.key, storage.value, rope->tokens.slots[next_tile.first_token],
+                       caches.num_kv_heads * kv_row_elements<Cache>(head_dim));
         }
         rope_write_token(*rope->kernels, rope->qkv + t * (num_heads + 2 * caches.num_kv_heads) * head_dim,
                          rope->tokens.positions[t], rope->tokens.slots[t], rope->cos, rope->sin,
@@ -202,6 +213,12 @@ KvCaches kv_caches(const paddle::Tensor& key_cache, const paddle::Tensor& value_
     if (key_cache.dtype() != KvDtype<T>::value) return;
     caches.storage = KvStorage<T>{static_cast<T*>(const_cast<void*>(key_cache.data())),
                                   static_cast<T*>(const_cast<void*>(value_cache.data()))};
+    // A scaled type's rows end in their scales: [num_blocks, block_size, kv_heads, head_dim + scale elements].
+    constexpr int64_t extra = KvRowLayout<T>::kScaleElements;
+    PD_CHECK(shape[3] > extra && (extra == 0 || shape[3] - extra <= kMaxScaledHeadDim),
+             "a ", key_cache.dtype(), " cache's rows are head_dim values and ", extra, " elements of scale, head_dim ",
+             "at most ", kMaxScaledHeadDim, ", not ", shape[3], " elements");
+    caches.head_dim = shape[3] - extra;
     typed = true;
   });
   PD_CHECK(typed, "a cache's dtype must be one of ", kv_dtype_names(), ", not ", key_cache.dtype());

@@ -12,7 +12,8 @@
 
 namespace bs {
 
-// A layer's K and V caches of element type T: [num_blocks, block_size, num_kv_heads, head_dim] each.
+// A layer's K and V caches of element type T: [num_blocks, block_size, num_kv_heads, kv_row_elements<T>(head_dim)]
+// each (a scaled type's rows end in their scales).
 template <class T>
 struct KvStorage {
   T* key;

@@ -93,6 +93,11 @@ class Settings(BaseSettings):
         "(Q8_0, Q4_0, Q4_1; Q4_K regrouped into Q4_1); auto = gguf for a GGUF file on the custom CPU kernels, "
         "else none",
     )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8"] = Field(
+        default="auto",
+        description="Worker KV cache: int8 or fp8_e4m3 (fp8) rows with a scale per token and kv head, twice the "
+        "blocks of bfloat16 in the same memory (the custom CPU kernels); auto = BLOCKSERVE_DTYPE's type",
+    )
     huge_pages: bool = Field(
         default=True,
         description="Worker on a CPU: move the weights and the KV cache into 2 MiB pages after loading (Linux 6.1+); "

@@ -22,6 +22,7 @@ from tests.support.api_peer import ApiPeer
 from tests.support.isa_kernels import ISA_CAPS, custom_kernels_on
 from tests.support.numerics import attention_config, bf16_rounded
 from tests.support.processes import ROOT, loopback_env, metric_samples, start, stop_all
+from worker.attention.kv_rows import EIGHT_BIT, KV_ROW_FORMATS, decode_rows, encode_rows
 from worker.attention.reference import PagedAttentionBackend
 from worker.inputs.step_inputs import RequestState, build_step_inputs
 from worker.kernels.cpu_ops import load_ops
@@ -485,3 +486,60 @@ def test_mask_rows_forbids_what_the_bits_forbid_as_the_paddle_path_does(custom, 
     np.testing.assert_array_equal(ours, expected)
     with pytest.raises(Exception):
         custom.mask_rows(tensor(logits), TokenMask(np.array([rows], dtype=np.int64), bitmask[:1]))
+
+
+def eight_bit_tensor(rows: np.ndarray, kv_cache_dtype: str) -> paddle.Tensor:
+    """8-bit rows (encode_rows' uint8 bytes) as a cache tensor of the kv cache dtype's Paddle dtype."""
+    return tensor(rows).view(KV_ROW_FORMATS[kv_cache_dtype].paddle_dtype)
+
+
+def eight_bit_rows(cache: paddle.Tensor) -> np.ndarray:
+    return cache.view("uint8").numpy()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", EIGHT_BIT)
+@pytest.mark.parametrize("step", DECODE_AND_MIXED_STEPS)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (8, 2, 32, 5)])
+def test_an_8bit_cache_holds_the_reference_encoding_of_each_row_and_attention_reads_its_decoded_rows(
+    custom, num_heads, num_kv_heads, head_dim, block_size, step, kv_cache_dtype
+):
+    """The op writes each new key (rotated) and value row as kv_rows.encode_rows encodes the row a float32 cache
+    gets, bit for bit, and touches no other row; the attention equals the float32 attention over the decoded rows."""
+    rng = np.random.default_rng(head_dim + 2)
+    num_blocks = 2 * (-(-320 // block_size)) * 8 + 1
+    config = attention_config(num_heads, num_kv_heads, head_dim, MAX_POSITIONS)
+    rotary = RotaryEmbedding(config.rope, head_dim, MAX_POSITIONS)
+    inputs = step(rng, block_size, num_blocks)
+    before = encode_rows(
+        rng.standard_normal((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=np.float32), kv_cache_dtype
+    )
+    qkv = rng.standard_normal((len(inputs.positions), (num_heads + 2 * num_kv_heads) * head_dim), dtype=np.float32)
+    attention = custom.attention(config, block_size, rotary)
+    metadata = attention.prepare(inputs)
+    caches = [eight_bit_tensor(before[0], kv_cache_dtype), eight_bit_tensor(before[1], kv_cache_dtype)]
+    float_caches = [tensor(decode_rows(before[0], kv_cache_dtype)), tensor(decode_rows(before[1], kv_cache_dtype))]
+
+    output = attention.attend_qkv(tensor(qkv), *caches, metadata).numpy()
+
+    query, _, _ = custom.ops.bs_rope_write_kv(
+        tensor(qkv),
+        metadata.positions,
+        rotary.cos,
+        rotary.sin,
+        metadata.slot_mapping,
+        *float_caches,
+        num_heads,
+        num_kv_heads,
+        custom.isa.bits,
+    )
+    written = inputs.slot_mapping
+    unwritten = np.setdiff1d(np.arange(num_blocks * block_size), written)
+    for cache, float_cache, old in zip(caches, float_caches, before):
+        rows = eight_bit_rows(cache).reshape(-1, num_kv_heads, head_dim + 2)
+        np.testing.assert_array_equal(rows[unwritten], old.reshape(rows.shape)[unwritten])
+        float_rows = float_cache.numpy().reshape(-1, num_kv_heads, head_dim)[written]
+        np.testing.assert_array_equal(rows[written], encode_rows(float_rows, kv_cache_dtype))
+    decoded = [tensor(decode_rows(eight_bit_rows(cache), kv_cache_dtype)) for cache in caches]
+    backend = PagedAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
+    expected = backend.attend(query, *decoded, backend.prepare(inputs)).numpy()
+    np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)

@@ -66,3 +66,29 @@ def test_a_q4_k_file_is_served_from_its_blocks_within_the_gguf_distance_of_float
     max_kl, min_agreement = THRESHOLDS["bfloat16:gguf"]
     assert accuracy.mean_kl_nats <= max_kl
     assert accuracy.greedy_agreement >= min_agreement
+
+
+# An 8-bit KV cache (bf16 weights) against float32, and against the bf16 cache: its KL from float32 at most this much
+# above the bf16 cache's (issue 50's goal), and its greedy agreement at least the bf16 cache's threshold's.
+EIGHT_BIT_KV_KL_ABOVE_BF16 = 0.01
+
+
+@pytest.fixture(scope="module")
+def bf16_cache_accuracy(reference, smollm_path):
+    return reference.accuracy_of(load_runner(smollm_path, "bfloat16:none"))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_an_8bit_kv_cache_stays_within_0_01_nats_of_the_bf16_caches_distance_from_float32(
+    reference, bf16_cache_accuracy, smollm_path, kv_cache_dtype
+):
+    runner = load_runner(smollm_path, f"bfloat16:none:{kv_cache_dtype}")
+    assert runner.kv_cache.dtype == kv_cache_dtype
+
+    accuracy = reference.accuracy_of(runner)
+
+    print(
+        f"KV cache {kv_cache_dtype} on {runner.kernels['kernels_isa']}: {accuracy} (bf16 cache: {bf16_cache_accuracy})"
+    )
+    assert accuracy.mean_kl_nats <= bf16_cache_accuracy.mean_kl_nats + EIGHT_BIT_KV_KL_ABOVE_BF16
+    assert accuracy.greedy_agreement >= THRESHOLDS["bfloat16:none"][1]

@@ -33,9 +33,9 @@ NUM_KV_BLOCKS = 128
 
 
 def load_runner(model_path: Path, precision: str, kernels: str = "custom", cpu_isa: str = "auto") -> ModelRunner:
-    """A runner for `precision` = DTYPE:QUANTIZATION (e.g. bfloat16:none, auto:int8), its custom CPU kernels
-    capped at `cpu_isa` (BLOCKSERVE_CPU_ISA)."""
-    dtype, quantization = precision.split(":")
+    """A runner for `precision` = DTYPE:QUANTIZATION[:KV_CACHE_DTYPE] (e.g. bfloat16:none, auto:int8,
+    bfloat16:none:int8), its custom CPU kernels capped at `cpu_isa` (BLOCKSERVE_CPU_ISA)."""
+    dtype, quantization, kv_cache_dtype = (precision.split(":") + ["auto"])[:3]
     settings = load_settings(
         model=os.fspath(model_path),
         num_kv_blocks=NUM_KV_BLOCKS,
@@ -43,6 +43,7 @@ def load_runner(model_path: Path, precision: str, kernels: str = "custom", cpu_i
         cpu_isa=cpu_isa,
         dtype=dtype,
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )
     return ModelRunner(settings)
 

@@ -12,7 +12,7 @@ from worker.host.placement import (
     choose_device,
     kv_cache_budget,
 )
-from worker.layers.precision import Precision, PrecisionUnavailable, resolve_precision
+from worker.layers.precision import Precision, PrecisionUnavailable, resolve_kv_cache, resolve_precision
 from worker.models.config import ModelConfig, RopeConfig
 
 GiB = 2**30
@@ -140,6 +140,26 @@ def test_the_paddle_attention_keeps_the_cpu_quantizations_and_a_gpu_still_refuse
     )
     with pytest.raises(PrecisionUnavailable, match="BLOCKSERVE_QUANTIZATION=int8 .* CPU kernels only"):
         resolve_precision("auto", "int8", "cuda", attention_problem=problem)
+
+
+@pytest.mark.parametrize("setting, expected", [("auto", "bfloat16"), ("int8", "int8"), ("fp8", "fp8_e4m3"),
+                                              ("fp8_e4m3", "fp8_e4m3"), ("float32", "float32")])  # fmt: skip
+def test_the_kv_cache_dtype_is_the_dtype_unless_set_and_fp8_is_e4m3(setting, expected):
+    precision = resolve_kv_cache(setting, Precision("bfloat16", "none", "r"), "custom")
+    assert precision.kv_cache_dtype == expected and precision.dtype == "bfloat16"
+    assert (expected in precision.reason) == (setting != "auto")
+
+
+@pytest.mark.parametrize(
+    "kernels, problem, setting",
+    [("paddle", None, "int8"), ("cuda", None, "fp8_e4m3"), ("custom", "a sliding window", "int8"),
+     ("custom", None, "float16")],
+)  # fmt: skip
+def test_a_kv_cache_dtype_the_attention_cannot_read_refuses_and_names_the_setting(kernels, problem, setting):
+    precision = Precision("float32", "none", "r")
+    with pytest.raises(PrecisionUnavailable, match=f"BLOCKSERVE_KV_CACHE_DTYPE={setting}"):
+        resolve_kv_cache(setting, precision, kernels, problem)
+    assert resolve_kv_cache("auto", precision, kernels, problem) == precision
 
 
 def test_kv_cache_takes_what_gpu_memory_utilization_leaves_after_the_weights_and_activations():

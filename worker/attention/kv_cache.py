@@ -1,17 +1,20 @@
-"""The paged KV cache: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim], in
-the precision's dtype (layers/precision.py): float32 or bfloat16 on a CPU, also float16 on a GPU."""
+"""The paged KV cache: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, row], in the
+BLOCKSERVE_KV_CACHE_DTYPE resolved (layers/precision.py): float32 or bfloat16 rows of head_dim values, float16 on a
+GPU, or on a CPU with the custom kernels 8-bit rows (int8, fp8_e4m3) of head_dim codes and their scale
+(attention/kv_rows.py)."""
 
 from __future__ import annotations
 
 import paddle
 
-from worker.layers.precision import DTYPE_BYTES
+from worker.attention.kv_rows import KV_ROW_FORMATS
 from worker.models.config import ModelConfig
 
 
 def block_bytes(config: ModelConfig, block_size: int, dtype: str = "float32") -> int:
     """Memory one block takes across all layers, K and V."""
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * DTYPE_BYTES[dtype]
+    row_bytes = KV_ROW_FORMATS[dtype].row_bytes(config.head_dim)
+    return 2 * config.num_layers * block_size * config.num_kv_heads * row_bytes
 
 
 def num_blocks_for(
@@ -30,13 +33,15 @@ def num_blocks_for(
 
 
 class KVCache:
-    """Zero-filled K and V tensors for every layer; block ids index their first dimension."""
+    """Zero-filled K and V tensors for every layer; block ids index their first dimension. `dtype` is the
+    BLOCKSERVE_KV_CACHE_DTYPE resolved (float32, bfloat16, float16, int8 or fp8_e4m3)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: str = "float32"):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        shape = [num_blocks, block_size, config.num_kv_heads, config.head_dim]
-        self.key_caches = [paddle.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
-        self.value_caches = [paddle.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
+        row = KV_ROW_FORMATS[dtype]
+        shape = [num_blocks, block_size, config.num_kv_heads, row.row_elements(config.head_dim)]
+        self.key_caches = [paddle.zeros(shape, dtype=row.paddle_dtype) for _ in range(config.num_layers)]
+        self.value_caches = [paddle.zeros(shape, dtype=row.paddle_dtype) for _ in range(config.num_layers)]
         self.num_bytes = num_blocks * block_bytes(config, block_size, dtype)

@@ -3,7 +3,7 @@ for the chosen kernels (and their CPU), and the weight format each tensor gets o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -12,6 +12,7 @@ from worker.layers.weight_format import GgufBlocks, WeightFormat
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8")  # fp8: vLLM's name of e4m3
 
 
 class PrecisionUnavailable(ValueError):
@@ -23,10 +24,12 @@ class Precision:
     dtype: str  # float32 | bfloat16 | float16 (GPU): the KV cache and every weight not quantized (sums are fp32)
     quantization: str  # none | int8 | gguf
     reason: str  # why this dtype, for the start-up log
+    kv_cache: str = ""  # BLOCKSERVE_KV_CACHE_DTYPE resolved, "" = dtype
 
     @property
     def kv_cache_dtype(self) -> str:
-        return self.dtype
+        """What the KV cache holds: float32, bfloat16, float16, int8 or fp8_e4m3 (attention/kv_rows.py)."""
+        return self.kv_cache or self.dtype
 
     def weight_format(self, weight: np.ndarray | GgufBlocks) -> WeightFormat:
         """The packed format of one weight matrix on the custom path."""
@@ -145,3 +148,33 @@ def _check_gpu_quantization(quantization: str) -> None:
             f"BLOCKSERVE_QUANTIZATION={quantization} is served by the custom CPU kernels only; on a GPU the "
             "weights are kept in BLOCKSERVE_DTYPE (set BLOCKSERVE_QUANTIZATION=none, or BLOCKSERVE_DEVICE=cpu)"
         )
+
+
+def resolve_kv_cache(
+    setting: str, precision: Precision, kernels: str, attention_problem: str | None = None
+) -> Precision:
+    """`precision` with BLOCKSERVE_KV_CACHE_DTYPE resolved: `auto` is the precision's dtype (as vLLM's auto is the
+    model's); another type than the dtype needs the custom CPU kernels' attention, whose every ISA path reads
+    float32, bfloat16, int8 and fp8_e4m3 caches (the pure-Paddle attention computes and caches in float32, the CUDA
+    kernels cache in the dtype)."""
+    if setting not in KV_CACHE_DTYPES:
+        raise ValueError(f"KV cache dtype {setting!r} not in {KV_CACHE_DTYPES}")
+    kv_cache = "fp8_e4m3" if setting == "fp8" else setting
+    if kv_cache in ("auto", precision.dtype):
+        return precision
+    if kernels != "custom" or attention_problem is not None:
+        served_by = (
+            f"the {kernels} kernels"
+            if attention_problem is None
+            else f"the pure-Paddle attention ({attention_problem})"
+        )
+        raise PrecisionUnavailable(
+            f"BLOCKSERVE_KV_CACHE_DTYPE={setting} is served by the custom CPU kernels' attention only; "
+            f"{served_by} cache in BLOCKSERVE_DTYPE ({precision.dtype}): set BLOCKSERVE_KV_CACHE_DTYPE=auto"
+        )
+    if kv_cache == "float16":
+        raise PrecisionUnavailable(
+            "BLOCKSERVE_KV_CACHE_DTYPE=float16 is served on a GPU only; the custom CPU kernels cache float32, "
+            "bfloat16, int8 or fp8_e4m3"
+        )
+    return replace(precision, kv_cache=kv_cache, reason=f"{precision.reason}; KV cache {kv_cache}")

@@ -1,0 +1,95 @@
+"""How a KV cache of each BLOCKSERVE_KV_CACHE_DTYPE holds one row (a token's kv head: head_dim values), and a NumPy
+reference of the 8-bit rows that the C++ kernels write and read (custom_ops/cpu/kv_types.h, kv_element.h).
+
+An 8-bit row is head_dim codes and then the row's scale, a bf16 in 2 more bytes: value = decoded code * scale. The
+scale is the row's largest magnitude over the code's largest (127 for int8, 448 for fp8 e4m3), rounded up to a
+bf16 so that no code overflows. A scale per row (per token and kv head) is finer than per block: a block's rows
+are written a token at a time, and a row's scale never changes once written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class KvRowFormat:
+    paddle_dtype: str  # the cache tensors' dtype
+    element_bytes: int
+    scale_elements: int  # elements after a row's head_dim values that hold its scale
+    top_code: float = 0.0  # the largest code's magnitude (8-bit rows)
+
+    def row_elements(self, head_dim: int) -> int:
+        return head_dim + self.scale_elements
+
+    def row_bytes(self, head_dim: int) -> int:
+        return self.row_elements(head_dim) * self.element_bytes
+
+
+KV_ROW_FORMATS = {
+    "float32": KvRowFormat("float32", 4, 0),
+    "bfloat16": KvRowFormat("bfloat16", 2, 0),
+    "float16": KvRowFormat("float16", 2, 0),
+    "int8": KvRowFormat("int8", 1, 2, 127.0),
+    "fp8_e4m3": KvRowFormat("uint8", 1, 2, 448.0),  # Paddle's CPU kernels take no float8 tensor (numel)
+}
+EIGHT_BIT = ("int8", "fp8_e4m3")
+
+
+def _bf16_at_least(x: np.ndarray) -> np.ndarray:
+    """The least bf16 >= x (finite, >= 0), as its 16 bits."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0xFFFF) >> 16).astype(np.uint16)
+
+
+def _bf16_value(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _e4m3_code(scaled: np.ndarray) -> np.ndarray:
+    """fp8 e4m3 codes of 2^120 * scaled (|2^120 * scaled| <= 448), rounded to nearest even: a code's 7 magnitude bits
+    are bits 20..26 of 2^-120 times its value as an fp32 (normal and subnormal codes alike)."""
+    scaled = np.asarray(scaled, dtype=np.float32).view(np.uint32)
+    magnitude = scaled & np.uint32(0x7FFFFFFF)
+    rounded = np.minimum((magnitude + np.uint32(0x7FFFF) + ((magnitude >> 20) & 1)) >> 20, 0x7E)
+    return (rounded | ((scaled >> 24) & 0x80)).astype(np.uint8)
+
+
+def e4m3_values(codes: np.ndarray) -> np.ndarray:
+    """The values of fp8 e4m3 codes (OCP "fn"; NaN codes are never written)."""
+    codes = np.asarray(codes, dtype=np.uint8).astype(np.uint32)
+    exponent, mantissa = (codes >> 3) & 0xF, (codes & 7).astype(np.float32)
+    magnitude = np.where(
+        exponent == 0, mantissa / 8 * 2.0**-6, (1 + mantissa / 8) * np.exp2(exponent.astype(np.float32) - 7)
+    )
+    return np.where(codes & 0x80, -magnitude, magnitude).astype(np.float32)
+
+
+def encode_rows(values: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
+    """Rows [..., head_dim] of float32 as an 8-bit cache holds them: uint8 [..., head_dim + 2]."""
+    fmt = KV_ROW_FORMATS[kv_cache_dtype]
+    values = np.asarray(values, dtype=np.float32)
+    largest = np.abs(values).max(axis=-1)
+    scale_bits = _bf16_at_least(largest / np.float32(fmt.top_code))
+    scale = _bf16_value(scale_bits)
+    with np.errstate(divide="ignore"):
+        to_code = np.where(scale > 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
+    if kv_cache_dtype == "int8":
+        codes = np.rint(np.clip(values * to_code[..., None], -127, 127)).astype(np.int8).view(np.uint8)
+    else:  # as the kernels compute it: one product by the factor times 2^-120
+        codes = _e4m3_code(values * (to_code * np.float32(2.0**-120))[..., None])
+    return np.concatenate([codes, scale_bits[..., None].view(np.uint8)], axis=-1)
+
+
+def decode_rows(rows: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
+    """float32 [..., head_dim] of 8-bit rows uint8 [..., head_dim + 2] (encode_rows' or a cache's bytes)."""
+    rows = np.ascontiguousarray(rows).view(np.uint8)
+    codes, scale_bytes = rows[..., :-2], np.ascontiguousarray(rows[..., -2:])
+    scale = _bf16_value(scale_bytes.view(np.uint16)[..., 0])
+    if kv_cache_dtype == "int8":
+        decoded = codes.view(np.int8).astype(np.float32)
+    else:
+        decoded = e4m3_values(codes)
+    return decoded * scale[..., None]

@@ -57,6 +57,7 @@ CONTEXT_LEN = 128
 DECODE_BATCHES = (1, 8, 32, 64)
 PREFILLS = ((1, 512), (4, 256))
 GREEDY = wire.SamplingParams(temperature=0.0, max_tokens=1 << 20)
+MODEL: str | None = None  # BLOCKSERVE_MODEL of the runs (--model); None: the default model (SmolLM2-135M)
 PRECISIONS = (
     "custom:float32:none",
     "custom:bfloat16:none",
@@ -225,8 +226,11 @@ class Subject:
 def subject_of(name: str, op_by_op: bool, sampling: wire.SamplingParams = GREEDY) -> Subject:
     kernels, dtype, quantization, *cap = name.split(":")
     cpu_isa = {"all": "auto"}.get(cap[0], cap[0]) if cap else "auto"  # BLOCKSERVE_CPU_ISA
+    model = {"model": MODEL} if MODEL else {}
     runner = ModelRunner(
-        load_settings(num_kv_blocks=1024, kernels=kernels, cpu_isa=cpu_isa, dtype=dtype, quantization=quantization)
+        load_settings(
+            num_kv_blocks=1024, kernels=kernels, cpu_isa=cpu_isa, dtype=dtype, quantization=quantization, **model
+        )
     )
     assert runner.kernels["kernels"] == kernels, runner.kernels
     if op_by_op and kernels == "custom":
@@ -345,7 +349,10 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="every request's (default 0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="every request's (default 1: none)")
     parser.add_argument("--top-k", type=int, default=0, help="every request's (default 0: none)")
+    parser.add_argument("--model", help="a GGUF file or Hugging Face folder (default: SmolLM2-135M)")
     args = parser.parse_args()
+    global MODEL
+    MODEL = args.model
     sampling = wire.SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=GREEDY.max_tokens
     )
@@ -363,7 +370,7 @@ def main() -> None:
     )
     reference = next((run for run in runs if run.name == "custom:float32:none"), runs[0])
     print(
-        f"\nSmolLM2-135M on {cpu_name()}, Paddle {paddle.__version__}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
+        f"\n{MODEL or 'SmolLM2-135M'} on {cpu_name()}, Paddle {paddle.__version__}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
         + "".join(f"{name}={os.environ[name]}, " for name in THREAD_VARIABLES if name in os.environ)
         + "kernels of the first run: "
         + " ".join(

@@ -178,11 +178,13 @@ def gguf_files(tmp_path_factory, hf_smollm_tokenizer, smollm_path) -> dict[str, 
     return found
 
 
-@pytest.mark.parametrize("kernels_name", ["custom", "paddle"])
 @pytest.mark.parametrize("name", list(GGUF_FAMILY_MODELS))
-def test_a_gguf_file_of_the_family_matches_transformers_on_its_folder(gguf_files, name, kernels_name):
+def test_a_gguf_file_of_the_family_matches_transformers_on_its_folder(gguf_files, name):
+    """On the custom kernels: a GGUF file loads into the same layers for either kernels, whose arithmetic the
+    folder tests above hold to transformers on both (the pure-Paddle variant doubled this test's time in CI)."""
     from transformers import AutoModelForCausalLM
 
+    kernels_name = "custom"
     path, folder = gguf_files[name]
     settings = load_settings(model=path, num_kv_blocks=NUM_KV_BLOCKS, kernels=kernels_name, dtype="float32")
     runner = ModelRunner(settings)

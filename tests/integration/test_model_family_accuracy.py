@@ -9,8 +9,8 @@ trained SmolLM2 (test_worker_accuracy.py). The agreement is printed. So too a ra
 Mixtral (8 experts, 2 renormalised, every layer) bfloat16's rounding changes a choice of 3.5-7% of the tokens in
 layers 1-3 (0 in layer 0), each a jump in the layer's output, and its KL (0.03 in bfloat16, 0.16 with int8) measures
 those flips more than the kernels (transformers' own bfloat16 is as far from its float32 on this model: KL 0.023, and
-0.001 on the tiny Qwen3-MoE and Mistral): it is not held to the thresholds (the experts' op is held to NumPy in every
-format in test_custom_moe.py)."""
+0.001 on the tiny Qwen3-MoE and Mistral): it is held to looser bounds of its own (ROUTING_FLIPS), not the README's
+(the experts' op is held to NumPy in every format in test_custom_moe.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ from worker.model_runner import ModelRunner
 
 PADDLE_ATTENTION = {"mistral", "gemma2", "gemma3"}
 GEMMA_TINY_SCALE = {"gemma2", "gemma3"}
-ROUTING_FLIPS = {"mixtral"}  # see above
+# see above: a looser bound per quantization for a router whose choices flip under rounding (measured 0.033 and 0.157)
+ROUTING_FLIPS = {"mixtral": {"none": 0.05, "int8": 0.25}}
 
 
 @pytest.fixture(scope="module", params=FAMILY_MODELS)
@@ -57,6 +58,6 @@ def test_the_family_stays_within_the_documented_distance_from_float32(family_fol
     accuracy = reference.accuracy_of(runner)
 
     print(f"{name} {dtype}:{runner.kernels['quantization']}: {accuracy}")
-    if name in ROUTING_FLIPS and accuracy.mean_kl_nats > max_kl:
-        pytest.xfail(f"a random router's near-ties flip under rounding: KL {accuracy.mean_kl_nats:.3f} > {max_kl}")
+    if name in ROUTING_FLIPS:
+        max_kl = ROUTING_FLIPS[name][runner.kernels["quantization"]]
     assert accuracy.mean_kl_nats <= max_kl

@@ -1,4 +1,4 @@
-"""benchmarks/bench_worker.py runs (one short case): the figures the README and closing notes quote come
+"""benchmarks/bench_worker.py runs (one short case, on a tiny random model of Llama's layers): the figures the README and closing notes quote come
 from it, so it must not rot; its ISA cap reaches the worker."""
 
 from __future__ import annotations
@@ -12,12 +12,24 @@ import pytest
 
 from service.contract import wire
 from tests.support.processes import ROOT
+from tests.support.tiny_families import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, hf_smollm_tokenizer) -> str:
+    """A 2-layer random model of Llama's layers (ERNIE 4.5's: the fused decoder stack runs it, as it runs SmolLM2):
+    the harness is what these tests check, and SmolLM2's 30 layers took ~5 minutes of CI."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_model("ernie4_5", folder, hf_smollm_tokenizer, num_hidden_layers=2)
+    return str(folder)
 
 
 @pytest.fixture
-def bench_worker(monkeypatch):
+def bench_worker(monkeypatch, tiny_llama):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_worker
+
+    monkeypatch.setattr(bench_worker, "MODEL", tiny_llama)
 
     monkeypatch.setattr(bench_worker, "DECODE_BATCHES", (1, 2))
     monkeypatch.setattr(bench_worker, "PREFILLS", ((1, 20),))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from starlette.requests import Request
 
@@ -64,10 +64,14 @@ def test_two_backlogged_tenants_of_weights_1_and_2_receive_service_1_to_2(overla
     prompt_lens=st.lists(st.integers(1, 24), min_size=4, max_size=4),
     output_lens=st.lists(st.integers(1, 24), min_size=4, max_size=4),
 )
+@example(weights=[2.0, 3.0], prompt_lens=[24, 1, 1, 1], output_lens=[24, 24, 24, 24])
 def test_the_counters_of_backlogged_tenants_stay_within_a_bound_of_each_other(weights, prompt_lens, output_lens):
     """VTC's guarantee: while tenants are backlogged, their counters (weighted service / weight) differ by a
     bound that does not grow with time, however their requests are shaped: about a prompt and the output
-    the running requests add before seats turn over."""
+    the running requests add before seats turn over. Each tenant keeps a seat's worth of requests queued for every
+    seat: a tenant with fewer queued than its share of the seats that free at once is not backlogged then (the seats
+    it cannot fill go to the others, and with equal outputs they all free at once every time: the gap grew without
+    bound with 3 queued of 6 seats, weights 2 and 3)."""
     cfg = config()
     harness = Harness(cfg)
     tenants = [f"t{i}" for i in range(len(weights))]
@@ -75,7 +79,9 @@ def test_the_counters_of_backlogged_tenants_stay_within_a_bound_of_each_other(we
     bound = 2 * (PROMPT_COST * max(prompt_lens) + cfg.max_num_seqs * OUTPUT_COST * max(output_lens)) / min(weights)
     for step in range(150):
         for index, (tenant, weight) in enumerate(zip(tenants, weights)):
-            keep_backlogged(harness, tenant, weight, 3, prompt_lens[index % 4], output_lens[(index + step) % 4])
+            keep_backlogged(
+                harness, tenant, weight, cfg.max_num_seqs, prompt_lens[index % 4], output_lens[(index + step) % 4]
+            )
         harness.step()
         assert harness.scheduler.fair_share.spread() <= bound
 

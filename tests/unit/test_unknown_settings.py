@@ -36,14 +36,14 @@ def warnings_of(caplog) -> list[str]:
 
 def test_a_misspelt_variable_gets_one_warning_naming_it_and_the_closest_setting(environment, caplog):
     environment.setenv("BLOCKSERVE_MAX_NUM_SEQ", "4")
-    environment.setenv("BLOCKSERVE_KV_CACHE_DTYPE", "fp8_e4m3")
+    environment.setenv("BLOCKSERVE_KV_CACHE_DTYPES", "fp8_e4m3")
     caplog.set_level(logging.WARNING)
 
     unknown = check_setting_names(load_settings())
 
-    assert sorted(unknown) == ["BLOCKSERVE_KV_CACHE_DTYPE", "BLOCKSERVE_MAX_NUM_SEQ"]
+    assert sorted(unknown) == ["BLOCKSERVE_KV_CACHE_DTYPES", "BLOCKSERVE_MAX_NUM_SEQ"]
     assert warnings_of(caplog) == [
-        "BLOCKSERVE_KV_CACHE_DTYPE names no setting (the closest is KV_CACHE_RATIO); ignored",
+        "BLOCKSERVE_KV_CACHE_DTYPES names no setting (the closest is BLOCKSERVE_KV_CACHE_DTYPE); ignored",
         "BLOCKSERVE_MAX_NUM_SEQ names no setting (the closest is BLOCKSERVE_MAX_NUM_SEQS); ignored",
     ]
 

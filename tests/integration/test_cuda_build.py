@@ -97,9 +97,10 @@ def test_gpu_ops_have_the_cpu_ops_names_and_signatures():
     assert {name: cpu[name] for name in shared} == {name: gpu[name] for name in shared}
     # Linear layers are Paddle's matmul on a GPU, a decoder layer runs op by op there, and sampling takes
     # Paddle's CUDA argmax and draw (only their CPU kernels are single-threaded); a grammar's mask is Paddle's
-    # `where` there (the CUDA kernels' mask_rows).
+    # `where` there (the CUDA kernels' mask_rows); a mixture of experts' experts are Paddle's loop there.
     cpu_only = {
         "bs_mask_rows",
+        "bs_moe_experts",
         "bs_linear_pack",
         "bs_linear_pack_int8",
         "bs_linear_pack_gguf",

@@ -362,8 +362,8 @@ def test_misspelt_or_chart_managed_settings_are_refused():
 
 
 def test_a_config_key_that_names_no_setting_fails_rendering_naming_it():
-    with pytest.raises(HelmError, match="'BLOCKSERVE_KV_CACHE_DTYPE' not allowed"):
-        helm_template("--set", "config.BLOCKSERVE_KV_CACHE_DTYPE=fp8_e4m3")
+    with pytest.raises(HelmError, match="'BLOCKSERVE_KV_CACHE_DTYPES' not allowed"):
+        helm_template("--set", "config.BLOCKSERVE_KV_CACHE_DTYPES=fp8_e4m3")
     assert find(helm_template(), "ConfigMap", "-config")["data"]["BLOCKSERVE_STRICT_SETTINGS"] == "false"
 
 

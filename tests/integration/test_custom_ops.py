@@ -283,6 +283,23 @@ def test_rope_cache_write_and_paged_attention_match_the_paddle_backend(
         np.testing.assert_array_equal(turned, ~at_start, err_msg=name)
 
 
+def write_float_caches(custom, qkv, metadata, rotary, float_caches, num_heads: int, num_kv_heads: int):
+    """The step's rotated query, its keys and values written into float32 caches by the op: what the attention
+    over a cache of another element type is held to."""
+    query, _, _ = custom.ops.bs_rope_write_kv(
+        tensor(qkv),
+        metadata.positions,
+        rotary.cos,
+        rotary.sin,
+        metadata.slot_mapping,
+        *float_caches,
+        num_heads,
+        num_kv_heads,
+        custom.isa.bits,
+    )
+    return query
+
+
 @pytest.mark.parametrize("step", DECODE_AND_MIXED_STEPS)
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (8, 2, 32, 5), (4, 4, 16, 4), (8, 4, 32, 8)]
@@ -309,17 +326,7 @@ def test_a_bfloat16_cache_holds_the_rounded_keys_and_attention_reads_them_as_flo
 
     for bf16_cache, float_cache in zip(bf16_caches, float_caches):  # the same values, rounded
         np.testing.assert_array_equal(bf16_cache.astype("float32").numpy(), bf16_rounded(float_cache.numpy()))
-    query, _, _ = custom.ops.bs_rope_write_kv(
-        tensor(qkv),
-        metadata.positions,
-        rotary.cos,
-        rotary.sin,
-        metadata.slot_mapping,
-        *float_caches,
-        num_heads,
-        num_kv_heads,
-        custom.isa.bits,
-    )
+    query = write_float_caches(custom, qkv, metadata, rotary, float_caches, num_heads, num_kv_heads)
     widened = [bf16_cache.astype("float32") for bf16_cache in bf16_caches]
     backend = PagedAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
     if not (custom.isa.bf16 and head_dim % 32 == 0):
@@ -549,17 +556,7 @@ def test_an_8bit_cache_holds_the_reference_encoding_of_each_row_and_attention_re
 
     output = attention.attend_qkv(tensor(qkv), *caches, metadata).numpy()
 
-    query, _, _ = custom.ops.bs_rope_write_kv(
-        tensor(qkv),
-        metadata.positions,
-        rotary.cos,
-        rotary.sin,
-        metadata.slot_mapping,
-        *float_caches,
-        num_heads,
-        num_kv_heads,
-        custom.isa.bits,
-    )
+    query = write_float_caches(custom, qkv, metadata, rotary, float_caches, num_heads, num_kv_heads)
     written = inputs.slot_mapping
     unwritten = np.setdiff1d(np.arange(num_blocks * block_size), written)
     for cache, float_cache, old in zip(caches, float_caches, before):

@@ -16,7 +16,8 @@ from worker.inputs.model_inputs import ModelInputs
 from worker.inputs.step_inputs import RequestState, StepError, StepInputs, build_step_inputs, fill_pending_tokens
 from worker.layers.row_gather import take_rows
 from worker.sample.grammar import GrammarMatchers, GrammarRefused
-from worker.sample.token_mask import TokenMask
+from worker.sample.sampler import GREEDY_TEMPERATURE, plain_greedy
+from worker.sample.token_mask import TokenMask, masked_argmax
 from worker.startup import assemble_worker
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,9 @@ class LaunchedStep:
     logits: paddle.Tensor | None = None  # None: nothing to sample
     error: str | None = None
     model_inputs: ModelInputs | None = None
-    mask: TokenMask | None = None  # the grammar masks of its constrained sampling rows
+    mask: TokenMask | None = None  # the grammar masks of the constrained sampling rows masked before the draw
     mask_s: float = 0.0  # filling them
+    checked_rows: list[int] = field(default_factory=list)  # constrained greedy rows drawn first, checked after
 
 
 class ModelRunner:
@@ -109,9 +111,12 @@ class ModelRunner:
             self.clock.launched()
             # The masks fill while the device computes (on a GPU these kernels are only queued).
             started = time.perf_counter()
-            mask = self._grammar_mask(inputs.sampling_requests)
+            checked_rows = self._checked_after(inputs.sampling_requests)
+            mask = self._grammar_mask(inputs.sampling_requests, skip=set(checked_rows))
             mask_s = time.perf_counter() - started if mask is not None else 0.0
-            return LaunchedStep(prepared, logits, model_inputs=model_inputs, mask=mask, mask_s=mask_s)
+            return LaunchedStep(
+                prepared, logits, model_inputs=model_inputs, mask=mask, mask_s=mask_s, checked_rows=checked_rows
+            )
         except Exception as exc:
             log.exception("step %d failed", prepared.step.step_id)
             return LaunchedStep(prepared, error=f"{type(exc).__name__}: {exc}")
@@ -129,19 +134,22 @@ class ModelRunner:
                 self.step_inputs.record(launched.model_inputs, draw.tokens)
                 sampled = draw.fetch()  # waits for the device: the step's one copy to the host
                 self.clock.finished()
+                started = time.perf_counter()
+                if launched.checked_rows:
+                    self._redraw_refused(launched.logits, sampling, launched.checked_rows, sampled)
                 for state, token in zip(sampling, sampled):
                     state.token_ids.append(token.token_id)
-                if mask is not None:
-                    started = time.perf_counter()
-                    for row in mask.rows:
-                        self.grammars.advance(sampling[row].matcher, sampled[row].token_id, sampled[row].request_id)
+                constrained = sorted([*launched.checked_rows, *([] if mask is None else mask.rows)])
+                for row in constrained:
+                    self.grammars.advance(sampling[row].matcher, sampled[row].token_id, sampled[row].request_id)
+                if constrained:
                     mask_s += time.perf_counter() - started
                 return wire.StepResult(
                     step_id=step_id,
                     sampled=sampled,
                     refused=self._refusals(prepared.step),
                     grammar_mask_s=mask_s,
-                    num_constrained=0 if mask is None else len(mask.rows),
+                    num_constrained=len(constrained),
                 )
         except Exception as exc:
             log.exception("step %d failed", step_id)
@@ -153,9 +161,49 @@ class ModelRunner:
             return wire.StepResult(step_id=step_id, error=error)
         return wire.StepResult(step_id=step_id, refused=self._refusals(prepared.step))
 
-    def _grammar_mask(self, sampling: list[RequestState]) -> TokenMask | None:
-        """The masks of the constrained rows among `sampling`, or None where no row is constrained."""
-        rows = [row for row, state in enumerate(sampling) if state.matcher is not None]
+    def _checked_after(self, sampling: list[RequestState]) -> list[int]:
+        """The constrained greedy rows that draw before their grammar is asked (sample/grammar.py): all of them
+        where the next inputs are built on the host (a token refused is drawn again before they are), none where
+        the drawn tokens feed the next step on the device."""
+        if not self.step_inputs.tokens_on_host:
+            return []
+        return [
+            row
+            for row, state in enumerate(sampling)
+            if state.matcher is not None and state.sampling.temperature < GREEDY_TEMPERATURE
+        ]
+
+    def _redraw_refused(
+        self, logits: paddle.Tensor, sampling: list[RequestState], rows: list[int], sampled: list[wire.SampledToken]
+    ) -> None:
+        """Each of `rows` (greedy, drawn without their masks) whose token its grammar refuses draws again under
+        its mask: the argmax of the allowed tokens, in place in `sampled`. On a CPU a row that asks for nothing
+        else (plain_greedy) takes it from the logits in place (NumPy over DLPack: no copy, no op); others draw
+        again through the sampler, on their rows alone."""
+        refused = [row for row in rows if not self.grammars.accepts(sampling[row].matcher, sampled[row].token_id)]
+        if not refused:
+            return
+        bitmask = self.grammars.fill([sampling[row].matcher for row in refused])
+        on_host = logits.place.is_cpu_place()
+        by_argmax = [i for i, row in enumerate(refused) if on_host and plain_greedy(sampling[row].sampling)]
+        if by_argmax:
+            host_logits = np.from_dlpack(logits)
+            tokens = masked_argmax(host_logits[[refused[i] for i in by_argmax]], bitmask[by_argmax])
+            for i, token_id in zip(by_argmax, tokens):
+                sampled[refused[i]] = wire.SampledToken(sampled[refused[i]].request_id, int(token_id))
+        if by_draw := [i for i in range(len(refused)) if i not in set(by_argmax)]:
+            draw_rows = [refused[i] for i in by_draw]
+            redrawn = self.sampler.draw(
+                take_rows(logits, paddle.to_tensor(draw_rows, dtype="int64")),
+                [sampling[row] for row in draw_rows],
+                TokenMask(np.arange(len(by_draw)), bitmask[by_draw]),
+            ).fetch()
+            for row, token in zip(draw_rows, redrawn):
+                sampled[row] = token
+
+    def _grammar_mask(self, sampling: list[RequestState], skip: set[int]) -> TokenMask | None:
+        """The masks of the constrained rows among `sampling` but those in `skip`, or None where there are none."""
+        rows = [row for row, state in enumerate(sampling) if state.matcher is not None and row not in skip]
         if not rows:
             return None
         bitmask = self.grammars.fill([sampling[row].matcher for row in rows])

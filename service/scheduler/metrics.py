@@ -292,8 +292,8 @@ class SchedulerMetrics:
         self.batch_tokens = histogram("blockserve_batch_tokens", "Tokens computed in one step.", BATCH_TOKEN_BUCKETS)
         self.grammar_mask = histogram(
             "blockserve_grammar_mask_seconds",
-            "Worker time per step with grammar-constrained rows spent on their masks: filling, applying, advancing "
-            "the matchers (its share of a step: against blockserve_worker_compute_seconds).",
+            "Worker time per step with grammar-constrained rows spent on their masks: filling, applying, checking "
+            "a greedy row's token after its draw and drawing again where refused, advancing the matchers (its share of a step: against blockserve_worker_compute_seconds).",
             STEP_BUCKETS_S,
         )
         self.worker_compute = histogram(

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from service.api.constraints import Constraint, canonical_json
 from service.contract import wire
 from service.contract.config import load_settings
+from tests.support.grammar_walk import check_accepts_against_masks
 from tests.support.model_engine import LocalEngine
 from worker.model_runner import ModelRunner
 
@@ -94,3 +95,61 @@ def test_a_prefix_cache_hit_changes_nothing_of_a_constrained_output(runner):
     assert engine.run()["again"] == first
     assert engine.finished["again"].num_cached_tokens >= 32
     valid_until_eos(runner, first)
+
+
+def greedy_constrained(**fields) -> wire.SamplingParams:
+    grammar = Constraint("json_schema", "test", canonical_json(SCHEMA)).grammar()
+    return wire.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, grammar=grammar, **fields)
+
+
+def run_batch(runner: ModelRunner, tokens_on_host: bool) -> dict[str, list[int]]:
+    """A batch of greedy constrained requests (plain; asking logprobs; with a logit_bias toward a token the grammar
+    refuses until the JSON is complete) beside a sampled constrained one and a free one: their tokens.
+    `tokens_on_host` False masks every constrained row before its draw, as on a GPU."""
+    runner.step_inputs.tokens_on_host = tokens_on_host
+    refused_first = runner.model_info.eos_token_ids[0]  # the grammar refuses EOS before the JSON is complete
+    try:
+        engine = LocalEngine(runner, max_num_batched_tokens=64)
+        engine.add("plain", PROMPT_IDS, greedy_constrained())
+        engine.add("logprobs", PROMPT_IDS[2:], greedy_constrained(logprobs=2))
+        engine.add("biased", PROMPT_IDS[1:], greedy_constrained(logit_bias={refused_first: 100.0}))
+        engine.add("sampled", PROMPT_IDS[3:], constrained(seed=4))
+        engine.add("free", PROMPT_IDS[:7], wire.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+        return engine.run()
+    finally:
+        del runner.step_inputs.tokens_on_host  # back to the class's
+
+
+def test_greedy_rows_checked_after_their_draw_give_the_masked_draws_tokens(runner, monkeypatch):
+    """On a CPU a greedy constrained row draws first and asks its grammar after, drawing again under its mask
+    only where refused: the tokens are the ones a draw under the mask gives, on the argmax path and the sampler's."""
+    import worker.model_runner as model_runner
+
+    redrawn: list[list[int]] = []
+    redraw = model_runner.ModelRunner._redraw_refused
+
+    def counted(self, logits, sampling, rows, sampled):
+        before = [sampled[row].token_id for row in rows]
+        redraw(self, logits, sampling, rows, sampled)
+        redrawn.append([row for row, token in zip(rows, before) if sampled[row].token_id != token])
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_redraw_refused", counted)
+    checked_after = run_batch(runner, tokens_on_host=True)
+    assert sum(map(len, redrawn)) > 0, "some greedy row drew a token its grammar refused, and drew again"
+    num_checked_steps = len(redrawn)
+    masked_first = run_batch(runner, tokens_on_host=False)
+    assert len(redrawn) == num_checked_steps, "masked before the draw, no row is checked after"
+    assert checked_after == masked_first
+    for request_id in ("plain", "logprobs", "biased", "sampled"):
+        valid_until_eos(runner, checked_after[request_id])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_check_after_a_draw_answers_as_the_mask_on_smollm2s_tokenizer(runner, seed):
+    """BPE merges make forced text spellable in several ways; the mask allows one, and so must the check."""
+    grammars = [
+        Constraint("json_schema", "test", canonical_json(SCHEMA)).grammar(),
+        Constraint("regex", "test", r"(19|20)[0-9]{2}-[a-z]{3,8}\.json").grammar(),
+    ]
+    for grammar in grammars:
+        assert check_accepts_against_masks(runner.grammars, grammar, seed) > 0

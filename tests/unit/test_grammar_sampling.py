@@ -12,6 +12,7 @@ import pytest
 
 from service.api.constraints import Constraint, canonical_json
 from service.contract import wire
+from tests.support.grammar_walk import check_accepts_against_masks
 from tests.support.tiny_model import EOS_TOKEN_ID, tiny_model_info, tiny_tokenizer
 from worker.inputs.step_inputs import RequestState
 from worker.sample.grammar import GrammarMatchers, GrammarRefused
@@ -145,3 +146,17 @@ def test_templates_are_kept_up_to_their_number():
     for width in range(1, 6):
         bounded.start(grammar("regex", f"[0-9]{{{width}}}"), [])
     assert len(bounded._templates) == 2
+
+
+@pytest.mark.parametrize(
+    "kind, text",
+    [
+        ("json_schema", canonical_json(SCHEMA)),
+        ("regex", "[0-9]{2}-(ab|abc)x?"),
+        ("choice", json.dumps(["red", "green", "greenish"])),
+        ("grammar", 'start: "a" item+ "!"\nitem: "b" | "cd"'),
+    ],
+)
+def test_a_greedy_rows_check_after_its_draw_answers_as_its_mask(matchers, kind, text):
+    for seed in range(3):
+        assert check_accepts_against_masks(matchers, grammar(kind, text), seed) > 0

@@ -17,6 +17,8 @@ from worker.inputs.step_inputs import RequestState, StepError, StepInputs
 
 
 class DeviceInputs:
+    tokens_on_host = False  # the next step's decode inputs are the drawn tokens where they are, on the device
+
     def __init__(self, ops: ModuleType, block_size: int, num_slots: int, max_blocks_per_slot: int):
         self.ops = ops
         self.block_size = block_size

@@ -37,6 +37,10 @@ class ModelInputs:
 
 
 class HostInputs:
+    # The next step's inputs are built from the requests' host tokens: a token may change after its draw (the
+    # constrained greedy rows that sample/grammar.py checks after).
+    tokens_on_host = True
+
     def __init__(self, attention):
         self.attention = attention
 

@@ -7,6 +7,15 @@ tokens are without anything kept across the preemption. Each step the worker fil
 rows in one call (llguidance's executor, on several threads, without the GIL) and, once the step's tokens are
 drawn, advances each matcher by its token.
 
+A greedy row on a CPU draws first and asks after (`accepts`): its token is the argmax of its logits, which is
+the masked argmax wherever the grammar allows it (82% of the rows of benchmarks/bench_structured_outputs.py's
+schema on SmolLM2, greedy); only the rows whose token the grammar refuses fill a mask and draw again
+(model_runner.py), as llama.cpp's sampler does. On a GPU the drawn tokens feed the next step where they are, so
+every constrained row is masked before its draw, its mask filled while the forward computes. `accepts` answers as the
+mask would, from llguidance's forced tokens, its check of one token (validate_tokens) and, for EOS, whether the
+grammar accepts here: in ~5 µs a row, against ~75 µs for a mask. tests/unit/test_grammar_sampling.py holds it to
+the masks over random walks through several grammars.
+
 The mask allows EOS only where the grammar accepts; where the grammar is complete it allows EOS alone, so the
 output ends there with finish_reason stop.
 """
@@ -38,6 +47,7 @@ class GrammarMatchers:
         self.vocab_size = model_info.vocab_size
         self.num_words = (model_info.vocab_size + 31) // 32
         self._eos_token_ids = list(model_info.eos_token_ids)
+        self._eos = frozenset(self._eos_token_ids)
         self._max_templates = max_templates
         self._templates: OrderedDict[str, LLMatcher] = OrderedDict()
         self._executor = LLExecutor()
@@ -87,6 +97,20 @@ class GrammarMatchers:
             for eos in self._eos_token_ids:
                 words[row, eos // 32] |= np.uint32(1 << (eos % 32))
         return bitmask
+
+    def accepts(self, matcher: LLMatcher, token_id: int) -> bool:
+        """Whether the mask would allow `token_id` next: EOS where the grammar accepts; where the grammar forces
+        the next bytes, only the first token of their tokenization (llguidance's mask allows no other spelling of
+        them, though its grammar would); otherwise a token the grammar takes from here (validate_tokens)."""
+        if matcher.is_error():
+            return False
+        if token_id in self._eos:
+            return matcher.is_accepting()
+        if matcher.is_stopped():
+            return False
+        if forced := matcher.compute_ff_tokens():
+            return token_id == forced[0]
+        return matcher.validate_tokens([token_id]) == 1
 
     @staticmethod
     def advance(matcher: LLMatcher, token_id: int, request_id: str) -> None:

@@ -97,7 +97,7 @@ class Sampler:
         """The draw of every row; `mask` forbids tokens to the rows it names (a grammar's)."""
         logits = logits if logits.dtype == paddle.float32 else logits.astype("float32")
         params = [r.sampling for r in requests]
-        if mask is None and all(_plain_greedy(p) for p in params):  # what the path below draws, without its arrays
+        if mask is None and all(plain_greedy(p) for p in params):  # what the path below draws, without its arrays
             tokens = self._argmax(logits)
             return Draw(requests, tokens, tokens, _NO_ROWS, 0)
         greedy = np.array([p.temperature < GREEDY_TEMPERATURE for p in params])
@@ -136,7 +136,7 @@ class Sampler:
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
-def _plain_greedy(params: wire.SamplingParams) -> bool:
+def plain_greedy(params: wire.SamplingParams) -> bool:
     """Greedy, and nothing changes the raw logits' argmax or asks for more: no penalty, logit_bias or logprobs.
     A batch of only these (a benchmark's, a greedy client's) takes the argmax alone: at one sequence the general
     path's small arrays and ops cost ~0.1-0.2 ms of a few-millisecond step."""

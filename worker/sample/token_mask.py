@@ -37,3 +37,14 @@ def mask_rows(logits: paddle.Tensor, mask: TokenMask) -> paddle.Tensor:
         every_row[mask.rows] = allowed
         allowed = every_row
     return paddle.where(paddle.to_tensor(allowed), logits, paddle.full_like(logits, -np.inf))
+
+
+def masked_argmax(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+    """int64 [rows]: each row's allowed token (under its packed mask) of the largest logit, the first of equals.
+    A host path, for the few rows the worker draws again (model_runner.py's greedy rows checked after); it reads
+    only the allowed logits, mostly a few of a grammar's row."""
+    tokens = np.empty(len(logits), dtype=np.int64)
+    for row, allowed in enumerate(allowed_tokens(bitmask, logits.shape[1])):
+        allowed_ids = np.flatnonzero(allowed)
+        tokens[row] = allowed_ids[np.argmax(logits[row, allowed_ids])] if len(allowed_ids) else -1
+    return tokens

@@ -52,5 +52,5 @@ class CudaKernels(CustomKernels):
         return paddle_draw.sample_rows(logits, params)
 
     def mask_rows(self, logits, mask):
-        """Paddle's where over the unpacked bits (bs_mask_rows is a CPU op only)."""
+        """Paddle's where over the bits unpacked on the GPU from their packed words (bs_mask_rows is a CPU op only)."""
         return token_mask.mask_rows(logits, mask)

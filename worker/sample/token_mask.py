@@ -28,15 +28,21 @@ def allowed_tokens(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
 
 
 def mask_rows(logits: paddle.Tensor, mask: TokenMask) -> paddle.Tensor:
-    """Logits [rows, vocab] with each masked row's forbidden tokens at -inf, in Paddle ops: the reference of the
-    custom CPU op bs_mask_rows, and the path of the other kernels."""
+    """Logits [rows, vocab] with each masked row's forbidden tokens at -inf, in Paddle ops on the logits' device: the
+    reference of the custom CPU op bs_mask_rows, and the path of the other kernels. The bits travel packed (a row of
+    an unmasked request all ones), 32 tokens to an int32 word, and are unpacked where the logits are."""
     num_rows, vocab_size = logits.shape
-    allowed = allowed_tokens(mask.bitmask, vocab_size)
-    if len(mask.rows) < num_rows:
-        every_row = np.ones((num_rows, vocab_size), dtype=bool)
-        every_row[mask.rows] = allowed
-        allowed = every_row
-    return paddle.where(paddle.to_tensor(allowed), logits, paddle.full_like(logits, -np.inf))
+    words = np.full((num_rows, mask.bitmask.shape[1]), -1, dtype=np.int32)
+    words[mask.rows] = mask.bitmask
+    allowed = unpacked_bits(paddle.to_tensor(words, place=logits.place), vocab_size)
+    return paddle.where(allowed, logits, paddle.full_like(logits, -np.inf))
+
+
+def unpacked_bits(words: paddle.Tensor, width: int) -> paddle.Tensor:
+    """bool [rows, width] from int32 words [rows, words] (bit j of word w is column 32 w + j), in Paddle ops."""
+    shifts = paddle.arange(32, dtype="int32").to(words.place)
+    bits = paddle.bitwise_and(paddle.bitwise_right_shift(words.unsqueeze(-1), shifts), paddle.ones([1], dtype="int32"))
+    return bits.reshape([words.shape[0], -1])[:, :width].astype("bool")
 
 
 def masked_argmax(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:

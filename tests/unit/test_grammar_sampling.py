@@ -17,7 +17,7 @@ from tests.support.tiny_model import EOS_TOKEN_ID, tiny_model_info, tiny_tokeniz
 from worker.inputs.step_inputs import RequestState
 from worker.sample.grammar import GrammarMatchers, GrammarRefused
 from worker.sample.sampler import Sampler
-from worker.sample.token_mask import TokenMask, allowed_tokens
+from worker.sample.token_mask import TokenMask, allowed_tokens, unpacked_bits
 
 SCHEMA = {
     "type": "object",
@@ -160,3 +160,11 @@ def test_templates_are_kept_up_to_their_number():
 def test_a_greedy_rows_check_after_its_draw_answers_as_its_mask(matchers, kind, text):
     for seed in range(3):
         assert check_accepts_against_masks(matchers, grammar(kind, text), seed) > 0
+
+
+@pytest.mark.parametrize("width", [1, 31, 32, 33, 100])
+def test_bits_unpacked_in_paddle_ops_are_the_numpy_reference(width):
+    """The GPU's unpack of a mask (token_mask.unpacked_bits), run here in Paddle's CPU ops."""
+    words = np.random.default_rng(width).integers(-(2**31), 2**31, size=(3, (width + 31) // 32)).astype(np.int32)
+    unpacked = unpacked_bits(paddle.to_tensor(words), width).numpy()
+    np.testing.assert_array_equal(unpacked, allowed_tokens(words, width))

@@ -15,7 +15,7 @@ from service.contract.limits import sampling_problem
 from worker.inputs.model_inputs import ModelInputs
 from worker.inputs.step_inputs import RequestState, StepError, StepInputs, build_step_inputs, fill_pending_tokens
 from worker.layers.row_gather import take_rows
-from worker.sample.grammar import GrammarMatchers, GrammarRefused
+from worker.sample.grammar import GrammarMatchers, GrammarRefused, PendingMatcher
 from worker.sample.sampler import GREEDY_TEMPERATURE, plain_greedy
 from worker.sample.token_mask import TokenMask, masked_argmax
 from worker.startup import assemble_worker
@@ -43,6 +43,7 @@ class LaunchedStep:
     mask: TokenMask | None = None  # the grammar masks of the constrained sampling rows masked before the draw
     mask_s: float = 0.0  # filling them
     checked_rows: list[int] = field(default_factory=list)  # constrained greedy rows drawn first, checked after
+    refused_rows: set[int] = field(default_factory=set)  # rows whose grammar was refused once built: no token
 
 
 class ModelRunner:
@@ -111,11 +112,18 @@ class ModelRunner:
             self.clock.launched()
             # The masks fill while the device computes (on a GPU these kernels are only queued).
             started = time.perf_counter()
+            refused_rows = self._resolve_matchers(inputs.sampling_requests)
             checked_rows = self._checked_after(inputs.sampling_requests)
             mask = self._grammar_mask(inputs.sampling_requests, skip=set(checked_rows))
             mask_s = time.perf_counter() - started if mask is not None else 0.0
             return LaunchedStep(
-                prepared, logits, model_inputs=model_inputs, mask=mask, mask_s=mask_s, checked_rows=checked_rows
+                prepared,
+                logits,
+                model_inputs=model_inputs,
+                mask=mask,
+                mask_s=mask_s,
+                checked_rows=checked_rows,
+                refused_rows=refused_rows,
             )
         except Exception as exc:
             log.exception("step %d failed", prepared.step.step_id)
@@ -137,8 +145,10 @@ class ModelRunner:
                 started = time.perf_counter()
                 if launched.checked_rows:
                     self._redraw_refused(launched.logits, sampling, launched.checked_rows, sampled)
-                for state, token in zip(sampling, sampled):
-                    state.token_ids.append(token.token_id)
+                # A row whose grammar was refused drew, but its request ends, refused, without the token.
+                kept = [row for row in range(len(sampling)) if row not in launched.refused_rows]
+                for row in kept:
+                    sampling[row].token_ids.append(sampled[row].token_id)
                 constrained = sorted([*launched.checked_rows, *([] if mask is None else mask.rows)])
                 for row in constrained:
                     self.grammars.advance(sampling[row].matcher, sampled[row].token_id, sampled[row].request_id)
@@ -146,7 +156,7 @@ class ModelRunner:
                     mask_s += time.perf_counter() - started
                 return wire.StepResult(
                     step_id=step_id,
-                    sampled=sampled,
+                    sampled=[sampled[row] for row in kept],
                     refused=self._refusals(prepared.step),
                     grammar_mask_s=mask_s,
                     num_constrained=len(constrained),
@@ -160,6 +170,22 @@ class ModelRunner:
         if error:
             return wire.StepResult(step_id=step_id, error=error)
         return wire.StepResult(step_id=step_id, refused=self._refusals(prepared.step))
+
+    def _resolve_matchers(self, sampling: list[RequestState]) -> set[int]:
+        """Matchers for the sampling rows whose grammar's template was building (GrammarMatchers.begin); the rows
+        whose grammar is refused now, their requests refused as at their arrival (they draw, but get no token)."""
+        refused = set()
+        for row, state in enumerate(sampling):
+            if isinstance(state.matcher, PendingMatcher):
+                try:
+                    state.matcher = self.grammars.resolve(state.matcher)
+                except GrammarRefused as exc:
+                    log.warning("refused request %s: %s", state.request_id, exc)
+                    self.refused_requests[state.request_id] = str(exc)
+                    self.requests.pop(state.request_id, None)
+                    state.matcher = None
+                    refused.add(row)
+        return refused
 
     def _checked_after(self, sampling: list[RequestState]) -> list[int]:
         """The constrained greedy rows that draw before their grammar is asked (sample/grammar.py): all of them
@@ -270,10 +296,11 @@ class ModelRunner:
         return [(state, count) for state, count in scheduled if count > 0]
 
     def _matcher(self, new: wire.NewRequest):
-        """The request's grammar matcher at its output so far (a resumed request replays it), or None."""
+        """The request's grammar matcher at its output so far (a resumed request replays it), a PendingMatcher
+        while its grammar's template builds, or None."""
         if new.sampling.grammar is None:
             return None
-        return self.grammars.start(new.sampling.grammar, list(new.token_ids[new.num_prompt_tokens :]))
+        return self.grammars.begin(new.sampling.grammar, list(new.token_ids[new.num_prompt_tokens :]))
 
 
 def _sampling_rows(hidden: paddle.Tensor, logits_indices) -> paddle.Tensor:

@@ -23,6 +23,7 @@ from worker.layers.linear import linear
 from worker.layers.precision import Precision
 from worker.model_runner import ModelRunner
 from worker.models.llama_decoder_stack import STACK_STAGES, FusedDecoderStack, step_layout
+from worker.sample.grammar import PendingMatcher
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314, 253, 1345, 1185, 28, 284, 260, 1345, 282]
 
@@ -150,6 +151,24 @@ def test_a_request_with_nonsense_sampling_is_refused_alone_and_its_batch_mates_a
     assert list(result.refused) == ["nonsense"]  # said again: the scheduler ends it where it expects its token
     runner.execute(wire.SchedulerOutput(step_id=22, finished_request_ids=["nonsense", "honest"]))
     assert "nonsense" not in runner.refused_requests
+
+
+def test_a_grammar_refused_once_built_ends_its_request_alone_after_its_step(runner):
+    """A grammar not yet built builds beside the step's forward (GrammarMatchers.begin); one that does not compile
+    ends its request then, refused with the reason and without a token, and its batch mates sample."""
+    greedy = wire.SamplingParams(temperature=0.0)
+    broken = wire.SamplingParams(temperature=0.0, grammar="start: missing_rule")
+    step = wire.SchedulerOutput(
+        step_id=25, new_requests=[new_request("broken", broken, [15]), new_request("honest", greedy, [16])]
+    )
+    prepared = runner.prepare(step)
+    assert isinstance(runner.requests["broken"].matcher, PendingMatcher)  # not refused before the forward
+    result = runner.finish(runner.launch(prepared))
+    assert result.error is None and [t.request_id for t in result.sampled] == ["honest"]
+    assert list(result.refused) == ["broken"] and "does not compile" in result.refused["broken"]
+    assert "broken" not in runner.requests
+    runner.execute(wire.SchedulerOutput(step_id=26, finished_request_ids=["broken", "honest"]))
+    assert "broken" not in runner.refused_requests
 
 
 def test_the_first_step_of_a_new_scheduler_drops_what_the_worker_still_held(runner):

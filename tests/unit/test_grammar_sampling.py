@@ -15,7 +15,7 @@ from service.contract import wire
 from tests.support.grammar_walk import check_accepts_against_masks
 from tests.support.tiny_model import EOS_TOKEN_ID, tiny_model_info, tiny_tokenizer
 from worker.inputs.step_inputs import RequestState
-from worker.sample.grammar import GrammarMatchers, GrammarRefused
+from worker.sample.grammar import GrammarMatchers, GrammarRefused, PendingMatcher
 from worker.sample.sampler import Sampler
 from worker.sample.token_mask import TokenMask, allowed_tokens, unpacked_bits
 
@@ -168,3 +168,32 @@ def test_bits_unpacked_in_paddle_ops_are_the_numpy_reference(width):
     words = np.random.default_rng(width).integers(-(2**31), 2**31, size=(3, (width + 31) // 32)).astype(np.int32)
     unpacked = unpacked_bits(paddle.to_tensor(words), width).numpy()
     np.testing.assert_array_equal(unpacked, allowed_tokens(words, width))
+
+
+def test_a_template_not_built_builds_off_the_loop_and_its_matcher_masks_as_one_built_at_once():
+    fresh = GrammarMatchers(tiny_model_info())
+    regex = grammar("regex", "[0-9]{2}-[a-c]")
+    prefix = tiny_tokenizer().encode("4", add_special_tokens=False).ids
+    pending = fresh.begin(regex, prefix)
+    assert isinstance(pending, PendingMatcher)
+    matcher = fresh.resolve(pending)
+    assert np.array_equal(fresh.fill([matcher]), fresh.fill([GrammarMatchers(tiny_model_info()).start(regex, prefix)]))
+    again = fresh.begin(regex, [])
+    assert not isinstance(again, PendingMatcher), "a built template is cached: the next request starts at once"
+
+
+def test_a_template_that_fails_to_build_is_refused_at_resolve_and_not_cached():
+    fresh = GrammarMatchers(tiny_model_info())
+    pending = fresh.begin("start: missing_rule", [])
+    with pytest.raises(GrammarRefused, match="does not compile"):
+        fresh.resolve(pending)
+    assert isinstance(fresh.begin("start: missing_rule", []), PendingMatcher)
+
+
+def test_builds_whose_requests_never_sampled_land_in_the_bounded_cache():
+    bounded = GrammarMatchers(tiny_model_info(), max_templates=2)
+    for width in range(1, 6):
+        bounded.begin(grammar("regex", f"[0-9]{{{width}}}"), [])  # requests that ended before they sampled
+    bounded._build_thread.submit(lambda: None).result()  # the builds before it have finished
+    bounded.begin(grammar("regex", "[a-z]"), [])
+    assert len(bounded._templates) == 2 and len(bounded._building) == 1

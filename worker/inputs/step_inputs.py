@@ -28,7 +28,9 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     awaiting_token: bool = False  # a step in flight samples its next token (inputs built ahead leave it pending)
-    matcher: Any = None  # its grammar's llguidance matcher, at its tokens so far (sample/grammar.py); None: free
+    # Its grammar's llguidance matcher, at its tokens so far (sample/grammar.py), or a PendingMatcher until the
+    # request first samples, while the grammar's template builds; None: free.
+    matcher: Any = None
 
 
 @dataclass(frozen=True)

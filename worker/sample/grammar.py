@@ -1,7 +1,9 @@
 """The worker's grammar matchers (llguidance): one per constrained request, following the tokens it keeps.
 
-A request's matcher is a copy of its grammar's template (a copy costs ~1 µs, a new matcher ~1 ms), which a
-cache of bounded size keeps by grammar text. A matcher starts from the request's output so far: a request
+A request's matcher is a copy of its grammar's template (a copy costs ~1 µs, a new matcher ~1 ms; 8-25 ms for a
+schema of 100-400 properties with patterns or enums), which a cache of bounded size keeps by grammar text. A template
+not in the cache builds on a thread of its own from the step that brings its request, and the request's matcher
+is made from it after that step's forward, when it first samples: the build runs beside the forward, not before it. A matcher starts from the request's output so far: a request
 recomputed after a preemption, or resumed, replays its output tokens (~1 µs each), so its matcher is where its
 tokens are without anything kept across the preemption. Each step the worker fills the masks of its constrained
 rows in one call (llguidance's executor, on several threads, without the GIL) and, once the step's tokens are
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import llguidance.numpy
 import numpy as np
@@ -40,6 +44,15 @@ class GrammarRefused(ValueError):
     """A request whose grammar (or whose output so far under it) this worker cannot serve; the message says why."""
 
 
+@dataclass(frozen=True)
+class PendingMatcher:
+    """Stands in for a request's matcher while its grammar's template builds on the build thread;
+    GrammarMatchers.resolve turns it into the matcher."""
+
+    grammar: str
+    output_token_ids: tuple[int, ...]
+
+
 class GrammarMatchers:
     """Templates by grammar, new matchers from them, and the masks of a step's matchers."""
 
@@ -50,6 +63,10 @@ class GrammarMatchers:
         self._eos = frozenset(self._eos_token_ids)
         self._max_templates = max_templates
         self._templates: OrderedDict[str, LLMatcher] = OrderedDict()
+        # Templates building off the step loop (LLMatcher's build drops the GIL), by grammar; only the loop's
+        # thread reads or writes either dict.
+        self._building: dict[str, Future[LLMatcher]] = {}
+        self._build_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-build")
         self._executor = LLExecutor()
         try:
             self._tokenizer: LLTokenizer | None = LLTokenizer(
@@ -60,12 +77,36 @@ class GrammarMatchers:
             self._tokenizer, self.problem = None, f"this model's tokenizer cannot serve grammars ({exc})"
             log.warning("%s", self.problem)
 
-    def start(self, grammar: str, output_token_ids: list[int]) -> LLMatcher:
-        """A matcher for `grammar` that has consumed `output_token_ids`; GrammarRefused if there can be none."""
+    def start(self, grammar: str, output_token_ids: list[int] | tuple[int, ...]) -> LLMatcher:
+        """A matcher for `grammar` that has consumed `output_token_ids`; GrammarRefused if there can be none.
+        Where the template is not built yet, this builds it (or waits for its build) now."""
         matcher = self._template(grammar).deep_copy()
-        if output_token_ids and not matcher.consume_tokens(output_token_ids):
+        if output_token_ids and not matcher.consume_tokens(list(output_token_ids)):
             raise GrammarRefused(f"the output so far does not match the grammar: {_first_line(matcher.get_error())}")
         return matcher
+
+    def begin(self, grammar: str, output_token_ids: list[int]) -> LLMatcher | PendingMatcher:
+        """start() where the template is at hand; otherwise its build starts on the build thread and a
+        PendingMatcher stands in, for `resolve` once the request samples (the worker resolves after its step's
+        forward, so a template builds while the step computes)."""
+        self._keep_built()
+        if grammar in self._templates or self._tokenizer is None:
+            return self.start(grammar, output_token_ids)
+        if grammar not in self._building:
+            self._building[grammar] = self._build_thread.submit(LLMatcher, self._tokenizer, grammar, log_level=0)
+        return PendingMatcher(grammar, tuple(output_token_ids))
+
+    def resolve(self, pending: PendingMatcher) -> LLMatcher:
+        """The matcher `pending` stands for (waiting for its template); GrammarRefused if there can be none."""
+        return self.start(pending.grammar, pending.output_token_ids)
+
+    def _keep_built(self) -> None:
+        """Templates whose builds finished into the cache (those of requests that ended before they sampled too)."""
+        for grammar in [grammar for grammar, build in self._building.items() if build.done()]:
+            try:
+                self._template(grammar)
+            except GrammarRefused:
+                pass  # not cached: a request that asks for it again is refused then
 
     def _template(self, grammar: str) -> LLMatcher:
         template = self._templates.get(grammar)
@@ -74,7 +115,8 @@ class GrammarMatchers:
             return template
         if self._tokenizer is None:
             raise GrammarRefused(self.problem)
-        template = LLMatcher(self._tokenizer, grammar, log_level=0)
+        build = self._building.pop(grammar, None)
+        template = build.result() if build is not None else LLMatcher(self._tokenizer, grammar, log_level=0)
         if template.is_error():
             raise GrammarRefused(f"the grammar does not compile: {_first_line(template.get_error())}")
         self._templates[grammar] = template

@@ -29,7 +29,7 @@ std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle:
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& query, const paddle::Tensor& key_cache,
                                            const paddle::Tensor& value_cache, const paddle::Tensor& query_start,
                                            const paddle::Tensor& context_lens, const paddle::Tensor& block_table,
-                                           int query_tile, int isa) {
+                                           int query_tile, int sliding_window, float softcap, int isa) {
   const auto& kernels = bs::kernels_for(bs::resolve_isa(isa));
   const bs::KvCaches caches = bs::kv_caches(key_cache, value_cache);
   const int64_t tokens = query.shape()[0], num_heads = query.shape()[1];
@@ -39,7 +39,8 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& query, const pa
   auto out = paddle::empty({tokens, num_heads * caches.head_dim}, paddle::DataType::FLOAT32, query.place());
   const bs::StepRequests requests{query_start.data<int64_t>(), context_lens.data<int64_t>(), num_requests,
                                   block_table.data<int64_t>(), block_table.shape()[1]};
-  bs::paged_attention(kernels, query.data<float>(), tokens, num_heads, caches, requests, query_tile, out.data<float>());
+  bs::paged_attention(kernels, query.data<float>(), tokens, num_heads, caches, requests, query_tile, out.data<float>(),
+                      sliding_window, softcap);
   return {out};
 }
 
@@ -55,5 +56,5 @@ PD_BUILD_OP(bs_rope_write_kv)
 PD_BUILD_OP(bs_paged_attention)
     .Inputs({"Query", "KeyCache", "ValueCache", "QueryStart", "ContextLens", "BlockTable"})
     .Outputs({"Out"})
-    .Attrs({"query_tile: int", "isa: int"})
+    .Attrs({"query_tile: int", "sliding_window: int", "softcap: float", "isa: int"})
     .SetKernelFn(PD_KERNEL(PagedAttention));

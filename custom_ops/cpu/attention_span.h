@@ -79,6 +79,26 @@ static inline void accumulate_values(float* acc, const float* probs, const Cache
   }
 }
 
+// A tile's variations on rows r..r + count of a span's scores, before their softmax: each visible score capped
+// (softcap * tanh(score / softcap)), and the span's keys before a row's window hidden (-inf). A row's window
+// starts in the tile's first span (AttentionTile::window), so each row keeps a visible key there.
+template <class Cache>
+static inline void vary_scores(const AttentionTile<Cache>& t, int64_t r, int count, int64_t span,
+                               const int64_t* visible, float* scores) {
+  const int64_t group = t.num_heads / t.num_kv_heads;
+  for (int i = 0; i < count; ++i) {
+    float* row = scores + (r + i) * kKeySpan;
+    if (t.softcap > 0.0f) {
+      const float inverse = 1.0f / t.softcap;
+      for (int64_t j = 0; j < visible[i]; ++j) row[j] = t.softcap * __builtin_tanhf(row[j] * inverse);
+    }
+    if (t.window > 0) {
+      const int64_t hidden = t.first_position + (r + i) / group - t.window + 1 - span;
+      for (int64_t j = 0; j < hidden && j < visible[i]; ++j) row[j] = -__builtin_inff();
+    }
+  }
+}
+
 // One online-softmax update of row `scores[0..visible)`: scores become probabilities (zero from `visible`
 // to `padded`), the running max, sum and the row's accumulator are rescaled when the max grows. A row's last
 // partial vector is computed whole (scores has room: a row is kKeySpan floats) with its lanes from `visible`

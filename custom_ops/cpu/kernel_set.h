@@ -31,6 +31,7 @@ struct AttentionTile {
   int64_t first_token;       // flat index of the tile's first query
   int64_t num_queries;
   int64_t first_position;  // absolute position of the first query; query i sees keys 0..first_position + i
+                           // (with a window, first_position + i - window + 1..first_position + i)
   int64_t kv_head;            // the tile's first kv head
   int64_t num_tile_kv_heads;  // kv heads of the tile, at most kMaxTileKvHeads
   int64_t num_heads, num_kv_heads, head_dim, block_size;
@@ -45,6 +46,10 @@ struct AttentionTile {
   // Null, or where a split leaves its rows' partial results for paged_attention to merge: per kv head of the
   // tile and row, head_dim unnormalized sums of values (the head's order), then the row's max score and sum.
   float* partial;
+  // A sliding window (0: none): query i sees only the `window` keys up to its own. key_begin is then at most
+  // kKeySpan - num_queries keys before the first query's window: each row sees a key of the tile's first span.
+  int64_t window;
+  float softcap;  // scores become softcap * tanh(score / softcap) before the softmax (0: not capped)
 };
 
 // Scratch of a tile of `queries` queries over `tile_kv_heads` kv heads: each head's scores of a span, its rows' queries,

@@ -98,9 +98,10 @@ void rope_write(const KernelSet& kernels, const float* src, const StepTokens& to
 constexpr int64_t kMinSplitKeys = 32;
 
 template <class Cache>
-AttentionTile<Cache> tile_of(const TileWork& item, const float* q, const KvStorage<Cache>& storage,
-                             const KvCaches& caches, const StepRequests& requests, int64_t num_heads, float* scratch,
-                             float* out, float* partials) {
+AttentionTile<Cache> tile_of(const TileWork& item, const AttentionPlan& plan, const float* q,
+                             const KvStorage<Cache>& storage, const KvCaches& caches, const StepRequests& requests,
+                             float* scratch, float* out, float* partials) {
+  const int64_t num_heads = plan.num_heads;
   const int64_t start = requests.query_start[item.request];
   const int64_t num_queries = requests.query_start[item.request + 1] - start;
   const int64_t first_position = requests.context_lens[item.request] - num_queries + item.first_query;
@@ -124,7 +125,9 @@ AttentionTile<Cache> tile_of(const TileWork& item, const float* q, const KvStora
           false,
           item.key_begin,
           item.key_end >= 0 ? item.key_end : first_position + item.num_queries,
-          item.partial >= 0 ? partials + item.partial : nullptr};
+          item.partial >= 0 ? partials + item.partial : nullptr,
+          plan.window,
+          plan.softcap};
 }
 
 // Each split's rows: the parts' sums of values weighted by exp(part max - max) and divided by the sum so
@@ -158,9 +161,11 @@ void merge_splits(const std::vector<Split>& splits, const float* partials, const
 // taking every n-th tile instead, with no shared counter, measured no faster at 64 decodes: bf16 attention 1.034
 // and 0.995 of the counter's, steps paired in one process.)
 template <class Cache>
-void attend(void (*attend_tile)(const AttentionTile<Cache>&), const std::vector<TileWork>& work, const float* q,
-            const KvStorage<Cache>& storage, const KvCaches& caches, const StepRequests& requests, int64_t num_heads,
-            int64_t scratch_floats, float* out, float* partials, const DecodeRope* rope) {
+void attend(void (*attend_tile)(const AttentionTile<Cache>&), const AttentionPlan& plan, const float* q,
+            const KvStorage<Cache>& storage, const KvCaches& caches, const StepRequests& requests, float* out,
+            float* partials, const DecodeRope* rope) {
+  const std::vector<TileWork>& work = plan.work;
+  const int64_t num_heads = plan.num_heads, scratch_floats = plan.scratch_floats;
   const int64_t num_items = static_cast<int64_t>(work.size());
   std::atomic<int64_t> next_item{0};
 #pragma omp parallel if (num_items > 1)
@@ -171,11 +176,11 @@ void attend(void (*attend_tile)(const AttentionTile<Cache>&), const std::vector<
     while (current < num_items) {
       const int64_t following = next_item.fetch_add(1);
       AttentionTile<Cache> tile =
-          tile_of<Cache>(work[current], q, storage, caches, requests, num_heads, scratch.data(), out, partials);
+          tile_of<Cache>(work[current], plan, q, storage, caches, requests, scratch.data(), out, partials);
       AttentionTile<Cache> next_tile{};
       if (following < num_items) {
         next_tile =
-            tile_of<Cache>(work[following], q, storage, caches, requests, num_heads, scratch.data(), out, partials);
+            tile_of<Cache>(work[following], plan, q, storage, caches, requests, scratch.data(), out, partials);
         tile.next = &next_tile;
       }
       tile.first_span_prefetched = prefetched;
@@ -268,19 +273,26 @@ void rope_write_kv(const KernelSet& kernels, const float* qkv, const StepTokens&
 }
 
 void paged_attention(const KernelSet& kernels, const float* query, int64_t num_tokens, int64_t num_heads,
-                     const KvCaches& caches, const StepRequests& requests, int query_tile, float* out) {
-  paged_attention(kernels, plan_attention(requests, num_tokens, num_heads, caches, query_tile), query, caches, requests,
-                  out);
+                     const KvCaches& caches, const StepRequests& requests, int query_tile, float* out, int64_t window,
+                     float softcap) {
+  paged_attention(kernels, plan_attention(requests, num_tokens, num_heads, caches, query_tile, window, softcap), query,
+                  caches, requests, out);
 }
 
 AttentionPlan plan_attention(const StepRequests& requests, int64_t num_tokens, int64_t num_heads,
-                             const KvCaches& caches, int query_tile) {
+                             const KvCaches& caches, int query_tile, int64_t window, float softcap) {
   const int64_t num_kv_heads = caches.num_kv_heads, head_dim = caches.head_dim, block_size = caches.block_size;
   PD_CHECK(num_heads % num_kv_heads == 0 && head_dim % 16 == 0 && query_tile > 0, "unsupported attention shape");
+  PD_CHECK(window >= 0 && softcap >= 0.0f, "a sliding window and a soft cap are positive, or 0 for none");
+  // With a window, a tile's rows see keys from at most query_tile - 1 after its first query's window start: fewer
+  // than a span, so that each row sees a key of the tile's first span (AttentionTile::window).
+  if (window > 0) query_tile = static_cast<int>(std::min<int64_t>(query_tile, kKeySpan));
   const int64_t group = num_heads / num_kv_heads, width = requests.table_width;
   const int64_t *starts = requests.query_start, *lens = requests.context_lens, *table = requests.block_table;
   AttentionPlan plan;
   plan.num_heads = num_heads;
+  plan.window = window;
+  plan.softcap = softcap;
   bool all_decodes = true;
   std::vector<TileWork>& work = plan.work;
   std::vector<Split>& splits = plan.splits;
@@ -304,13 +316,17 @@ AttentionPlan plan_attention(const StepRequests& requests, int64_t num_tokens, i
     for (int64_t b = 0; b < (lens[r] + block_size - 1) / block_size; ++b) {
       PD_CHECK(table[r * width + b] >= 0 && table[r * width + b] < caches.num_blocks, "block id outside the cache");
     }
+    // The first key a query at `position` sees: 0, or its window's first.
+    const auto first_key = [&](int64_t position) { return window > 0 ? std::max<int64_t>(0, position - window + 1) : 0; };
     // A decode's parts: 1 unless few_requests (parts_per_request is 1 then), or its keys are too few.
-    const int64_t parts = num_queries == 1 ? std::min(parts_per_request, lens[r] / kMinSplitKeys) : 1;
+    const int64_t decode_begin = first_key(lens[r] - 1), decode_keys = lens[r] - decode_begin;
+    const int64_t parts = num_queries == 1 ? std::min(parts_per_request, decode_keys / kMinSplitKeys) : 1;
     if (parts > 1) {
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         splits.push_back({r, h, parts, num_partial_floats});
         for (int64_t part = 0; part < parts; ++part) {
-          const int64_t begin = lens[r] * part / parts, end = lens[r] * (part + 1) / parts;
+          const int64_t begin = decode_begin + decode_keys * part / parts;
+          const int64_t end = decode_begin + decode_keys * (part + 1) / parts;
           work.push_back({r, 0, 1, h, 1, end - begin, begin, end, num_partial_floats});
           num_partial_floats += group * (head_dim + 2);
         }
@@ -320,13 +336,14 @@ AttentionPlan plan_attention(const StepRequests& requests, int64_t num_tokens, i
     }
     for (int64_t first = 0; first < num_queries; first += query_tile) {
       const int64_t count = std::min<int64_t>(query_tile, num_queries - first);
-      const int64_t cost = count * (lens[r] - num_queries + first + count);
+      const int64_t key_begin = first_key(lens[r] - num_queries + first);
+      const int64_t cost = count * (lens[r] - num_queries + first + count - key_begin);
       // A tile of few queries (a decode) takes several kv heads, up to the rows of a full query tile, so
       // that one thread reads each cache slot's heads together; a long one takes one kv head.
       const int64_t heads = few_requests ? 1 : std::clamp<int64_t>(query_tile / count, 1, kMaxTileKvHeads);
       for (int64_t h = 0; h < num_kv_heads; h += heads) {
         const int64_t tile_heads = std::min(heads, num_kv_heads - h);
-        work.push_back({r, first, count, h, tile_heads, cost * tile_heads});
+        work.push_back({r, first, count, h, tile_heads, cost * tile_heads, key_begin});
         scratch_floats = std::max(scratch_floats, attention_scratch_floats(count, tile_heads, group, head_dim));
       }
     }
@@ -354,8 +371,8 @@ void paged_attention(const KernelSet& kernels, const AttentionPlan& plan, const 
   std::visit(
       [&](const auto& storage) {
         using Cache = std::remove_pointer_t<decltype(storage.key)>;
-        attend(kernels.for_cache<Cache>().attend_tile, plan.work, query, storage, caches, requests, num_heads,
-               plan.scratch_floats, out, partials.data(), rope);
+        attend(kernels.for_cache<Cache>().attend_tile, plan, query, storage, caches, requests, out, partials.data(),
+               rope);
       },
       caches.storage);
   merge_splits(plan.splits, partials.data(), requests, num_heads, group, head_dim, out);

@@ -95,6 +95,8 @@ struct Split {
 // instead of once a layer (the checks and the tile list took ~3-8 us of each layer's attention at 64 decodes).
 struct AttentionPlan {
   std::vector<TileWork> work;  // longest first
+  int64_t window = 0;          // a sliding window (0: none): the tiles read only the keys their queries' windows hold
+  float softcap = 0.0f;        // scores capped at softcap * tanh(score / softcap) (0: not capped)
   std::vector<Split> splits;
   int64_t scratch_floats = 0, num_partial_floats = 0;  // per thread; all the splits' partial results
   int64_t num_heads = 0, num_blocks = 0, block_size = 0, num_kv_heads = 0, head_dim = 0;
@@ -103,7 +105,7 @@ struct AttentionPlan {
   bool fuses_rope = false;
 };
 AttentionPlan plan_attention(const StepRequests& requests, int64_t num_tokens, int64_t num_heads,
-                             const KvCaches& caches, int query_tile);
+                             const KvCaches& caches, int query_tile, int64_t window = 0, float softcap = 0.0f);
 
 // A decode step's rotary embedding and KV-cache write (rope_write_kv's, for checked tokens), done inside the
 // attention: each tile rotates its own token's q and k into `query` and the cache just before it attends. This
@@ -127,7 +129,10 @@ struct DecodeRope {
 // queries of a request share one pass over its keys.
 void paged_attention(const KernelSet& kernels, const AttentionPlan& plan, const float* query, const KvCaches& caches,
                      const StepRequests& requests, float* out, const DecodeRope* rope = nullptr);
+// `window` (0: none): each query sees only the `window` keys up to its own (Mistral's, Gemma's sliding layers);
+// `softcap` (0: none): scores become softcap * tanh(score / softcap) before the softmax (Gemma 2).
 void paged_attention(const KernelSet& kernels, const float* query, int64_t num_tokens, int64_t num_heads,
-                     const KvCaches& caches, const StepRequests& requests, int query_tile, float* out);
+                     const KvCaches& caches, const StepRequests& requests, int query_tile, float* out,
+                     int64_t window = 0, float softcap = 0.0f);
 
 }  // namespace bs

@@ -3,6 +3,7 @@ and the fallback to pure Paddle where they cannot build or run."""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
@@ -22,6 +23,8 @@ from tests.support.api_peer import ApiPeer
 from tests.support.isa_kernels import ISA_CAPS, custom_kernels_on
 from tests.support.numerics import attention_config, bf16_rounded
 from tests.support.processes import ROOT, loopback_env, metric_samples, start, stop_all
+from worker.attention.backend import LayerAttention
+from worker.attention.custom_kernels import CustomPagedAttention
 from worker.attention.kv_rows import EIGHT_BIT, KV_ROW_FORMATS, decode_rows, encode_rows
 from worker.attention.reference import PagedAttentionBackend
 from worker.inputs.step_inputs import RequestState, build_step_inputs
@@ -568,3 +571,53 @@ def test_an_8bit_cache_holds_the_reference_encoding_of_each_row_and_attention_re
     backend = PagedAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
     expected = backend.attend(query, *decoded, backend.prepare(inputs)).numpy()
     np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
+
+
+WINDOWS_AND_CAPS = [(1, None), (7, None), (64, None), (None, 30.0), (7, 2.0), (64, 50.0)]
+
+
+@pytest.mark.parametrize("step", DECODE_AND_MIXED_STEPS)
+@pytest.mark.parametrize("window, softcap", WINDOWS_AND_CAPS)
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_sliding_windows_and_soft_caps_match_the_paddle_backend(custom, window, softcap, step, cache_dtype):
+    """A layer's sliding window (each query sees the `window` keys up to its own) and its scores' soft cap: prefill
+    chunks whose first queries' windows begin inside their first key span, decodes whose contexts are shorter and
+    longer than the window, split over the threads within the window. float32 caches exactly as the Paddle backend;
+    bf16 caches within the bf16 dot's bound (test_a_bfloat16_cache_holds_the_rounded_keys...)."""
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 16
+    rng = np.random.default_rng(17 if window is None else window)
+    num_blocks = 2 * (-(-320 // block_size)) * 8 + 1
+    config = dataclasses.replace(
+        attention_config(num_heads, num_kv_heads, head_dim, MAX_POSITIONS),
+        sliding_windows=() if window is None else (window,),
+        attention_softcap=softcap,
+    )
+    rotary = RotaryEmbedding(config.rope, head_dim, MAX_POSITIONS)
+    layer = LayerAttention(rotary, sliding_window=window, softcap=softcap)
+    inputs = step(rng, block_size, num_blocks)
+    cache = bf16_rounded(rng.standard_normal((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=np.float32))
+    qkv = 3 * rng.standard_normal((len(inputs.positions), (num_heads + 2 * num_kv_heads) * head_dim), dtype=np.float32)
+    attention = custom.attention(config, block_size, rotary)
+    assert isinstance(attention, CustomPagedAttention), "windows and soft caps are the custom kernels' own"
+    metadata = attention.prepare(inputs)
+    caches = [tensor(cache[0]).astype(cache_dtype), tensor(cache[1]).astype(cache_dtype)]
+    output = attention.attend_qkv(tensor(qkv), *caches, metadata, layer).numpy()
+
+    float_caches = [tensor(cache[0]), tensor(cache[1])]
+    query = write_float_caches(custom, qkv, metadata, rotary, float_caches, num_heads, num_kv_heads)
+    widened = [c.astype("float32") for c in caches]
+    reference = PagedAttentionBackend(
+        num_heads, num_kv_heads, head_dim, block_size, sliding_windows=config.sliding_windows
+    )
+    batch = reference.prepare(inputs)
+    dot = cache_dtype == "bfloat16" and custom.isa.bf16
+    if dot:  # vdpbf16ps multiplies the scaled query rounded to bf16
+        scale = np.float32(1 / np.sqrt(head_dim))
+        query = tensor(bf16_rounded(query.numpy() * scale) / scale)
+    expected = reference.attend(query, *widened, batch, layer).numpy()
+    if not dot:
+        np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
+        return
+    weighted_magnitude = reference.attend(query, widened[0], widened[1].abs(), batch, layer).numpy()
+    bound = 2.0**-8 * weighted_magnitude + 1e-4 * np.abs(expected) + 1e-5
+    assert np.all(np.abs(output - expected) <= bound), np.max(np.abs(output - expected) / bound)

@@ -36,8 +36,6 @@ NUM_GREEDY_TOKENS = 16
 MAX_LOGPROB_ERROR = 1e-3
 # The longest reference prompt and another: 35-50 tokens, several windows and past longrope's original length.
 LONG_PROMPTS = [REFERENCE_PROMPTS[other] + " " + REFERENCE_PROMPTS[2] for other in (1, 3, 5, 6)]
-# Families whose attention the custom ops cannot take (sliding windows, soft-caps): the pure-Paddle one serves them.
-PADDLE_ATTENTION = {"mistral", "gemma2", "gemma3"}
 # Families whose layers are Llama's once loaded: the fused decoder stack runs them on the custom kernels.
 FUSED = {"phi3", "phi3-longrope", "ernie4_5"}
 
@@ -100,7 +98,7 @@ def max_logprob_error(ours: np.ndarray, theirs: np.ndarray) -> float:
 
 def test_the_family_runs_on_the_attention_and_layers_its_details_allow(runner, family, kernels):
     fused = runner.model.kernels.fused_stack(runner.attention, runner.model.config)
-    if kernels == "paddle" or family in PADDLE_ATTENTION:
+    if kernels == "paddle":
         assert isinstance(runner.attention, RotaryPagedAttention)
     else:
         assert isinstance(runner.attention, CustomPagedAttention)

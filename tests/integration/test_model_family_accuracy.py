@@ -1,7 +1,6 @@
 """Every family's tiny model in bfloat16 and int8 against its own float32, with the README's KL thresholds
-(test_worker_accuracy.py holds them): mean KL of the next-token distributions over the English text. Families whose
-attention the custom ops cannot take (sliding windows, soft-caps) compute in float32 with the pure-Paddle
-attention: bfloat16 is refused for them, saying why, and their int8 weights are held to int8's threshold.
+(test_worker_accuracy.py holds them): mean KL of the next-token distributions over the English text, sliding
+windows and soft caps in the custom attention kernels too.
 
 The README's greedy-agreement thresholds are not asserted here: a random model's next-token distributions are
 nearly flat, so near-ties flip under any rounding (measured 0.73-0.95 agreement at KL <= 0.03); they hold on the
@@ -14,19 +13,12 @@ those flips more than the kernels (transformers' own bfloat16 is as far from its
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from service.contract.config import load_settings
 from tests.integration.test_worker_accuracy import THRESHOLDS
 from tests.support.accuracy import Float32Reference, load_runner
 from tests.support.tiny_families import FAMILY_MODELS, save_tiny_model
-from worker.layers.precision import PrecisionUnavailable
-from worker.model_runner import ModelRunner
 
-PADDLE_ATTENTION = {"mistral", "gemma2", "gemma3"}
-GEMMA_TINY_SCALE = {"gemma2", "gemma3"}
 # see above: a looser bound per quantization for a router whose choices flip under rounding (measured 0.033 and 0.157)
 ROUTING_FLIPS = {"mixtral": {"none": 0.05, "int8": 0.25}}
 
@@ -46,13 +38,9 @@ def reference(family_folder) -> Float32Reference:
 @pytest.mark.parametrize("precision", ["bfloat16:none", "auto:int8"])
 def test_the_family_stays_within_the_documented_distance_from_float32(family_folder, reference, precision):
     name, folder = family_folder
-    if precision == "bfloat16:none" and name in PADDLE_ATTENTION:
-        with pytest.raises(PrecisionUnavailable, match="computes in float32"):
-            ModelRunner(load_settings(model=os.fspath(folder), num_kv_blocks=16, kernels="custom", dtype="bfloat16"))
-        return
     runner = load_runner(folder, precision)
     dtype = runner.kernels["dtype"]
-    assert dtype == ("float32" if name in PADDLE_ATTENTION else "bfloat16")
+    assert dtype == "bfloat16" and runner.kernels["kernels"] == "custom"
     max_kl, _ = THRESHOLDS[f"{dtype}:{runner.kernels['quantization']}"]
 
     accuracy = reference.accuracy_of(runner)

@@ -28,8 +28,8 @@ def variation_problem(config: ModelConfig) -> str | None:
 
 
 class CustomPagedAttention:
-    """attend_qkv: rotary embedding and cache write in one op, then the paged attention op. A layer's own rotary
-    and scale it takes; sliding windows and soft-capping it cannot (kernels' attention_problem says so)."""
+    """attend_qkv: rotary embedding and cache write in one op, then the paged attention op. A layer's own rotary,
+    scale, sliding window and soft cap it takes (the fused decoder stack none of the last two: config.is_llama_layer)."""
 
     def __init__(
         self,
@@ -60,8 +60,6 @@ class CustomPagedAttention:
     ) -> paddle.Tensor:
         """Attention output [tokens, heads * dim] of the fused q|k|v projection [tokens, (heads + 2 kv_heads) * dim]."""
         rotary = self.rotary if layer is None else layer.rotary
-        if layer is not None and (layer.sliding_window is not None or layer.softcap is not None):
-            raise ValueError("the custom paged attention has no sliding window or soft-capping")
         query, _, _ = self.ops.bs_rope_write_kv(
             qkv,
             metadata.positions,
@@ -84,5 +82,7 @@ class CustomPagedAttention:
             metadata.context_lens,
             metadata.block_table,
             self.query_tile,
+            0 if layer is None or layer.sliding_window is None else layer.sliding_window,
+            0.0 if layer is None or layer.softcap is None else layer.softcap,
             self.isa,
         )

@@ -6,7 +6,7 @@ from types import ModuleType
 
 import paddle
 
-from worker.attention.custom_kernels import CustomPagedAttention, variation_problem
+from worker.attention.custom_kernels import CustomPagedAttention
 from worker.attention.reference import paddle_paged_attention
 from worker.kernels.cpu_isa import IsaSet
 from worker.layers.rotary import RotaryEmbedding
@@ -53,7 +53,7 @@ class CustomKernels:
     def attention_problem(self, config: ModelConfig) -> str | None:
         if config.head_dim % 16:  # the attention kernel works on whole AVX-512 vectors of a head
             return f"head_dim {config.head_dim} is not a multiple of 16"
-        return variation_problem(config)
+        return None  # sliding windows and soft caps too: bs_paged_attention takes them
 
     def attention(self, config: ModelConfig, block_size: int, rotary: RotaryEmbedding):
         if self.attention_problem(config):

@@ -1,5 +1,7 @@
 // Paged attention straight from the block table: decodes and chunked-prefill segments in one
-// launch, grouped-query heads, causal by absolute position.
+// launch, grouped-query heads, causal by absolute position, optionally within a sliding window
+// (a query at position p sees keys max(0, p - W + 1)..p) and with soft-capped scores
+// (s -> c * tanh(s / c), Gemma 2's).
 //
 // Work: a request's queries are cut into tiles of `query_tile` consecutive queries; one block
 // attends one tile for one kv head (all of the head's query heads: `group` rows per query) over
@@ -9,6 +11,11 @@
 // output itself. The grid is (tokens, kv heads, splits): the block of token t works only if t is
 // the first token of its tile, so the grid is known from shapes alone and the host never reads
 // the step's lengths back from the device.
+//
+// With a window a tile reads only the keys its queries see (from its first query's window start
+// to its last query) and its splits cut those keys alone: a decode of 4000 keys with a window of
+// 512 reads 512 keys, split as 512 keys would be. Keys inside that span but outside one query's
+// window (a prefill tile's later queries) are read and masked.
 //
 // Inside a block, keys come in tiles of 32, read from their cache blocks into shared memory as
 // float; a warp scores one query row against the tile (a key per lane) and updates that row's
@@ -32,6 +39,7 @@ constexpr int kBlocksPerSm = 8;         // blocks the split choice aims for per 
 struct AttentionShape {
   int64_t num_tokens, num_requests, table_width;
   int num_heads, num_kv_heads, head_dim, block_size;
+  int64_t sliding_window;  // keys a query sees, itself included; 0: every key before it
 };
 
 struct AttentionPlan {
@@ -57,7 +65,13 @@ inline const char* attention_shape_problem(const AttentionShape& s) {
     return "empty block table or negative sizes";
   }
   if (s.num_tokens > 0 && s.num_tokens < s.num_requests) return "fewer tokens than requests";
+  if (s.sliding_window < 0) return "sliding_window must be 0 (none) or positive";
   return nullptr;
+}
+
+// null if the kernels can soft-cap scores at `softcap`, else why not.
+inline const char* softcap_problem(float softcap) {
+  return softcap >= 0.0f && softcap < INFINITY ? nullptr : "softcap must be 0 (none) or positive and finite";
 }
 
 // Deterministic in the shape, so the op, the combine step and the tests agree on it.
@@ -68,11 +82,14 @@ inline AttentionPlan plan_attention(const AttentionShape& s, int requested_query
   const int query_tile = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>({requested_query_tile, kMaxRows / group, longest_query})));
   const int64_t max_context = s.table_width * s.block_size;
+  // The most keys one tile reads: a window's keys and the keys of its tile's later queries.
+  const int64_t max_keys =
+      s.sliding_window > 0 ? std::min(max_context, s.sliding_window + query_tile - 1) : max_context;
   const int64_t tiles = std::max<int64_t>(1, std::min(s.num_tokens, s.num_requests + s.num_tokens / query_tile));
   const int64_t wanted = ceil_div(static_cast<int64_t>(kBlocksPerSm) * std::max(num_sms, 1), tiles * s.num_kv_heads);
-  const int64_t splits = std::max<int64_t>(1, std::min(wanted, max_context / kMinSplitKeys));
-  const int64_t split_keys = ceil_div(ceil_div(max_context, splits), kTileKeys) * kTileKeys;
-  const int64_t max_splits = ceil_div(max_context, split_keys);
+  const int64_t splits = std::max<int64_t>(1, std::min(wanted, max_keys / kMinSplitKeys));
+  const int64_t split_keys = ceil_div(ceil_div(max_keys, splits), kTileKeys) * kTileKeys;
+  const int64_t max_splits = ceil_div(max_keys, split_keys);
   const int64_t rows = static_cast<int64_t>(query_tile) * group, dim = s.head_dim;
   const int64_t shared_floats = rows * dim                // queries
                                 + kTileKeys * (dim + 4)   // keys (rows padded: no bank conflicts)
@@ -89,6 +106,7 @@ inline AttentionPlan plan_attention(const AttentionShape& s, int requested_query
 struct QueryTile {
   int64_t request, first_token, num_queries;
   int64_t first_position;  // absolute position of the tile's first query
+  int64_t key_begin;       // the first key its first query sees: 0, or its window's start
   int64_t key_end;         // keys the tile's last query sees: first_position + num_queries
 };
 
@@ -107,7 +125,7 @@ BS_HOST_DEVICE inline int64_t request_of_token(const int64_t* query_start, int64
 }
 
 BS_HOST_DEVICE inline QueryTile query_tile_of(int64_t token, const int64_t* query_start, const int64_t* context_lens,
-                                              int64_t num_requests, int query_tile) {
+                                              int64_t num_requests, int query_tile, int64_t sliding_window) {
   const int64_t request = request_of_token(query_start, num_requests, token);
   const int64_t num_queries = query_start[request + 1] - query_start[request];
   const int64_t local = token - query_start[request];
@@ -117,12 +135,19 @@ BS_HOST_DEVICE inline QueryTile query_tile_of(int64_t token, const int64_t* quer
   tile.first_token = query_start[request] + first_local;
   tile.num_queries = num_queries - first_local < query_tile ? num_queries - first_local : query_tile;
   tile.first_position = context_lens[request] - num_queries + first_local;
+  const int64_t window_start = tile.first_position - sliding_window + 1;
+  tile.key_begin = sliding_window > 0 && window_start > 0 ? window_start : 0;
   tile.key_end = tile.first_position + tile.num_queries;
   return tile;
 }
 
 BS_HOST_DEVICE inline int64_t num_splits_of(const QueryTile& tile, int64_t split_keys) {
-  return ceil_div(tile.key_end, split_keys);
+  return ceil_div(tile.key_end - tile.key_begin, split_keys);
+}
+
+// Whether the query at `position` sees the key at `key`: causal, and inside the window if there is one.
+BS_HOST_DEVICE inline bool key_visible(int64_t key, int64_t position, int64_t sliding_window) {
+  return key <= position && (sliding_window == 0 || key > position - sliding_window);
 }
 
 template <class T>
@@ -137,7 +162,8 @@ struct PagedAttentionParams {
   float* workspace;             // plan.workspace_floats
   AttentionShape shape;
   AttentionPlan plan;
-  float scale;
+  float scale;    // of q.k, folded into the queries
+  float softcap;  // scores become softcap * tanh(score / softcap); 0: none
 };
 
 // Partial results of split-K, indexed (token, head, split).
@@ -165,8 +191,9 @@ template <class T>
 __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(const PagedAttentionParams<T> p) {
   const AttentionShape& s = p.shape;
   const int64_t token = blockIdx.x;
-  const QueryTile tile = query_tile_of(token, p.query_start, p.context_lens, s.num_requests, p.plan.query_tile);
-  const int64_t split = blockIdx.z, key_begin = split * p.plan.split_keys;
+  const QueryTile tile =
+      query_tile_of(token, p.query_start, p.context_lens, s.num_requests, p.plan.query_tile, s.sliding_window);
+  const int64_t split = blockIdx.z, key_begin = tile.key_begin + split * p.plan.split_keys;
   if (tile.first_token != token || key_begin >= tile.key_end) return;  // the whole block: no work here
   const int64_t key_stop = min_i64(tile.key_end, key_begin + p.plan.split_keys);
   const int kv_head = blockIdx.y, group = s.num_heads / s.num_kv_heads, dim = s.head_dim;
@@ -221,8 +248,10 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
     for (int first_row = 0; first_row < rows; first_row += kAttentionWarps) {
       const int r = first_row + warp;
       float score = -INFINITY;
-      if (r < rows && lane < num_keys && tile_start + lane <= tile.first_position + r / group) {
+      const int64_t position = tile.first_position + r / group;
+      if (r < rows && lane < num_keys && key_visible(tile_start + lane, position, s.sliding_window)) {
         score = dot(queries + r * dim, keys + lane * (dim + 4), dim);
+        if (p.softcap > 0.0f) score = p.softcap * tanhf(score / p.softcap);
       }
       const float old_max = r < rows ? running_max[r] : -INFINITY;
       const float new_max = fmaxf(old_max, warp_max(score));
@@ -281,7 +310,8 @@ template <class T>
 __global__ void __launch_bounds__(kAttentionThreads) combine_splits_kernel(const PagedAttentionParams<T> p) {
   const AttentionShape& s = p.shape;
   const int64_t token = blockIdx.x, head = blockIdx.y;
-  const QueryTile tile = query_tile_of(token, p.query_start, p.context_lens, s.num_requests, p.plan.query_tile);
+  const QueryTile tile =
+      query_tile_of(token, p.query_start, p.context_lens, s.num_requests, p.plan.query_tile, s.sliding_window);
   const int64_t splits = num_splits_of(tile, p.plan.split_keys);
   if (splits == 1) return;
   const SplitParts parts = split_parts(p.workspace, s, p.plan);
@@ -306,7 +336,7 @@ __global__ void __launch_bounds__(kAttentionThreads) combine_splits_kernel(const
 // p.plan must be plan_attention(p.shape, ...) and p.workspace hold p.plan.workspace_floats.
 template <class T>
 Status launch_paged_attention(const PagedAttentionParams<T>& p, Stream stream) {
-  if (attention_shape_problem(p.shape) != nullptr) return kInvalidArgument;
+  if (attention_shape_problem(p.shape) != nullptr || softcap_problem(p.softcap) != nullptr) return kInvalidArgument;
   if (p.shape.num_tokens == 0) return kSuccess;
   if (p.plan.workspace_floats > 0 && p.workspace == nullptr) return kInvalidArgument;
   Status status = allow_shared_memory(paged_attention_kernel<T>, p.plan.shared_bytes);

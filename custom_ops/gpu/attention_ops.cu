@@ -64,10 +64,12 @@ std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle:
 
 // Causal attention of every query over its request's cache blocks: request r's queries are
 // query rows query_start[r]..query_start[r + 1], at the last positions of its context_lens[r] tokens.
+// sliding_window > 0: the query at position p sees keys max(0, p - sliding_window + 1)..p only;
+// softcap > 0: scores s (q.k / sqrt(head_dim)) become softcap * tanh(s / softcap) before the softmax.
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& query, const paddle::Tensor& key_cache,
                                            const paddle::Tensor& value_cache, const paddle::Tensor& query_start,
                                            const paddle::Tensor& context_lens, const paddle::Tensor& block_table,
-                                           int query_tile, IsaAttr) {
+                                           int query_tile, int sliding_window, float softcap, IsaAttr) {
   glue::check_on_gpu(query, "query");
   check_caches(key_cache, value_cache, query);
   for (const auto* indices : {&query_start, &context_lens, &block_table}) glue::check_indices(*indices, "an index");
@@ -78,9 +80,12 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& query, const pa
                              static_cast<int>(query.shape()[1]),
                              static_cast<int>(key_cache.shape()[2]),
                              static_cast<int>(query.shape()[2]),
-                             static_cast<int>(key_cache.shape()[1])};
+                             static_cast<int>(key_cache.shape()[1]),
+                             sliding_window};
   const char* problem = attention_shape_problem(shape);
   PD_CHECK(problem == nullptr, "bs_paged_attention: ", problem == nullptr ? "" : problem);
+  const char* softcap_error = softcap_problem(softcap);
+  PD_CHECK(softcap_error == nullptr, "bs_paged_attention: ", softcap_error == nullptr ? "" : softcap_error);
   PD_CHECK(key_cache.shape()[3] == shape.head_dim && query_tile > 0, "cache head_dim must match the query's");
   PD_CHECK(query_start.numel() == shape.num_requests + 1 && block_table.shape()[0] == shape.num_requests,
            "one row per request");
@@ -101,7 +106,8 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& query, const pa
                                     workspace.data<float>(),
                                     shape,
                                     plan,
-                                    1.0f / std::sqrt(static_cast<float>(shape.head_dim))};
+                                    1.0f / std::sqrt(static_cast<float>(shape.head_dim)),
+                                    softcap};
     return launch_paged_attention(p, query.stream());
   });
   glue::check_launched(status, "bs_paged_attention");
@@ -120,5 +126,5 @@ PD_BUILD_OP(bs_rope_write_kv)
 PD_BUILD_OP(bs_paged_attention)
     .Inputs({"Query", "KeyCache", "ValueCache", "QueryStart", "ContextLens", "BlockTable"})
     .Outputs({"Out"})
-    .Attrs({"query_tile: int", BS_ISA_ATTR})
+    .Attrs({"query_tile: int", "sliding_window: int", "softcap: float", BS_ISA_ATTR})
     .SetKernelFn(PD_KERNEL(PagedAttention));

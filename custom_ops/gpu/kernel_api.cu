@@ -36,8 +36,8 @@ int with_dtype(int dtype, Body body) {
 }
 
 AttentionShape attention_shape(int64_t num_tokens, int64_t num_requests, int64_t table_width, int num_heads,
-                               int num_kv_heads, int head_dim, int block_size) {
-  return {num_tokens, num_requests, table_width, num_heads, num_kv_heads, head_dim, block_size};
+                               int num_kv_heads, int head_dim, int block_size, int64_t sliding_window) {
+  return {num_tokens, num_requests, table_width, num_heads, num_kv_heads, head_dim, block_size, sliding_window};
 }
 
 }  // namespace
@@ -80,9 +80,10 @@ int bs_rope_write_kv(int dtype, const void* qkv, const int64_t* positions, const
 
 // plan_out: query_tile, split_keys, max_splits, workspace_floats, shared_bytes.
 int bs_plan_attention(int64_t num_tokens, int64_t num_requests, int64_t table_width, int num_heads, int num_kv_heads,
-                      int head_dim, int block_size, int query_tile, int num_sms, int64_t* plan_out) {
-  const AttentionShape shape =
-      attention_shape(num_tokens, num_requests, table_width, num_heads, num_kv_heads, head_dim, block_size);
+                      int head_dim, int block_size, int64_t sliding_window, int query_tile, int num_sms,
+                      int64_t* plan_out) {
+  const AttentionShape shape = attention_shape(num_tokens, num_requests, table_width, num_heads, num_kv_heads,
+                                               head_dim, block_size, sliding_window);
   if (const char* problem = attention_shape_problem(shape)) return report(kInvalidArgument, problem);
   const AttentionPlan plan = plan_attention(shape, query_tile, num_sms);
   plan_out[0] = plan.query_tile;
@@ -93,21 +94,24 @@ int bs_plan_attention(int64_t num_tokens, int64_t num_requests, int64_t table_wi
   return report(kSuccess);
 }
 
-// workspace: the plan's workspace_floats floats (may be null when that is 0).
+// workspace: the plan's workspace_floats floats (may be null when that is 0). sliding_window and
+// softcap: 0 for none (the op's attributes).
 int bs_paged_attention(int dtype, const void* query, const void* key_cache, const void* value_cache,
                        const int64_t* query_start, const int64_t* context_lens, const int64_t* block_table, void* out,
                        float* workspace, int64_t num_tokens, int64_t num_requests, int64_t table_width, int num_heads,
-                       int num_kv_heads, int head_dim, int block_size, int query_tile, int num_sms, void* stream) {
-  const AttentionShape shape =
-      attention_shape(num_tokens, num_requests, table_width, num_heads, num_kv_heads, head_dim, block_size);
+                       int num_kv_heads, int head_dim, int block_size, int64_t sliding_window, float softcap,
+                       int query_tile, int num_sms, void* stream) {
+  const AttentionShape shape = attention_shape(num_tokens, num_requests, table_width, num_heads, num_kv_heads,
+                                               head_dim, block_size, sliding_window);
   if (const char* problem = attention_shape_problem(shape)) return report(kInvalidArgument, problem);
+  if (const char* problem = softcap_problem(softcap)) return report(kInvalidArgument, problem);
   const AttentionPlan plan = plan_attention(shape, query_tile, num_sms);
   return with_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     const PagedAttentionParams<T> p{static_cast<const T*>(query), static_cast<const T*>(key_cache),
                                     static_cast<const T*>(value_cache), query_start, context_lens, block_table,
                                     static_cast<T*>(out), workspace, shape, plan,
-                                    1.0f / sqrtf(static_cast<float>(head_dim))};
+                                    1.0f / sqrtf(static_cast<float>(head_dim)), softcap};
     return launch_paged_attention(p, static_cast<Stream>(stream));
   });
 }

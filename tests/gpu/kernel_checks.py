@@ -52,14 +52,15 @@ def check_silu_and_mul(library, dtype: str) -> None:
         assert_close(library.silu_and_mul(gate_up, dtype), expected, dtype, f"silu_and_mul {rows}x{width}")
 
 
-def mixed_batch(rng, block_size: int, shapes=MIXED_SHAPES) -> dict[str, np.ndarray]:
+def mixed_batch(rng, block_size: int, shapes=MIXED_SHAPES, share_blocks: bool = True) -> dict[str, np.ndarray]:
     """A step's attention inputs: block ids scattered over the cache (odd ids only: holes in every table),
-    request 6 reusing request 3's first two blocks, the table padded with block 0."""
+    request 6 reusing request 3's first two blocks (if share_blocks), the table padded with block 0."""
     lengths = [cached + new for cached, new in shapes]
     num_blocks = 2 * sum(-(-length // block_size) for length in lengths) + 2
     free = list(rng.permutation(np.arange(1, num_blocks, 2)))
     tables = [[int(free.pop()) for _ in range(-(-length // block_size))] for length in lengths]
-    tables[6][:2] = tables[3][:2]
+    if share_blocks:
+        tables[6][:2] = tables[3][:2]
     block_table = np.zeros((len(shapes), max(len(t) for t in tables)), dtype=np.int64)
     for row, blocks in enumerate(tables):
         block_table[row, : len(blocks)] = blocks
@@ -148,6 +149,100 @@ def check_paged_attention_split_keys(library, dtype: str) -> None:
         assert plan["max_splits"] > 1 and plan["workspace_floats"] > 0, plan
 
 
+def windowed_attention(
+    query, key_cache, value_cache, query_start, context_lens, block_table, sliding_window: int, softcap: float
+) -> np.ndarray:
+    """ref.paged_attention with Hugging Face's sliding window (the query at position p sees keys
+    p - sliding_window < k <= p; 0: no window) and soft-capping (scores s -> softcap * tanh(s / softcap);
+    0: none), as a mask over every key of the request. Computed in float64."""
+    num_tokens, num_heads, dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = np.zeros((num_tokens, num_heads, dim))
+    for request, context in enumerate(context_lens):
+        key_positions = np.arange(context)
+        blocks = block_table[request, key_positions // block_size]
+        keys = np.repeat(key_cache[blocks, key_positions % block_size].astype(np.float64), group, axis=1)
+        values = np.repeat(value_cache[blocks, key_positions % block_size].astype(np.float64), group, axis=1)
+        first, last = query_start[request], query_start[request + 1]
+        query_positions = context - (last - first) + np.arange(last - first)
+        offsets = query_positions[:, None] - key_positions[None, :]
+        visible = (offsets >= 0) & ((offsets < sliding_window) if sliding_window > 0 else True)
+        scores = np.einsum("khd,qhd->qhk", keys, query[first:last].astype(np.float64)) / np.sqrt(dim)
+        if softcap > 0:
+            scores = softcap * np.tanh(scores / softcap)
+        scores = np.where(visible[:, None, :], scores, -np.inf)
+        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out[first:last] = np.einsum("qhk,khd->qhd", probs, values)
+    return out.reshape(num_tokens, num_heads * dim).astype(np.float32)
+
+
+def poison_unseen_keys(key_cache, value_cache, batch, sliding_window: int, dtype: str) -> None:
+    """NaN keys and values at every position before the window of each request's first query: a kernel
+    that reads one of them (even to mask it: 0 * NaN) answers NaN. Needs tables that share no block."""
+    poison = ref.encode(np.full(key_cache.shape[2:], np.nan, dtype=np.float32), dtype)
+    block_size = key_cache.shape[1]
+    query_lens = np.diff(batch["query_start"])
+    for request, context in enumerate(batch["context_lens"]):
+        for position in range(max(0, context - query_lens[request] - sliding_window + 1)):
+            block = batch["block_table"][request, position // block_size]
+            key_cache[block, position % block_size] = value_cache[block, position % block_size] = poison
+
+
+def attend_windowed_and_compare(library, dtype, rng, batch, geometry, query_tile, num_sms, sliding_window, softcap):
+    """As attend_and_compare with a window and soft-capping; the queries are scaled up so that the cap bites."""
+    num_heads, num_kv_heads, head_dim, block_size = geometry
+    query = stored(rng, (len(batch["positions"]), num_heads, head_dim), dtype, 3.0)
+    cache_shape = (batch["num_blocks"], block_size, num_kv_heads, head_dim)
+    key_cache, value_cache = stored(rng, cache_shape, dtype), stored(rng, cache_shape, dtype)
+    inputs = (batch["query_start"], batch["context_lens"], batch["block_table"])
+    decoded = [ref.decode(a, dtype) for a in (query, key_cache, value_cache)]
+    expected = windowed_attention(*decoded, *inputs, sliding_window, softcap)
+    plain = ref.paged_attention(*decoded, *inputs)
+    np.testing.assert_allclose(windowed_attention(*decoded, *inputs, 0, 0.0), plain, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(expected, plain, *ref.TOLERANCES[dtype]), "the window and cap must change the answer"
+    if sliding_window > 0:
+        poison_unseen_keys(key_cache, value_cache, batch, sliding_window, dtype)
+    out, plan = library.paged_attention(
+        query, key_cache, value_cache, *inputs, query_tile, dtype, num_sms, sliding_window, softcap
+    )
+    what = f"paged_attention {geometry} window {sliding_window} softcap {softcap} {plan}"
+    assert_close(out, expected, dtype, what)
+    return plan
+
+
+# (sliding_window, softcap): windows alone, soft-capping alone, both.
+WINDOW_CASES = [(1, 0.0), (7, 0.0), (16, 0.0), (64, 0.0), (0, 5.0), (7, 5.0), (64, 30.0)]
+# Decodes of contexts shorter than, as long as and longer than the windows, a chunk of 20 queries at
+# positions 50..69 (past a window of 16's start), a fresh prefill longer than a query tile, a short chunk.
+WINDOW_SHAPES = [(0, 1), (4, 1), (6, 1), (7, 1), (63, 1), (64, 1), (299, 1), (50, 20), (0, 40), (130, 3)]
+
+
+def check_paged_attention_window_and_softcap(library, dtype: str) -> None:
+    """Sliding windows of 1, 7, 16 and 64 keys and soft-capping over decodes and prefill chunks, GQA
+    groups of 3 and 4, blocks of 16; keys before a request's first window are NaN (never read)."""
+    rng = np.random.default_rng(19)
+    for geometry in [(9, 3, 64, 16), (8, 2, 32, 16)]:
+        for sliding_window, softcap in WINDOW_CASES:
+            batch = mixed_batch(rng, geometry[3], WINDOW_SHAPES, share_blocks=False)
+            attend_windowed_and_compare(library, dtype, rng, batch, geometry, 16, 1, sliding_window, softcap)
+
+
+def check_paged_attention_window_splits(library, dtype: str) -> None:
+    """Long decodes with a window of 512 on many multiprocessors: the plan splits the window's keys
+    (plus a query tile's), not the context's, and no key before the window is read (NaN there)."""
+    rng = np.random.default_rng(20)
+    sliding_window = 512
+    shapes = [(3999, 1), (2047, 1), (600, 20), (100, 1)]
+    for softcap in (0.0, 30.0):
+        batch = mixed_batch(rng, 16, shapes, share_blocks=False)
+        plan = attend_windowed_and_compare(library, dtype, rng, batch, (8, 2, 64, 16), 16, 132, sliding_window, softcap)
+        span = sliding_window + plan["query_tile"] - 1
+        assert plan["max_splits"] > 1 and (plan["max_splits"] - 1) * plan["split_keys"] < span, plan
+        assert plan["max_splits"] * plan["split_keys"] >= span, plan
+
+
 def check_prepare_step_inputs(library, dtype: str) -> None:
     """Random steps over scattered batch slots: new requests, decodes whose token the step before
     sampled on the device, prefill chunks; the device tables persist from step to step."""
@@ -228,6 +323,8 @@ CHECKS = [
     check_rope_write_kv,
     check_paged_attention_mixed_step,
     check_paged_attention_split_keys,
+    check_paged_attention_window_and_softcap,
+    check_paged_attention_window_splits,
     check_prepare_step_inputs,
 ]
 # Shapes too large for the emulation: on a GPU only.

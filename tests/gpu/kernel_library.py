@@ -123,8 +123,8 @@ SIGNATURES = {
     "bs_add_rms_norm": [i32, ptr, ptr, ptr, ptr, ptr, i64, i64, f32, ptr],
     "bs_silu_and_mul": [i32, ptr, ptr, i64, i64, ptr],
     "bs_rope_write_kv": [i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32, i32, ptr],
-    "bs_plan_attention": [i64, i64, i64, i32, i32, i32, i32, i32, i32, ptr],
-    "bs_paged_attention": [i32, *[ptr] * 8, i64, i64, i64, i32, i32, i32, i32, i32, i32, ptr],
+    "bs_plan_attention": [i64, i64, i64, i32, i32, i32, i32, i64, i32, i32, ptr],
+    "bs_paged_attention": [i32, *[ptr] * 8, i64, i64, i64, i32, i32, i32, i32, i64, f32, i32, i32, ptr],
     "bs_prepare_step_inputs": [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, *[ptr] * 6, ptr],
 }
 
@@ -202,20 +202,30 @@ class KernelLibrary:
         return a.get(query), a.get(keys), a.get(values)
 
     def plan_attention(
-        self, query_shape, num_requests: int, cache_shape, table_width: int, query_tile: int, num_sms: int
+        self,
+        query_shape,
+        num_requests: int,
+        cache_shape,
+        table_width: int,
+        query_tile: int,
+        num_sms: int,
+        sliding_window: int = 0,
     ):
         """The kernel's plan (PLAN_FIELDS) for query [tokens, heads, dim] and caches [blocks, block_size, kv_heads, dim]."""
         plan = np.zeros(len(PLAN_FIELDS), dtype=np.int64)
         num_tokens, num_heads, head_dim = query_shape
-        args = (num_tokens, num_requests, table_width, num_heads, cache_shape[2], head_dim, cache_shape[1], query_tile)
-        status = self.lib.bs_plan_attention(*args, num_sms, plan.ctypes.data)
+        args = (num_tokens, num_requests, table_width, num_heads, cache_shape[2], head_dim, cache_shape[1])
+        status = self.lib.bs_plan_attention(*args, sliding_window, query_tile, num_sms, plan.ctypes.data)
         if status != 0:
             raise KernelError(f"bs_plan_attention: {self.lib.bs_last_error().decode()}")
         return dict(zip(PLAN_FIELDS, plan.tolist()))
 
-    def paged_attention_on_device(self, dtype: str, arrays: dict, query_tile: int, num_sms: int) -> None:
+    def paged_attention_on_device(
+        self, dtype: str, arrays: dict, query_tile: int, num_sms: int, sliding_window: int = 0, softcap: float = 0.0
+    ) -> None:
         """Launches on arrays already on the backend (query, key_cache, value_cache, query_start,
-        context_lens, block_table, out, workspace); returns without waiting (the benchmark times it)."""
+        context_lens, block_table, out, workspace); returns without waiting (the benchmark times it).
+        sliding_window, softcap: 0 for none."""
         a = self.arrays
         names = ("query", "key_cache", "value_cache", "query_start", "context_lens", "block_table", "out", "workspace")
         num_tokens, num_heads, head_dim = arrays["query"].shape
@@ -230,6 +240,8 @@ class KernelLibrary:
             num_kv_heads,
             head_dim,
             block_size,
+            sliding_window,
+            softcap,
             query_tile,
             num_sms,
             a.stream,
@@ -254,14 +266,25 @@ class KernelLibrary:
         return arrays
 
     def paged_attention(
-        self, query, key_cache, value_cache, query_start, context_lens, block_table, query_tile, dtype, num_sms
+        self,
+        query,
+        key_cache,
+        value_cache,
+        query_start,
+        context_lens,
+        block_table,
+        query_tile,
+        dtype,
+        num_sms,
+        sliding_window: int = 0,
+        softcap: float = 0.0,
     ):
         """(output [tokens, heads * dim], the plan it ran with)."""
         plan = self.plan_attention(
-            query.shape, len(context_lens), key_cache.shape, block_table.shape[1], query_tile, num_sms
+            query.shape, len(context_lens), key_cache.shape, block_table.shape[1], query_tile, num_sms, sliding_window
         )
         arrays = self.put_attention_inputs(query, key_cache, value_cache, query_start, context_lens, block_table, plan)
-        self.paged_attention_on_device(dtype, arrays, query_tile, num_sms)
+        self.paged_attention_on_device(dtype, arrays, query_tile, num_sms, sliding_window, softcap)
         self.arrays.synchronize()
         return self.arrays.get(arrays["out"]), plan
 

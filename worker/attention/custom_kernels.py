@@ -13,18 +13,8 @@ from worker.attention.backend import LayerAttention
 from worker.attention.metadata import CustomAttentionMetadata, HostAttentionMetadata
 from worker.inputs.step_inputs import StepInputs
 from worker.layers.rotary import RotaryEmbedding
-from worker.models.config import ModelConfig
 
 QUERY_TILE = 16  # queries of one request attended together: their keys are read once per tile
-
-
-def variation_problem(config: ModelConfig) -> str | None:
-    """Why the custom attention ops cannot take this model's layers (what they lack), or None."""
-    if config.has_sliding_window:
-        return f"sliding-window attention (window {max(w for w in config.sliding_windows if w)})"
-    if config.attention_softcap is not None:
-        return "attention logit soft-capping"
-    return None
 
 
 class CustomPagedAttention:

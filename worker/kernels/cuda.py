@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from worker.attention.custom_kernels import variation_problem
 from worker.kernels.cpu import CustomKernels
 from worker.kernels.cpu_isa import IsaSet
 from worker.models.config import ModelConfig
@@ -27,7 +26,7 @@ def attention_shape_problem(config: ModelConfig) -> str | None:
         return f"head_dim {config.head_dim} is not a multiple of 8 up to {MAX_HEAD_DIM}"
     if group > MAX_GROUP:
         return f"{group} query heads share a kv head (at most {MAX_GROUP})"
-    return variation_problem(config)
+    return None  # sliding windows and soft caps too: bs_paged_attention takes them
 
 
 class CudaKernels(CustomKernels):

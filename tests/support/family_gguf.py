@@ -12,6 +12,8 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 from safetensors.numpy import load_file
 
 PERMUTED_ARCHITECTURES = ("llama", "granite", "smollm3")  # convert_hf_to_gguf.py's LlamaModel.permute
@@ -33,6 +35,7 @@ EXPERT_TENSORS = {  # an expert's matrix in the folder -> llama.cpp's stacked te
     "down_proj": gguf.MODEL_TENSOR.FFN_DOWN_EXP,
     "w2": gguf.MODEL_TENSOR.FFN_DOWN_EXP,
 }
+HF_PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's names for an expert's matrices
 CORRECTION = re.compile(r"model\.layers\.(\d+)\.mlp\.moe_statics\.e_score_correction_bias")
 TOKENIZER_KEYS = (
     "tokenizer.ggml.model",
@@ -53,7 +56,12 @@ def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def write_family_gguf(folder: Path, path: Path, tokenizer_gguf: Path) -> None:
+def write_family_gguf(
+    folder: Path, path: Path, tokenizer_gguf: Path, expert_types: dict[str, GGMLQuantizationType] | None = None
+) -> None:
+    """The folder's weights as llama.cpp writes the family: float32 tensors, a mixture's experts stacked per layer
+    and projection, each stacked part quantized to `expert_types[part]` (gate_proj, up_proj, down_proj) where given."""
+    expert_types = expert_types or {}
     config = json.loads((folder / "config.json").read_text())
     arch = GGUF_ARCHITECTURE.get(config["model_type"], config["model_type"])
     num_layers = config["num_hidden_layers"]
@@ -62,12 +70,14 @@ def write_family_gguf(folder: Path, path: Path, tokenizer_gguf: Path) -> None:
     _copy_tokenizer(writer, tokenizer_gguf)
     names = gguf.get_tensor_name_map(MODEL_ARCH[arch], num_layers)
     experts: dict[str, dict[int, np.ndarray]] = {}
+    stacked_types: dict[str, GGMLQuantizationType | None] = {}
     for hf_name, array in load_file(folder / "model.safetensors").items():
         array = array.astype(np.float32)
         if expert := EXPERT.fullmatch(hf_name):
             layer, index, part = expert.groups()
             stacked_name = gguf.TENSOR_NAMES[EXPERT_TENSORS[part]].format(bid=layer) + ".weight"
             experts.setdefault(stacked_name, {})[int(index)] = array
+            stacked_types[stacked_name] = expert_types.get(HF_PART.get(part, part))
             continue
         if correction := CORRECTION.fullmatch(hf_name):  # ERNIE 4.5 MoE's
             writer.add_tensor(f"blk.{correction.group(1)}.exp_probs_b.bias", array.reshape(-1))
@@ -79,7 +89,11 @@ def write_family_gguf(folder: Path, path: Path, tokenizer_gguf: Path) -> None:
             array = array + np.float32(1.0)
         writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), array)
     for stacked_name, by_index in experts.items():
-        writer.add_tensor(stacked_name, np.stack([by_index[e] for e in sorted(by_index)]))
+        stacked = np.stack([by_index[e] for e in sorted(by_index)])
+        if (quant_type := stacked_types[stacked_name]) is None:
+            writer.add_tensor(stacked_name, stacked)
+        else:
+            writer.add_tensor(stacked_name, quantize(stacked, quant_type), raw_dtype=quant_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -113,3 +113,56 @@ def write_tokenizer_gguf(path: Path, architecture: str, style: dict, **options) 
     writer.write_tensors_to_file()
     writer.close()
     return processor
+
+
+def write_tiny_llama_gguf(path: Path, style: dict) -> sentencepiece.SentencePieceProcessor:
+    """A tiny random Llama (2 layers, hidden 32) whose vocabulary is a SentencePiece model trained here, as one
+    GGUF file in float32; the SentencePiece model, for reference."""
+    import numpy as np
+
+    from tests.support.family_gguf import _write_keys
+
+    processor = train_sentencepiece(style)
+    vocab, hidden, ffn, heads, kv_heads, head_dim, layers = processor.GetPieceSize(), 32, 64, 4, 2, 8, 2
+    config = dict(
+        max_position_embeddings=256,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=ffn,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=1e-6,
+        vocab_size=vocab,
+    )
+    rng = np.random.default_rng(0)
+
+    def weight(*shape: int) -> np.ndarray:
+        return rng.normal(0.0, 0.2, shape).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _write_keys(writer, "llama", config)
+    add_sentencepiece_tokenizer(writer, processor, style)
+    writer.add_tensor("token_embd.weight", weight(vocab, hidden))
+    for layer in range(layers):
+        norms = ("attn_norm", "ffn_norm")
+        shapes = dict(
+            attn_q=(heads * head_dim, hidden),
+            attn_k=(kv_heads * head_dim, hidden),
+            attn_v=(kv_heads * head_dim, hidden),
+            attn_output=(hidden, heads * head_dim),
+            ffn_gate=(ffn, hidden),
+            ffn_up=(ffn, hidden),
+            ffn_down=(hidden, ffn),
+        )
+        for name in norms:
+            writer.add_tensor(f"blk.{layer}.{name}.weight", np.ones(hidden, np.float32))
+        for name, shape in shapes.items():
+            writer.add_tensor(f"blk.{layer}.{name}.weight", weight(*shape))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    writer.add_tensor("output.weight", weight(vocab, hidden))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return processor

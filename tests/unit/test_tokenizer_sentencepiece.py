@@ -12,6 +12,7 @@ import gguf
 import pytest
 from llguidance import LLTokenizer
 
+from service.api.detokenizer import IncrementalDetokenizer
 from service.contract import wire
 from tests.support.sentencepiece_gguf import CHAT_TEMPLATE, GEMMA_STYLE, LLAMA_STYLE, write_tokenizer_gguf
 from worker.loading.tokenizer import TokenizerInfo, UnsupportedTokenizerError, tokenizer_from_gguf
@@ -161,6 +162,21 @@ def test_gemmas_merges_follow_the_order_of_its_tokens_not_their_scores(tmp_path)
 
     for text in TEXTS:
         assert encode(ours, text) == processor.encode(text)
+
+
+@pytest.mark.parametrize("output", [" The fish 中文 🙂 was\n\n  here.", "Hello world", "中文 first"])
+def test_output_tokens_stream_to_their_text_one_at_a_time(tokenizer_file, output):
+    """The api's detokenizer, on a decoder that drops the space in front: the first output token keeps its space."""
+    ours = tokenizer_file[2]
+    prompt = "Question: where?"
+    prompt_ids = [ours.bos_token_id, *encode(ours, prompt)]
+    all_ids = [ours.bos_token_id, *encode(ours, prompt + output)]
+    assert all_ids[: len(prompt_ids)] == prompt_ids
+
+    detokenizer = IncrementalDetokenizer(ours.tokenizer, prompt_ids)
+    streamed = "".join(detokenizer.add([token_id]) for token_id in all_ids[len(prompt_ids) :]) + detokenizer.flush()
+
+    assert streamed == output
 
 
 def test_special_ids_and_template_come_from_the_file(tokenizer_file):

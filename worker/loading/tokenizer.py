@@ -1,4 +1,4 @@
-"""Tokenizers: rebuilt from GGUF metadata (byte-level BPE) or read from a folder's tokenizer.json.
+"""Tokenizers: rebuilt from GGUF metadata (byte-level BPE, SentencePiece BPE) or read from a folder's tokenizer.json.
 
 No Paddle here: the api may import this module.
 """
@@ -11,6 +11,9 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from worker.loading.sentencepiece_bpe import SPACE, gguf_pieces, sentencepiece_bpe
+
+GGUF_UNKNOWN_TOKEN = 2
 GGUF_CONTROL_TOKEN = 3
 GGUF_USER_DEFINED_TOKEN = 4
 
@@ -72,24 +75,62 @@ def byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int])
     return tokenizer
 
 
+def sentencepiece_tokenizer(metadata: dict[str, object]) -> Tokenizer:
+    """The tokenizer llama.cpp and transformers read from a GGUF with `tokenizer.ggml.model == "llama"`."""
+    tokens = metadata["tokenizer.ggml.tokens"]
+    token_types = metadata.get("tokenizer.ggml.token_type", [])
+    unknown = metadata.get("tokenizer.ggml.unknown_token_id")
+    tokenizer = sentencepiece_bpe(
+        tokens,
+        metadata.get("tokenizer.ggml.scores"),
+        add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", True)),
+        unknown_token=None if unknown is None else tokens[int(unknown)],
+        architecture=metadata.get("general.architecture"),
+    )
+    # llama.cpp matches control, unknown and user-defined tokens whole in a text; the first two are special.
+    special = [
+        AddedToken(token, normalized=False, special=True)
+        for token, kind in zip(tokens, token_types)
+        if kind in (GGUF_CONTROL_TOKEN, GGUF_UNKNOWN_TOKEN)
+    ]
+    tokenizer.add_special_tokens(special)
+    # A token the file spells with spaces and the tokenizer with ▁ (Gemma's runs of spaces) is matched in the text
+    # as normalized, where spaces are ▁.
+    pieces = gguf_pieces(tokens, metadata.get("general.architecture"))
+    user_defined = [
+        AddedToken(piece, normalized=piece != token and set(piece) == {SPACE}, special=False)
+        for piece, token, kind in zip(pieces, tokens, token_types)
+        if kind == GGUF_USER_DEFINED_TOKEN
+    ]
+    tokenizer.add_tokens(user_defined)
+    return tokenizer
+
+
 def tokenizer_from_gguf(metadata: dict[str, object]) -> TokenizerInfo:
     """Read the `tokenizer.*` keys of a GGUF file."""
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UnsupportedTokenizerError(f"GGUF tokenizer {kind!r} is not supported (only byte-level BPE 'gpt2')")
-    tokenizer = byte_level_bpe(
-        metadata["tokenizer.ggml.tokens"],
-        metadata.get("tokenizer.ggml.merges", []),
-        metadata.get("tokenizer.ggml.token_type", []),
-    )
+    if kind == "gpt2":
+        tokenizer = byte_level_bpe(
+            metadata["tokenizer.ggml.tokens"],
+            metadata.get("tokenizer.ggml.merges", []),
+            metadata.get("tokenizer.ggml.token_type", []),
+        )
+    elif kind == "llama":
+        tokenizer = sentencepiece_tokenizer(metadata)
+    else:
+        raise UnsupportedTokenizerError(
+            f"GGUF tokenizer {kind!r} is not supported (only byte-level BPE 'gpt2' and SentencePiece 'llama')"
+        )
     eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
     bos = metadata.get("tokenizer.ggml.bos_token_id")
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")
     return TokenizerInfo(
         tokenizer=tokenizer,
         chat_template=metadata.get("tokenizer.chat_template"),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=_unique(int(metadata[key]) for key in eos_keys if key in metadata),
-        add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+        add_bos_token=bool(add_bos),
     )
 
 

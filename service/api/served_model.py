@@ -7,13 +7,16 @@ model's limits.
 from __future__ import annotations
 
 import functools
+import re
 
-from tokenizers import Tokenizer, decoders
+from tokenizers import Tokenizer, decoders, models
 
 from service.api.chat_template import ChatTemplateError, render_chat
 from service.api.errors import ApiError
 from service.api.tools import format_for, template_renders_tools, with_tool_preamble
 from service.contract.wire import ModelInfo
+
+SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte without a piece of its own
 
 
 @functools.cache
@@ -36,6 +39,10 @@ class ServedModel:
         self.max_model_len = info.max_model_len
         self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
         self._byte_level = isinstance(self.tokenizer.decoder, decoders.ByteLevel)
+        # A SentencePiece vocabulary (worker/loading/sentencepiece_bpe.py): pieces spell spaces "▁" and bytes
+        # without a piece "<0xNN>"; its decoder drops a text's first space, which a lone token must keep.
+        self._sentencepiece = isinstance(self.tokenizer.model, models.BPE) and bool(self.tokenizer.model.byte_fallback)
+        self._special_ids = {i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special}
         self._token_texts: dict[int, str] = {}
 
     def encode(self, text: str) -> list[int]:
@@ -73,7 +80,12 @@ class ServedModel:
         """How one token reads on its own (special tokens included), for logprobs."""
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            piece_bytes = self._piece_bytes(token_id)
+            if piece_bytes is not None:
+                text = bytes(piece_bytes).decode("utf-8", errors="replace")
+            else:
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
         return text
 
     def token_bytes(self, token_id: int) -> list[int]:
@@ -83,7 +95,20 @@ class ServedModel:
             piece = self.tokenizer.id_to_token(token_id) or ""
             if piece and all(char in alphabet for char in piece):
                 return [alphabet[char] for char in piece]
-        return list(self.token_text(token_id).encode("utf-8"))
+        piece_bytes = self._piece_bytes(token_id)
+        return piece_bytes if piece_bytes is not None else list(self.token_text(token_id).encode("utf-8"))
+
+    def _piece_bytes(self, token_id: int) -> list[int] | None:
+        """A SentencePiece token's bytes as its piece spells them (its space kept), or None (another vocabulary, a
+        special token)."""
+        if not self._sentencepiece or token_id in self._special_ids:
+            return None
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return None
+        if byte := SENTENCEPIECE_BYTE.fullmatch(piece):
+            return [int(byte.group(1), 16)]
+        return list(piece.replace("\u2581", " ").encode("utf-8"))
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = self.info.vocab_size

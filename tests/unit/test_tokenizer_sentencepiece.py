@@ -13,6 +13,7 @@ import pytest
 from llguidance import LLTokenizer
 
 from service.api.detokenizer import IncrementalDetokenizer
+from service.api.served_model import ServedModel
 from service.contract import wire
 from tests.support.sentencepiece_gguf import CHAT_TEMPLATE, GEMMA_STYLE, LLAMA_STYLE, write_tokenizer_gguf
 from worker.loading.tokenizer import TokenizerInfo, UnsupportedTokenizerError, tokenizer_from_gguf
@@ -223,3 +224,33 @@ def test_llguidance_reads_the_tokenizer_json_and_spells_every_token_as_we_decode
         piece = processor.IdToPiece(token_id)
         expected = bytes([int(piece[3:5], 16)]) if processor.IsByte(token_id) else piece.replace("\u2581", " ").encode()
         assert ll.decode_bytes([token_id]) == expected, piece
+
+
+def test_logprobs_name_each_token_by_its_own_piece_space_and_bytes_kept(tokenizer_file):
+    """The api's ServedModel: a lone token keeps the space its piece spells (the decoder drops a text's first
+    space), a byte token is its byte, a special token its name; together a text's tokens are the text's bytes."""
+    _, processor, ours = tokenizer_file
+    served = ServedModel(
+        wire.ModelInfo(
+            name="tiny",
+            max_model_len=64,
+            vocab_size=ours.tokenizer.get_vocab_size(),
+            eos_token_ids=ours.eos_token_ids,
+            bos_token_id=ours.bos_token_id,
+            tokenizer_json=ours.tokenizer.to_str(),
+            chat_template=ours.chat_template,
+            add_bos_token=ours.add_bos_token,
+        )
+    )
+    text = "The fish 中文 was here"
+    token_ids = encode(ours, text)
+    assert b"".join(
+        bytes(served.token_bytes(t)) for t in token_ids
+    ).decode() == ours.tokenizer.normalizer.normalize_str(text).replace("\u2581", " ")
+    byte_token = processor.piece_to_id("<0xE4>")
+    assert served.token_bytes(byte_token) == [0xE4] and served.token_text(byte_token) == "\ufffd"
+    spaced = next(
+        t for t in token_ids if processor.id_to_piece(t).startswith("\u2581") and len(processor.id_to_piece(t)) > 1
+    )
+    assert served.token_text(spaced) == " " + processor.id_to_piece(spaced)[1:]
+    assert served.token_text(ours.bos_token_id) == processor.id_to_piece(ours.bos_token_id)

@@ -30,7 +30,7 @@ static inline void attend_rows(const AttentionTile<Cache>& t, const HeadRows& he
   }
   int64_t visible[ROWS];
   const int64_t most_visible = visible_keys(t, r, ROWS, span, span_keys, visible);
-  if (t.window > 0 || t.softcap > 0.0f) vary_scores(t, r, ROWS, span, visible, scores);
+  if (__builtin_expect(t.window > 0 || t.softcap > 0.0f, 0)) vary_scores(t, r, ROWS, span, visible, scores);
   for (int i = 0; i < ROWS; ++i) {
     softmax_update(scores + (r + i) * kKeySpan, visible[i], most_visible, head.running_max + r + i,
                    head.running_sum + r + i, head.acc + (r + i) * dim, dim);

@@ -7,6 +7,7 @@ stay float32."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -68,6 +69,10 @@ def write_family_gguf(
     writer = gguf.GGUFWriter(str(path), arch)
     _write_keys(writer, arch, config)
     _copy_tokenizer(writer, tokenizer_gguf)
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") == "longrope":  # its factors are tensors in a GGUF file
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
     names = gguf.get_tensor_name_map(MODEL_ARCH[arch], num_layers)
     experts: dict[str, dict[int, np.ndarray]] = {}
     stacked_types: dict[str, GGMLQuantizationType | None] = {}
@@ -117,6 +122,11 @@ def _write_keys(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "longrope":  # as llama.cpp's converter writes Phi-3's 128k variants
+        original = rope.get("original_max_position_embeddings") or config["original_max_position_embeddings"]
+        factor = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor) / math.log(original)))
     if config.get("sliding_window"):
         writer.add_sliding_window(config["sliding_window"])
     if arch == "gemma2":

@@ -101,13 +101,14 @@ FAMILY_MODELS = tuple(_configs())
 
 
 # What a GGUF file can say of each family llama.cpp converts (Mistral becomes its "llama"; Phi-3's longrope factors
-# are tensors the worker does not read): llama.cpp scales Gemma's q.k by head_dim ** -0.5 and takes Gemma 3's
+# are tensors, its attention factor and original length keys): llama.cpp scales Gemma's q.k by head_dim ** -0.5 and takes Gemma 3's
 # sliding layers five in six.
 GGUF_FAMILY_MODELS = {
     "qwen3": {},
     "gemma2": dict(query_pre_attn_scalar=DIMS["head_dim"]),
     "gemma3": dict(query_pre_attn_scalar=DIMS["head_dim"], num_hidden_layers=6, layer_types=None),
     "phi3": {},
+    "phi3-longrope": {},
     "olmo2": {},
     "smollm3": {},
     "granite": {},

@@ -14,7 +14,7 @@ from worker.layers.weight_format import GgufBlocks, served_blocks
 from worker.loading.gguf_header_check import read_gguf
 from worker.loading.tokenizer import TokenizerInfo, tokenizer_from_gguf
 from worker.loading.weight_layout import rows_in_half_rotation
-from worker.models.config import ModelConfig
+from worker.models.config import GGUF_CONFIG_TENSORS, GGUF_TENSOR_VALUE_KEY, ModelConfig
 from worker.models.registry import config_from_gguf, gguf_family
 
 _GLOBAL_NAMES = {
@@ -76,7 +76,14 @@ class GGUFCheckpoint:
         self._reader = read_gguf(path)
         self.metadata = {key: field.contents() for key, field in self._reader.fields.items()}
         self.family = gguf_family(self.metadata)
-        self.config: ModelConfig = config_from_gguf(self.metadata, {t.name for t in self._reader.tensors})
+        config_values = {
+            GGUF_TENSOR_VALUE_KEY.format(name=t.name): np.asarray(t.data, dtype=np.float32).reshape(-1).tolist()
+            for t in self._reader.tensors
+            if t.name in GGUF_CONFIG_TENSORS
+        }
+        self.config: ModelConfig = config_from_gguf(
+            {**self.metadata, **config_values}, {t.name for t in self._reader.tensors}
+        )
         self.tokenizer: TokenizerInfo = tokenizer_from_gguf(self.metadata)
         self.num_tensors = len(self._reader.tensors)
 
@@ -93,6 +100,8 @@ class GGUFCheckpoint:
         """(Hugging Face name, tensor in HF layout) for every tensor of the file: fp32 arrays, or with
         `keep_blocks` the matrices of a type the custom GEMM serves as their blocks (copied out of the file)."""
         for tensor in self._reader.tensors:
+            if tensor.name in GGUF_CONFIG_TENSORS:  # read into the config (rope factors), not a weight
+                continue
             shape = [int(dim) for dim in reversed(tensor.shape)]
             names = expert_names(tensor.name, shape[0]) if len(shape) == 3 else None
             if names is None:

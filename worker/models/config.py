@@ -173,6 +173,12 @@ def _longrope(config: dict, params: dict, theta: float) -> RopeConfig:
     )
 
 
+# A small tensor's values (a Phi-3 file's longrope factors) beside a GGUF file's keys, as the config reads them;
+# GGUFCheckpoint puts them there (no llama.cpp key has this form).
+GGUF_TENSOR_VALUE_KEY = "tensor-values:{name}"
+GGUF_CONFIG_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+
+
 def config_from_gguf_common(
     metadata: dict[str, object], tensor_names: set[str], architecture: str, **family_details
 ) -> ModelConfig:

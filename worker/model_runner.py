@@ -112,9 +112,7 @@ class ModelRunner:
             self.clock.launched()
             # The masks fill while the device computes (on a GPU these kernels are only queued).
             started = time.perf_counter()
-            refused_rows = self._resolve_matchers(inputs.sampling_requests)
-            checked_rows = self._checked_after(inputs.sampling_requests)
-            mask = self._grammar_mask(inputs.sampling_requests, skip=set(checked_rows))
+            refused_rows, checked_rows, mask = self._grammar_rows(inputs.sampling_requests)
             mask_s = time.perf_counter() - started if mask is not None else 0.0
             return LaunchedStep(
                 prepared,
@@ -145,8 +143,10 @@ class ModelRunner:
                 started = time.perf_counter()
                 if launched.checked_rows:
                     self._redraw_refused(launched.logits, sampling, launched.checked_rows, sampled)
-                # A row whose grammar was refused drew, but its request ends, refused, without the token.
-                kept = [row for row in range(len(sampling)) if row not in launched.refused_rows]
+                if launched.refused_rows:  # they drew, but their requests end, refused, without the token
+                    kept = [row for row in range(len(sampling)) if row not in launched.refused_rows]
+                else:
+                    kept = range(len(sampling))
                 for row in kept:
                     sampling[row].token_ids.append(sampled[row].token_id)
                 constrained = sorted([*launched.checked_rows, *([] if mask is None else mask.rows)])
@@ -156,7 +156,7 @@ class ModelRunner:
                     mask_s += time.perf_counter() - started
                 return wire.StepResult(
                     step_id=step_id,
-                    sampled=[sampled[row] for row in kept],
+                    sampled=[sampled[row] for row in kept] if launched.refused_rows else sampled,
                     refused=self._refusals(prepared.step),
                     grammar_mask_s=mask_s,
                     num_constrained=len(constrained),
@@ -171,11 +171,18 @@ class ModelRunner:
             return wire.StepResult(step_id=step_id, error=error)
         return wire.StepResult(step_id=step_id, refused=self._refusals(prepared.step))
 
-    def _resolve_matchers(self, sampling: list[RequestState]) -> set[int]:
-        """Matchers for the sampling rows whose grammar's template was building (GrammarMatchers.begin); the rows
-        whose grammar is refused now, their requests refused as at their arrival (they draw, but get no token)."""
+    def _grammar_rows(self, sampling: list[RequestState]) -> tuple[set[int], list[int], TokenMask | None]:
+        """The step's constrained sampling rows, in one pass (a step without any pays one scan): the rows whose
+        grammar's template was building and is refused now (GrammarMatchers.begin; their requests refused as at
+        arrival: they draw, but get no token), the greedy rows that draw before their grammar is asked
+        (sample/grammar.py: where the next inputs are built on the host, so a refused token is drawn again first),
+        and the masks of the others."""
+        rows = [row for row, state in enumerate(sampling) if state.matcher is not None]
+        if not rows:
+            return set(), [], None
         refused = set()
-        for row, state in enumerate(sampling):
+        for row in rows:
+            state = sampling[row]
             if isinstance(state.matcher, PendingMatcher):
                 try:
                     state.matcher = self.grammars.resolve(state.matcher)
@@ -185,19 +192,16 @@ class ModelRunner:
                     self.requests.pop(state.request_id, None)
                     state.matcher = None
                     refused.add(row)
-        return refused
-
-    def _checked_after(self, sampling: list[RequestState]) -> list[int]:
-        """The constrained greedy rows that draw before their grammar is asked (sample/grammar.py): all of them
-        where the next inputs are built on the host (a token refused is drawn again before they are), none where
-        the drawn tokens feed the next step on the device."""
-        if not self.step_inputs.tokens_on_host:
-            return []
-        return [
-            row
-            for row, state in enumerate(sampling)
-            if state.matcher is not None and state.sampling.temperature < GREEDY_TEMPERATURE
-        ]
+        draw_first = self.step_inputs.tokens_on_host
+        checked, masked = [], []
+        for row in rows:
+            if row not in refused:
+                greedy = sampling[row].sampling.temperature < GREEDY_TEMPERATURE
+                (checked if draw_first and greedy else masked).append(row)
+        if not masked:
+            return refused, checked, None
+        bitmask = self.grammars.fill([sampling[row].matcher for row in masked])
+        return refused, checked, TokenMask(np.array(masked, dtype=np.int64), bitmask)
 
     def _redraw_refused(
         self, logits: paddle.Tensor, sampling: list[RequestState], rows: list[int], sampled: list[wire.SampledToken]
@@ -226,14 +230,6 @@ class ModelRunner:
             ).fetch()
             for row, token in zip(draw_rows, redrawn):
                 sampled[row] = token
-
-    def _grammar_mask(self, sampling: list[RequestState], skip: set[int]) -> TokenMask | None:
-        """The masks of the constrained rows among `sampling` but those in `skip`, or None where there are none."""
-        rows = [row for row, state in enumerate(sampling) if state.matcher is not None and row not in skip]
-        if not rows:
-            return None
-        bitmask = self.grammars.fill([sampling[row].matcher for row in rows])
-        return TokenMask(np.array(rows, dtype=np.int64), bitmask)
 
     def _refusals(self, step: wire.SchedulerOutput) -> dict[str, str]:
         """Why each refused request of `step` goes without a token."""

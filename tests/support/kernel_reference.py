@@ -91,26 +91,34 @@ def rope_write_kv(qkv, positions, cos, sin, slot_mapping, key_cache, value_cache
     return query.astype(np.float32), keys_out, values_out
 
 
-def paged_attention(query, key_cache, value_cache, query_start, context_lens, block_table) -> np.ndarray:
+def paged_attention(
+    query, key_cache, value_cache, query_start, context_lens, block_table, sliding_window: int = 0, softcap: float = 0.0
+) -> np.ndarray:
     """Causal attention [tokens, heads * dim] of query [tokens, heads, dim] over each request's cache
     blocks: request r's queries are rows query_start[r]..query_start[r + 1], at the last positions of its
-    context_lens[r] tokens; head h reads kv head h // (heads / kv_heads). Computed in float64."""
+    context_lens[r] tokens; head h reads kv head h // (heads / kv_heads). With Hugging Face's sliding window (the
+    query at position p sees keys p - sliding_window < k <= p; 0: no window) and soft-capping (scores s ->
+    softcap * tanh(s / softcap); 0: none). Computed in float64."""
     num_tokens, num_heads, dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     out = np.zeros((num_tokens, num_heads, dim))
     for request, context in enumerate(context_lens):
-        positions = np.arange(context)
-        blocks = block_table[request, positions // block_size]
-        keys = np.repeat(key_cache[blocks, positions % block_size].astype(np.float64), group, axis=1)
-        values = np.repeat(value_cache[blocks, positions % block_size].astype(np.float64), group, axis=1)
+        key_positions = np.arange(context)
+        blocks = block_table[request, key_positions // block_size]
+        keys = np.repeat(key_cache[blocks, key_positions % block_size].astype(np.float64), group, axis=1)
+        values = np.repeat(value_cache[blocks, key_positions % block_size].astype(np.float64), group, axis=1)
         first, last = query_start[request], query_start[request + 1]
-        for token in range(first, last):
-            visible = context - (last - token) + 1  # keys 0..position
-            scores = np.einsum("khd,hd->hk", keys[:visible], query[token].astype(np.float64)) / np.sqrt(dim)
-            probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
-            probs /= probs.sum(axis=-1, keepdims=True)
-            out[token] = np.einsum("hk,khd->hd", probs, values[:visible])
+        query_positions = context - (last - first) + np.arange(last - first)
+        offsets = query_positions[:, None] - key_positions[None, :]
+        visible = (offsets >= 0) & ((offsets < sliding_window) if sliding_window > 0 else True)
+        scores = np.einsum("khd,qhd->qhk", keys, query[first:last].astype(np.float64)) / np.sqrt(dim)
+        if softcap > 0:
+            scores = softcap * np.tanh(scores / softcap)
+        scores = np.where(visible[:, None, :], scores, -np.inf)
+        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out[first:last] = np.einsum("qhk,khd->qhd", probs, values)
     return out.reshape(num_tokens, num_heads * dim).astype(np.float32)
 
 

@@ -203,9 +203,9 @@ def test_an_unknown_tokenizer_model_is_still_refused(tokenizer_file):
         tokenizer_from_gguf(metadata)
 
 
-def test_llguidance_reads_the_tokenizer_json_and_spells_every_token_as_we_decode_it(tokenizer_file):
-    _, processor, ours = tokenizer_file
-    info = wire.ModelInfo(
+def model_info(ours: TokenizerInfo) -> wire.ModelInfo:
+    """What the worker tells the api and its grammars of a model with this tokenizer."""
+    return wire.ModelInfo(
         name="tiny",
         max_model_len=64,
         vocab_size=ours.tokenizer.get_vocab_size(),
@@ -215,6 +215,11 @@ def test_llguidance_reads_the_tokenizer_json_and_spells_every_token_as_we_decode
         chat_template=ours.chat_template,
         add_bos_token=ours.add_bos_token,
     )
+
+
+def test_llguidance_reads_the_tokenizer_json_and_spells_every_token_as_we_decode_it(tokenizer_file):
+    _, processor, ours = tokenizer_file
+    info = model_info(ours)
     assert GrammarMatchers(info).problem is None
 
     ll = LLTokenizer(info.tokenizer_json, n_vocab=info.vocab_size, eos_token=info.eos_token_ids)
@@ -230,18 +235,7 @@ def test_logprobs_name_each_token_by_its_own_piece_space_and_bytes_kept(tokenize
     """The api's ServedModel: a lone token keeps the space its piece spells (the decoder drops a text's first
     space), a byte token is its byte, a special token its name; together a text's tokens are the text's bytes."""
     _, processor, ours = tokenizer_file
-    served = ServedModel(
-        wire.ModelInfo(
-            name="tiny",
-            max_model_len=64,
-            vocab_size=ours.tokenizer.get_vocab_size(),
-            eos_token_ids=ours.eos_token_ids,
-            bos_token_id=ours.bos_token_id,
-            tokenizer_json=ours.tokenizer.to_str(),
-            chat_template=ours.chat_template,
-            add_bos_token=ours.add_bos_token,
-        )
-    )
+    served = ServedModel(model_info(ours))
     text = "The fish 中文 was here"
     token_ids = encode(ours, text)
     assert b"".join(

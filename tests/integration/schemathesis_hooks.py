@@ -14,8 +14,9 @@ Constraints likewise: whether a generated regex, grammar or JSON Schema can be e
 server answers 400 naming the field, and the document lists that 400), nor does the document state that a request
 names at most one constraint, and none with `ignore_eos`. A valid request keeps its first constraint field, with a
 value of the same kind the server can enforce, and drops the others. Tools as well: each gets a name of its own and
-parameters the server can enforce, a named tool_choice names the first of them, and a tool_choice that asks for calls
-comes with a tool and without another constraint.
+parameters the server can enforce, a named tool_choice names the first of them, any tool_choice but none comes with
+a tool (the server, like OpenAI and vLLM, refuses one without tools), and one that asks for calls comes without
+another constraint.
 """
 
 from __future__ import annotations
@@ -70,10 +71,12 @@ def _servable_tools(body: dict) -> None:
                 tool["function"]["name"] = f"f{index}"
                 tool["function"]["parameters"] = {"type": "object"}
     choice = body.get("tool_choice")
-    if choice is None or choice in ("auto", "none"):
+    if choice is None or choice == "none":
         return
-    if not isinstance(tools, list) or not tools:
+    if not isinstance(tools, list) or not tools:  # any other tool_choice needs tools, as with OpenAI and vLLM
         body["tools"] = [{"type": "function", "function": {"name": "f0"}}]
+    if choice == "auto":  # calls are parsed and a begun call kept valid: another constraint may stay
+        return
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         choice["function"]["name"] = "f0"
     for field in SERVABLE_CONSTRAINTS:

@@ -197,7 +197,9 @@ def attend_and_compare(
         query, key_cache, value_cache, *inputs, query_tile, dtype, num_sms, kv_cache_dtype=kv_cache_dtype
     )
     expected = ref.paged_attention(ref.decode(query, dtype), keys, values, *inputs)
-    what = f"paged_attention {num_heads}/{num_kv_heads}x{head_dim} bs{block_size} {kv_cache_dtype or dtype} cache {plan}"
+    what = (
+        f"paged_attention {num_heads}/{num_kv_heads}x{head_dim} bs{block_size} {kv_cache_dtype or dtype} cache {plan}"
+    )
     assert_close(out, expected, dtype, what)
     return plan
 
@@ -263,7 +265,9 @@ def attend_windowed_and_compare(
     out, plan = library.paged_attention(
         query, key_cache, value_cache, *inputs, query_tile, dtype, num_sms, sliding_window, softcap, kv_cache_dtype
     )
-    what = f"paged_attention {geometry} window {sliding_window} softcap {softcap} {kv_cache_dtype or dtype} cache {plan}"
+    what = (
+        f"paged_attention {geometry} window {sliding_window} softcap {softcap} {kv_cache_dtype or dtype} cache {plan}"
+    )
     assert_close(out, expected, dtype, what)
     return plan
 

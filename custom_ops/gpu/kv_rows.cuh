@@ -62,7 +62,8 @@ struct KvRow<Int8Code> : ScaledKvRow {
 };
 
 // A code's 7 magnitude bits placed at bits 20..26 of an fp32 make 2^-120 times its value (normal and subnormal
-// codes alike), its sign at bit 31: code() takes 2^-120 times a value (within +-448) and rounds bits 20..26.
+// codes alike), its sign at bit 31: code() takes 2^-120 times a value (within +-448) and rounds bits 20..26. Small
+// codes are fp32 subnormals there: built without flushing them to zero (cuda_build.py's -ftz=false).
 template <>
 struct KvRow<Fp8E4M3Code> : ScaledKvRow {
   static constexpr float kTopCode = 448.0f;

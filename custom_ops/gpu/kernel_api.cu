@@ -79,10 +79,10 @@ int bs_silu_and_mul(int dtype, const void* gate_up, void* out, int64_t rows, int
   });
 }
 
-int bs_rope_write_kv(int dtype, int cache_dtype, const void* qkv, const int64_t* positions, const float* cos, const float* sin,
-                     const int64_t* slot_mapping, void* key_cache, void* value_cache, void* query, int64_t tokens,
-                     int64_t num_slots, int64_t max_position, int num_heads, int num_kv_heads, int head_dim,
-                     void* stream) {
+int bs_rope_write_kv(int dtype, int cache_dtype, const void* qkv, const int64_t* positions, const float* cos,
+                     const float* sin, const int64_t* slot_mapping, void* key_cache, void* value_cache, void* query,
+                     int64_t tokens, int64_t num_slots, int64_t max_position, int num_heads, int num_kv_heads,
+                     int head_dim, void* stream) {
   return with_kv_dtypes(dtype, cache_dtype, [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
     using Cache = decltype(cache_tag);

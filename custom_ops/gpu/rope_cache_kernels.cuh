@@ -20,7 +20,7 @@ struct RopeWriteKvParams {
   const float* cos;              // [max_position, head_dim], both halves equal
   const float* sin;              // [max_position, head_dim]
   const int64_t* slot_mapping;   // [tokens] block_id * block_size + position % block_size
-  Cache* key_cache;              // [num_slots, num_kv_heads, kv_row_elements<Cache>(head_dim)] (blocks x block_size slots)
+  Cache* key_cache;              // [num_slots, num_kv_heads, kv_row_elements<Cache>(head_dim)]: blocks x block_size
   Cache* value_cache;            // same
   T* query;                      // [tokens, num_heads, head_dim] out
   int64_t tokens, num_slots, max_position;

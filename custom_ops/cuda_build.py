@@ -18,7 +18,8 @@ DEFAULT_ARCHITECTURES = ("80", "90")
 ARCHITECTURES_VARIABLE = "BLOCKSERVE_CUDA_ARCHS"  # e.g. "80;90" (the Dockerfile's CUDA_ARCHS)
 PADDLE_GLUE = "paddle_glue.h"  # what every Paddle op source includes, and no Paddle-free one
 CXX_FLAGS = ["-O3", "-std=c++17"]
-NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
+# -ftz=false (nvcc's default, never --use_fast_math): fp8 e4m3 codes pass through fp32 subnormals (gpu/kv_rows.cuh).
+NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-ftz=false"]
 
 
 def architectures() -> list[str]:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Everything about the CUDA kernels that needs a GPU, in one run (a few minutes; under 8 on an
 # H100/H200): build custom_ops/gpu/kernel_api.cu with nvcc for this GPU, run every kernel check
-# against the NumPy references (tests/gpu/check_kernels.py: fp32, bf16, fp16), then measure decode
-# attention's bandwidth against the copy bandwidth and the step-input preparation's time
-# (tests/gpu/bench_kernels.py). Needs Python with NumPy and CuPy, nvcc and a GPU; not Paddle.
+# against the NumPy references (tests/gpu/check_kernels.py: fp32, bf16, fp16; the KV-cache kernels
+# also over int8 and fp8 e4m3 caches), then measure decode attention's bandwidth against the copy
+# bandwidth and the step-input preparation's time (tests/gpu/bench_kernels.py). Needs Python with
+# NumPy and CuPy, nvcc and a GPU; not Paddle.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]     # default: $OUT (the device tool's folder) or gpu-check-out
 #
@@ -22,7 +23,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   python -c 'import numpy, cupy; print("numpy", numpy.__version__, "cupy", cupy.__version__)'
 } 2>&1 | tee "$out_dir/environment.txt"
 
-timeout 300 python -m tests.gpu.check_kernels 2>&1 | tee "$out_dir/checks.txt"
+timeout 420 python -m tests.gpu.check_kernels 2>&1 | tee "$out_dir/checks.txt"
 checks=${PIPESTATUS[0]}
 timeout 150 python -m tests.gpu.bench_kernels --json "$out_dir/bench.json" 2>&1 | tee "$out_dir/bench.txt"
 bench=${PIPESTATUS[0]}

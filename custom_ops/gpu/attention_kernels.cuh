@@ -20,9 +20,13 @@
 // Inside a block, keys come in tiles of 32, read from their cache blocks into shared memory as
 // float; a warp scores one query row against the tile (a key per lane) and updates that row's
 // online softmax, then every thread accumulates probabilities x values for its output elements.
+//
+// An 8-bit cache (kv_rows.cuh) is read as its codes' values and each row's scale: a key's score is
+// q . codes times its row's scale, and a value's scale is folded into its probability (the softmax's
+// sum takes the probability alone).
 #pragma once
 
-#include "numeric.cuh"
+#include "kv_rows.cuh"
 
 namespace bs::gpu {
 
@@ -96,7 +100,8 @@ inline AttentionPlan plan_attention(const AttentionShape& s, int requested_query
                                 + kTileKeys * dim         // values
                                 + rows * kTileKeys        // probabilities
                                 + 3 * ceil_div(rows, 4) * 4  // running max, sum, correction
-                                + 2 * kTileKeys;          // the keys' cache offsets (int64)
+                                + 2 * kTileKeys           // the keys' cache offsets (int64)
+                                + 2 * kTileKeys;          // the keys' and values' row scales (8-bit caches)
   return {query_tile, split_keys, max_splits,
           max_splits > 1 ? s.num_tokens * s.num_heads * max_splits * (dim + 2) : 0,
           static_cast<size_t>(shared_floats) * sizeof(float)};
@@ -150,11 +155,13 @@ BS_HOST_DEVICE inline bool key_visible(int64_t key, int64_t position, int64_t sl
   return key <= position && (sliding_window == 0 || key > position - sliding_window);
 }
 
-template <class T>
+template <class T, class Cache = T>
 struct PagedAttentionParams {
+  using Element = T;
+  using CacheElement = Cache;
   const T* query;               // [tokens, num_heads, head_dim]
-  const T* key_cache;           // [num_blocks, block_size, num_kv_heads, head_dim]
-  const T* value_cache;         // same
+  const Cache* key_cache;       // [num_blocks, block_size, num_kv_heads, kv_row_elements<Cache>(head_dim)]
+  const Cache* value_cache;     // same
   const int64_t* query_start;   // [requests + 1]: request r's queries are rows query_start[r]..query_start[r + 1]
   const int64_t* context_lens;  // [requests]: its tokens in the cache, this step's included
   const int64_t* block_table;   // [requests, table_width]
@@ -187,8 +194,11 @@ BS_DEVICE float dot(const float* a, const float* b, int dim) {
   return sum;
 }
 
-template <class T>
-__global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(const PagedAttentionParams<T> p) {
+template <class P>
+__global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(const P p) {
+  using T = typename P::Element;
+  using Cache = typename P::CacheElement;
+  constexpr bool kScaled = KvRow<Cache>::kScaled;
   const AttentionShape& s = p.shape;
   const int64_t token = blockIdx.x;
   const QueryTile tile =
@@ -211,6 +221,8 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
   float* running_sum = running_max + stats;
   float* correction = running_sum + stats;
   int64_t* key_offsets = reinterpret_cast<int64_t*>(correction + stats);
+  float* key_scales = reinterpret_cast<float*>(key_offsets + kTileKeys);
+  float* value_scales = key_scales + kTileKeys;
 
   for (int e = tid; e < rows * dim; e += kAttentionThreads) {
     const int r = e / dim, head = kv_head * group + r % group;
@@ -222,19 +234,26 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
   float acc[kUnitsPerThread][4] = {};
   __syncthreads();
 
-  const int chunk = Chunk<T>::kElements, chunks_per_key = dim / chunk;
+  const int chunk = Chunk<Cache>::kElements, chunks_per_key = dim / chunk;
+  const int64_t row_elements = kv_row_elements<Cache>(dim);
   const int64_t* table_row = p.block_table + tile.request * s.table_width;
   for (int64_t tile_start = key_begin; tile_start < key_stop; tile_start += kTileKeys) {
     const int num_keys = static_cast<int>(min_i64(kTileKeys, key_stop - tile_start));
     if (tid < num_keys) {
       const int64_t position = tile_start + tid;
       const int64_t slot = table_row[position / s.block_size] * s.block_size + position % s.block_size;
-      key_offsets[tid] = (slot * s.num_kv_heads + kv_head) * dim;
+      key_offsets[tid] = (slot * s.num_kv_heads + kv_head) * row_elements;
+    }
+    if constexpr (kScaled) {
+      if (tid < kTileKeys) {  // keys past the tile's end weigh nothing
+        key_scales[tid] = tid < num_keys ? row_scale(p.key_cache + key_offsets[tid], dim) : 0.0f;
+        value_scales[tid] = tid < num_keys ? row_scale(p.value_cache + key_offsets[tid], dim) : 0.0f;
+      }
     }
     __syncthreads();
     for (int c = tid; c < num_keys * chunks_per_key; c += kAttentionThreads) {
       const int j = c / chunks_per_key, first = (c % chunks_per_key) * chunk;
-      float key[Chunk<T>::kElements], value[Chunk<T>::kElements];
+      float key[Chunk<Cache>::kElements], value[Chunk<Cache>::kElements];
       load_chunk(p.key_cache + key_offsets[j] + first, key);
       load_chunk(p.value_cache + key_offsets[j] + first, value);
       for (int i = 0; i < chunk; i += 4) {  // 16-byte stores: rows and chunks start at multiples of 4 floats
@@ -251,6 +270,7 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
       const int64_t position = tile.first_position + r / group;
       if (r < rows && lane < num_keys && key_visible(tile_start + lane, position, s.sliding_window)) {
         score = dot(queries + r * dim, keys + lane * (dim + 4), dim);
+        if constexpr (kScaled) score *= key_scales[lane];
         if (p.softcap > 0.0f) score = p.softcap * tanhf(score / p.softcap);
       }
       const float old_max = r < rows ? running_max[r] : -INFINITY;
@@ -258,7 +278,11 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
       const float prob = score == -INFINITY ? 0.0f : expf(score - new_max);
       const float tile_sum = warp_sum(prob);
       if (r < rows) {
-        probs[r * kTileKeys + lane] = prob;
+        if constexpr (kScaled) {
+          probs[r * kTileKeys + lane] = prob * value_scales[lane];
+        } else {
+          probs[r * kTileKeys + lane] = prob;
+        }
         if (lane == 0) {
           const float scale_old = old_max == -INFINITY ? 0.0f : expf(old_max - new_max);
           correction[r] = scale_old;
@@ -306,8 +330,9 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
 }
 
 // Merges the splits of every (token, head) whose tile was split: weights sum_s * exp(max_s - max).
-template <class T>
-__global__ void __launch_bounds__(kAttentionThreads) combine_splits_kernel(const PagedAttentionParams<T> p) {
+template <class P>
+__global__ void __launch_bounds__(kAttentionThreads) combine_splits_kernel(const P p) {
+  using T = typename P::Element;
   const AttentionShape& s = p.shape;
   const int64_t token = blockIdx.x, head = blockIdx.y;
   const QueryTile tile =
@@ -334,20 +359,20 @@ __global__ void __launch_bounds__(kAttentionThreads) combine_splits_kernel(const
 }
 
 // p.plan must be plan_attention(p.shape, ...) and p.workspace hold p.plan.workspace_floats.
-template <class T>
-Status launch_paged_attention(const PagedAttentionParams<T>& p, Stream stream) {
+template <class P>
+Status launch_paged_attention(const P& p, Stream stream) {
   if (attention_shape_problem(p.shape) != nullptr || softcap_problem(p.softcap) != nullptr) return kInvalidArgument;
   if (p.shape.num_tokens == 0) return kSuccess;
   if (p.plan.workspace_floats > 0 && p.workspace == nullptr) return kInvalidArgument;
-  Status status = allow_shared_memory(paged_attention_kernel<T>, p.plan.shared_bytes);
+  Status status = allow_shared_memory(paged_attention_kernel<P>, p.plan.shared_bytes);
   if (status != kSuccess) return status;
   const dim3 grid(static_cast<unsigned>(p.shape.num_tokens), static_cast<unsigned>(p.shape.num_kv_heads),
                   static_cast<unsigned>(p.plan.max_splits));
-  BS_LAUNCH(paged_attention_kernel<T>, grid, dim3(kAttentionThreads), p.plan.shared_bytes, stream, p);
+  BS_LAUNCH(paged_attention_kernel<P>, grid, dim3(kAttentionThreads), p.plan.shared_bytes, stream, p);
   status = launch_status();
   if (status != kSuccess || p.plan.max_splits == 1) return status;
   const dim3 combine_grid(static_cast<unsigned>(p.shape.num_tokens), static_cast<unsigned>(p.shape.num_heads));
-  BS_LAUNCH(combine_splits_kernel<T>, combine_grid, dim3(kAttentionThreads), 0, stream, p);
+  BS_LAUNCH(combine_splits_kernel<P>, combine_grid, dim3(kAttentionThreads), 0, stream, p);
   return launch_status();
 }
 

@@ -3,7 +3,8 @@
 // Paddle here; the Paddle ops (*_ops.cu) are another thin layer over the same launchers.
 //
 // Every function returns 0 on success and otherwise an error code, with bs_last_error() saying why.
-// dtype: 0 float32, 1 bfloat16, 2 float16 (numeric.cuh's Dtype).
+// dtype: 0 float32, 1 bfloat16, 2 float16 (numeric.cuh's Dtype). cache_dtype, the KV cache's: the dtype's own,
+// 3 int8 or 4 fp8 e4m3 (8-bit rows of uint8 bytes: kv_rows.cuh).
 #include <string>
 
 #include "activation_kernels.cuh"
@@ -33,6 +34,19 @@ int with_dtype(int dtype, Body body) {
     return report(kInvalidArgument, "dtype must be 0 (float32), 1 (bfloat16) or 2 (float16)");
   }
   return report(dispatch_dtype(static_cast<Dtype>(dtype), body));
+}
+
+// body(T{}, Cache{}) for the activations' dtype and the cache's.
+template <class Body>
+int with_kv_dtypes(int dtype, int cache_dtype, Body body) {
+  const bool cache_known = cache_dtype == dtype || cache_dtype == static_cast<int>(Dtype::kInt8) ||
+                           cache_dtype == static_cast<int>(Dtype::kFp8E4M3);
+  if (dtype < 0 || dtype > static_cast<int>(Dtype::kFloat16) || !cache_known) {
+    return report(kInvalidArgument,
+                  "dtype must be 0 (float32), 1 (bfloat16) or 2 (float16), cache_dtype the dtype, 3 (int8) or 4 "
+                  "(fp8 e4m3)");
+  }
+  return report(dispatch_kv_dtypes(static_cast<Dtype>(dtype), static_cast<Dtype>(cache_dtype), body));
 }
 
 AttentionShape attention_shape(int64_t num_tokens, int64_t num_requests, int64_t table_width, int num_heads,
@@ -65,15 +79,17 @@ int bs_silu_and_mul(int dtype, const void* gate_up, void* out, int64_t rows, int
   });
 }
 
-int bs_rope_write_kv(int dtype, const void* qkv, const int64_t* positions, const float* cos, const float* sin,
-                     const int64_t* slot_mapping, void* key_cache, void* value_cache, void* query, int64_t tokens,
-                     int64_t num_slots, int64_t max_position, int num_heads, int num_kv_heads, int head_dim,
-                     void* stream) {
-  return with_dtype(dtype, [&](auto tag) {
+int bs_rope_write_kv(int dtype, int cache_dtype, const void* qkv, const int64_t* positions, const float* cos,
+                     const float* sin, const int64_t* slot_mapping, void* key_cache, void* value_cache, void* query,
+                     int64_t tokens, int64_t num_slots, int64_t max_position, int num_heads, int num_kv_heads,
+                     int head_dim, void* stream) {
+  return with_kv_dtypes(dtype, cache_dtype, [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
-    const RopeWriteKvParams<T> p{static_cast<const T*>(qkv), positions, cos, sin, slot_mapping,
-                                 static_cast<T*>(key_cache), static_cast<T*>(value_cache), static_cast<T*>(query),
-                                 tokens, num_slots, max_position, num_heads, num_kv_heads, head_dim};
+    using Cache = decltype(cache_tag);
+    const RopeWriteKvParams<T, Cache> p{static_cast<const T*>(qkv), positions, cos, sin, slot_mapping,
+                                        static_cast<Cache*>(key_cache), static_cast<Cache*>(value_cache),
+                                        static_cast<T*>(query), tokens, num_slots, max_position, num_heads,
+                                        num_kv_heads, head_dim};
     return launch_rope_write_kv(p, static_cast<Stream>(stream));
   });
 }
@@ -96,7 +112,7 @@ int bs_plan_attention(int64_t num_tokens, int64_t num_requests, int64_t table_wi
 
 // workspace: the plan's workspace_floats floats (may be null when that is 0). sliding_window and
 // softcap: 0 for none (the op's attributes).
-int bs_paged_attention(int dtype, const void* query, const void* key_cache, const void* value_cache,
+int bs_paged_attention(int dtype, int cache_dtype, const void* query, const void* key_cache, const void* value_cache,
                        const int64_t* query_start, const int64_t* context_lens, const int64_t* block_table, void* out,
                        float* workspace, int64_t num_tokens, int64_t num_requests, int64_t table_width, int num_heads,
                        int num_kv_heads, int head_dim, int block_size, int64_t sliding_window, float softcap,
@@ -106,12 +122,13 @@ int bs_paged_attention(int dtype, const void* query, const void* key_cache, cons
   if (const char* problem = attention_shape_problem(shape)) return report(kInvalidArgument, problem);
   if (const char* problem = softcap_problem(softcap)) return report(kInvalidArgument, problem);
   const AttentionPlan plan = plan_attention(shape, query_tile, num_sms);
-  return with_dtype(dtype, [&](auto tag) {
+  return with_kv_dtypes(dtype, cache_dtype, [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
-    const PagedAttentionParams<T> p{static_cast<const T*>(query), static_cast<const T*>(key_cache),
-                                    static_cast<const T*>(value_cache), query_start, context_lens, block_table,
-                                    static_cast<T*>(out), workspace, shape, plan,
-                                    1.0f / sqrtf(static_cast<float>(head_dim)), softcap};
+    using Cache = decltype(cache_tag);
+    const PagedAttentionParams<T, Cache> p{static_cast<const T*>(query), static_cast<const Cache*>(key_cache),
+                                           static_cast<const Cache*>(value_cache), query_start, context_lens,
+                                           block_table, static_cast<T*>(out), workspace, shape, plan,
+                                           1.0f / sqrtf(static_cast<float>(head_dim)), softcap};
     return launch_paged_attention(p, static_cast<Stream>(stream));
   });
 }

@@ -8,8 +8,9 @@
 
 namespace bs::gpu {
 
-// The dtype codes of the C entry points (kernel_api.cu) and the Paddle glue.
-enum class Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+// The dtype codes of the C entry points (kernel_api.cu) and the Paddle glue: the activations' types, and the
+// 8-bit KV caches' (kv_rows.cuh).
+enum class Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3, kFp8E4M3 = 4 };
 
 BS_HOST_DEVICE inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -32,7 +33,7 @@ BS_HOST_DEVICE inline __half from_float<__half>(float value) {
   return __float2half(value);
 }
 
-// Returns body(T{}) with T the element type of `dtype`.
+// Returns body(T{}) with T the element type of `dtype` (an activations' type).
 template <class Body>
 Status dispatch_dtype(Dtype dtype, Body body) {
   switch (dtype) {
@@ -42,8 +43,9 @@ Status dispatch_dtype(Dtype dtype, Body body) {
       return body(__nv_bfloat16{});
     case Dtype::kFloat16:
       return body(__half{});
+    default:
+      return kInvalidArgument;
   }
-  return kInvalidArgument;
 }
 
 // 16 bytes of T: the unit of the attention kernel's vector loads (rows must be 16-byte aligned).

@@ -4,7 +4,9 @@
 //   - one-dimensional blocks whose size is a multiple of 32, dynamic shared memory only;
 //   - __syncthreads() and the warp reductions below reached by every thread of the block
 //     (block-uniform control flow), and a block that returns early returns as a whole;
-//   - kernels with a single template parameter, launched through BS_LAUNCH.
+//   - kernels with a single template parameter, launched through BS_LAUNCH;
+//   - of CUDA's float intrinsics, the correctly rounded __fmul_rn, __fadd_rn, __fsub_rn, __fdiv_rn and
+//     __float2int_rn (where a result must be bit-exact: never fused), __uint_as_float, __float_as_uint.
 #pragma once
 
 #include <cstdint>

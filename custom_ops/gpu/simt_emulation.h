@@ -71,6 +71,26 @@ inline __half __float2half(float value) {
   return result;
 }
 
+// CUDA's float intrinsics that the kernels use where a result must be bit-exact (never contracted into an FMA):
+// IEEE round-to-nearest-even, as plain C++ float arithmetic is (built with -ffp-contract=off).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline int __float2int_rn(float value) { return static_cast<int>(std::nearbyint(value)); }  // ties to even
+
+inline float __uint_as_float(unsigned bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+inline unsigned __float_as_uint(float value) {
+  unsigned bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits;
+}
+
 namespace bs::gpu {
 
 using Status = int;

@@ -1,6 +1,7 @@
 """Run every kernel check on this machine's GPU without pytest: `python -m tests.gpu.check_kernels`.
 
-Prints one line per check and element type; exits 1 if any failed, 2 if there is no GPU.
+Prints one line per check and element type (the KV-cache checks once more per 8-bit cache type); exits 1 if
+any failed, 2 if there is no GPU.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def main() -> int:
             except Exception:
                 failures += 1
                 outcome = "FAIL\n" + traceback.format_exc(limit=3)
-            print(f"{check.__name__:45s} {dtype:9s} {time.perf_counter() - started:6.1f} s {outcome}", flush=True)
+            print(f"{check.__name__:55s} {dtype:9s} {time.perf_counter() - started:6.1f} s {outcome}", flush=True)
     print(f"{failures} failed" if failures else "all kernel checks passed")
     return 1 if failures else 0
 

@@ -4,7 +4,8 @@
 - `HostArrays`: NumPy arrays, the same source built by the host C++ compiler with the SIMT emulation
   (custom_ops/gpu/simt_emulation.h), so the CPU tests run the very same kernels.
 
-Every call takes and returns NumPy arrays in the kernel's storage type (bfloat16 as uint16 bits).
+Every call takes and returns NumPy arrays in the kernel's storage type (bfloat16 as uint16 bits, an 8-bit KV cache
+as uint8 rows: worker/attention/kv_rows.py).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 GPU_SOURCES = ROOT / "custom_ops" / "gpu"
 ENTRY_POINTS = GPU_SOURCES / "kernel_api.cu"
-NVCC_FLAGS = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-shared", "-lineinfo"]
+NVCC_FLAGS = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-shared", "-lineinfo", "-ftz=false"]  # as cuda_build's
 EMULATION_FLAGS = ["-x", "c++", "-std=c++17", "-O2", "-fopenmp", "-fPIC", "-shared", "-fno-strict-aliasing"]
 EMULATION_FLAGS += ["-Wno-unknown-pragmas"]  # #pragma unroll is for nvcc
+EMULATION_FLAGS += ["-ffp-contract=off"]  # a * b + c rounds twice, as the kernels' __fmul_rn/__fadd_rn do on a GPU
 PLAN_FIELDS = ("query_tile", "split_keys", "max_splits", "workspace_floats", "shared_bytes")
 
 
@@ -117,14 +119,15 @@ class CudaArrays:
 
 STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16}
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+KV_CACHE_CODES = {**DTYPE_CODES, "int8": 3, "fp8_e4m3": 4}  # a KV cache's: the activations' dtype, or 8-bit rows
 
 i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {
     "bs_add_rms_norm": [i32, ptr, ptr, ptr, ptr, ptr, i64, i64, f32, ptr],
     "bs_silu_and_mul": [i32, ptr, ptr, i64, i64, ptr],
-    "bs_rope_write_kv": [i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32, i32, ptr],
+    "bs_rope_write_kv": [i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32, i32, ptr],
     "bs_plan_attention": [i64, i64, i64, i32, i32, i32, i32, i64, i32, i32, ptr],
-    "bs_paged_attention": [i32, *[ptr] * 8, i64, i64, i64, i32, i32, i32, i32, i64, f32, i32, i32, ptr],
+    "bs_paged_attention": [i32, i32, *[ptr] * 8, i64, i64, i64, i32, i32, i32, i32, i64, f32, i32, i32, ptr],
     "bs_prepare_step_inputs": [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, *[ptr] * 6, ptr],
 }
 
@@ -171,11 +174,22 @@ class KernelLibrary:
         return a.get(out)
 
     def rope_write_kv(
-        self, qkv, positions, cos, sin, slot_mapping, key_cache, value_cache, num_heads, num_kv_heads, dtype
+        self,
+        qkv,
+        positions,
+        cos,
+        sin,
+        slot_mapping,
+        key_cache,
+        value_cache,
+        num_heads,
+        num_kv_heads,
+        dtype,
+        kv_cache_dtype: str | None = None,
     ):
-        """(query, key_cache, value_cache) after the kernel."""
+        """(query, key_cache, value_cache) after the kernel; the caches hold `kv_cache_dtype` (None: dtype)."""
         a = self.arrays
-        head_dim = key_cache.shape[-1]
+        head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
         num_slots = key_cache.shape[0] * key_cache.shape[1]
         d = {
             name: a.put(v)
@@ -187,6 +201,7 @@ class KernelLibrary:
         self._call(
             "bs_rope_write_kv",
             DTYPE_CODES[dtype],
+            KV_CACHE_CODES[kv_cache_dtype or dtype],
             *(p(d[name]) for name in ("qkv", "positions", "cos", "sin", "slots")),
             p(keys),
             p(values),
@@ -221,17 +236,25 @@ class KernelLibrary:
         return dict(zip(PLAN_FIELDS, plan.tolist()))
 
     def paged_attention_on_device(
-        self, dtype: str, arrays: dict, query_tile: int, num_sms: int, sliding_window: int = 0, softcap: float = 0.0
+        self,
+        dtype: str,
+        arrays: dict,
+        query_tile: int,
+        num_sms: int,
+        sliding_window: int = 0,
+        softcap: float = 0.0,
+        kv_cache_dtype: str | None = None,
     ) -> None:
         """Launches on arrays already on the backend (query, key_cache, value_cache, query_start,
         context_lens, block_table, out, workspace); returns without waiting (the benchmark times it).
-        sliding_window, softcap: 0 for none."""
+        sliding_window, softcap: 0 for none; kv_cache_dtype: what the caches hold (None: dtype)."""
         a = self.arrays
         names = ("query", "key_cache", "value_cache", "query_start", "context_lens", "block_table", "out", "workspace")
         num_tokens, num_heads, head_dim = arrays["query"].shape
         _, block_size, num_kv_heads, _ = arrays["key_cache"].shape
         status = self.lib.bs_paged_attention(
             DTYPE_CODES[dtype],
+            KV_CACHE_CODES[kv_cache_dtype or dtype],
             *(a.pointer(arrays[name]) for name in names),
             num_tokens,
             len(arrays["context_lens"]),
@@ -278,13 +301,14 @@ class KernelLibrary:
         num_sms,
         sliding_window: int = 0,
         softcap: float = 0.0,
+        kv_cache_dtype: str | None = None,
     ):
         """(output [tokens, heads * dim], the plan it ran with)."""
         plan = self.plan_attention(
             query.shape, len(context_lens), key_cache.shape, block_table.shape[1], query_tile, num_sms, sliding_window
         )
         arrays = self.put_attention_inputs(query, key_cache, value_cache, query_start, context_lens, block_table, plan)
-        self.paged_attention_on_device(dtype, arrays, query_tile, num_sms, sliding_window, softcap)
+        self.paged_attention_on_device(dtype, arrays, query_tile, num_sms, sliding_window, softcap, kv_cache_dtype)
         self.arrays.synchronize()
         return self.arrays.get(arrays["out"]), plan
 

@@ -17,7 +17,7 @@ import pytest
 import tests.gpu.bench_kernels as bench
 import tests.gpu.check_kernels as check_kernels
 import tests.gpu.gpu_library as gpu_library_module
-from tests.gpu.kernel_checks import check_silu_and_mul
+from tests.gpu.kernel_checks import GPU_ONLY_CHECKS, check_rope_write_kv, check_silu_and_mul, for_kv_cache
 from tests.gpu.kernel_library import build_emulated_library
 
 
@@ -104,6 +104,25 @@ def test_the_kernel_checks_run_and_report_each_check_and_dtype(stand_in_gpu, mon
         ["check_silu_and_mul", d] for d in ("float32", "bfloat16", "float16")
     ]
     assert all(line.endswith("PASS") for line in lines)
+
+
+def test_the_kernel_checks_run_over_8bit_kv_caches_on_the_device_arrays(stand_in_gpu, monkeypatch, capsys):
+    """The 8-bit caches' checks go through the harness as the others do (uint8 rows on the 'device'), and the
+    GPU-only decode batch runs over each 8-bit cache too."""
+    monkeypatch.setattr(check_kernels, "CHECKS", [for_kv_cache(check_rope_write_kv, "int8")])
+    monkeypatch.setattr(check_kernels, "GPU_ONLY_CHECKS", [])
+
+    assert check_kernels.main() == 0
+
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("check_")]
+    assert [line.split()[:2] for line in lines] == [
+        ["check_rope_write_kv_int8_cache", d] for d in ("float32", "bfloat16", "float16")
+    ]
+    assert all(line.endswith("PASS") for line in lines)
+    assert {check.__name__ for check in GPU_ONLY_CHECKS} >= {
+        "check_paged_attention_decode_batch_int8_cache",
+        "check_paged_attention_decode_batch_fp8_e4m3_cache",
+    }
 
 
 def test_the_benchmark_measures_every_case_and_writes_its_json(stand_in_gpu, monkeypatch, tmp_path, capsys):

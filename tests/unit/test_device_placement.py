@@ -150,15 +150,25 @@ def test_the_kv_cache_dtype_is_the_dtype_unless_set_and_fp8_is_e4m3(setting, exp
     assert (expected in precision.reason) == (setting != "auto")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("setting, expected", [("int8", "int8"), ("fp8", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3")])
+def test_the_cuda_kernels_cache_8bit_rows_under_any_dtype(dtype, setting, expected):
+    precision = resolve_kv_cache(setting, Precision(dtype, "none", "r"), "cuda")
+    assert precision.kv_cache_dtype == expected and precision.dtype == dtype and expected in precision.reason
+
+
 @pytest.mark.parametrize(
     "kernels, problem, setting",
-    [("paddle", None, "int8"), ("cuda", None, "fp8_e4m3"), ("custom", "a sliding window", "int8"),
-     ("custom", None, "float16")],
+    [("paddle", None, "int8"), ("paddle", None, "fp8"), ("custom", "a sliding window", "int8"),
+     ("cuda", "head_dim 260 is not a multiple of 8 up to 256", "fp8_e4m3"), ("custom", None, "float16"),
+     ("cuda", None, "bfloat16")],
 )  # fmt: skip
 def test_a_kv_cache_dtype_the_attention_cannot_read_refuses_and_names_the_setting(kernels, problem, setting):
     precision = Precision("float32", "none", "r")
-    with pytest.raises(PrecisionUnavailable, match=f"BLOCKSERVE_KV_CACHE_DTYPE={setting}"):
+    with pytest.raises(PrecisionUnavailable, match=f"BLOCKSERVE_KV_CACHE_DTYPE={setting}") as refusal:
         resolve_kv_cache(setting, precision, kernels, problem)
+    if problem is not None:
+        assert f"the pure-Paddle attention ({problem})" in str(refusal.value)
     assert resolve_kv_cache("auto", precision, kernels, problem) == precision
 
 

@@ -1,7 +1,7 @@
 """The paged KV cache: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, row], in the
 BLOCKSERVE_KV_CACHE_DTYPE resolved (layers/precision.py): float32 or bfloat16 rows of head_dim values, float16 on a
-GPU, or on a CPU with the custom kernels 8-bit rows (int8, fp8_e4m3) of head_dim codes and their scale
-(attention/kv_rows.py)."""
+GPU, or with the custom kernels (C++ on a CPU, CUDA on a GPU) 8-bit rows (int8, fp8_e4m3) of head_dim codes and
+their scale (attention/kv_rows.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """How a KV cache of each BLOCKSERVE_KV_CACHE_DTYPE holds one row (a token's kv head: head_dim values), and a NumPy
-reference of the 8-bit rows that the C++ kernels write and read (custom_ops/cpu/kv_types.h, kv_element.h).
+reference of the 8-bit rows that the C++ and CUDA kernels write and read (custom_ops/cpu/kv_types.h, kv_element.h;
+custom_ops/gpu/kv_rows.cuh).
 
 An 8-bit row is head_dim codes and then the row's scale, a bf16 in 2 more bytes: value = decoded code * scale. The
 scale is the row's largest magnitude over the code's largest (127 for int8, 448 for fp8 e4m3), rounded up to a

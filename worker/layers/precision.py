@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from worker.attention.kv_rows import EIGHT_BIT
 from worker.layers.weight_format import GgufBlocks, WeightFormat
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -154,25 +155,30 @@ def resolve_kv_cache(
     setting: str, precision: Precision, kernels: str, attention_problem: str | None = None
 ) -> Precision:
     """`precision` with BLOCKSERVE_KV_CACHE_DTYPE resolved: `auto` is the precision's dtype (as vLLM's auto is the
-    model's); another type than the dtype needs the custom CPU kernels' attention, whose every ISA path reads
-    float32, bfloat16, int8 and fp8_e4m3 caches (the pure-Paddle attention computes and caches in float32, the CUDA
-    kernels cache in the dtype)."""
+    model's); another type than the dtype needs the custom kernels' attention: the C++ CPU kernels', whose every ISA
+    path reads float32, bfloat16, int8 and fp8_e4m3 caches, or the CUDA kernels', which read a cache of the dtype or
+    an 8-bit one (int8, fp8_e4m3). The pure-Paddle attention computes and caches in float32."""
     if setting not in KV_CACHE_DTYPES:
         raise ValueError(f"KV cache dtype {setting!r} not in {KV_CACHE_DTYPES}")
     kv_cache = "fp8_e4m3" if setting == "fp8" else setting
     if kv_cache in ("auto", precision.dtype):
         return precision
-    if kernels != "custom" or attention_problem is not None:
+    if kernels not in ("custom", "cuda") or attention_problem is not None:
         served_by = (
             f"the {kernels} kernels"
             if attention_problem is None
             else f"the pure-Paddle attention ({attention_problem})"
         )
         raise PrecisionUnavailable(
-            f"BLOCKSERVE_KV_CACHE_DTYPE={setting} is served by the custom CPU kernels' attention only; "
-            f"{served_by} cache in BLOCKSERVE_DTYPE ({precision.dtype}): set BLOCKSERVE_KV_CACHE_DTYPE=auto"
+            f"BLOCKSERVE_KV_CACHE_DTYPE={setting} is served by the custom kernels' attention only (C++ on a CPU, CUDA "
+            f"on a GPU); {served_by} cache in BLOCKSERVE_DTYPE ({precision.dtype}): set BLOCKSERVE_KV_CACHE_DTYPE=auto"
         )
-    if kv_cache == "float16":
+    if kernels == "cuda" and kv_cache not in EIGHT_BIT:
+        raise PrecisionUnavailable(
+            f"BLOCKSERVE_KV_CACHE_DTYPE={setting}: the CUDA kernels cache in BLOCKSERVE_DTYPE ({precision.dtype}) or "
+            "in 8-bit rows (int8, fp8_e4m3)"
+        )
+    if kernels == "custom" and kv_cache == "float16":
         raise PrecisionUnavailable(
             "BLOCKSERVE_KV_CACHE_DTYPE=float16 is served on a GPU only; the custom CPU kernels cache float32, "
             "bfloat16, int8 or fp8_e4m3"

@@ -28,7 +28,7 @@ from tests.support.processes import loopback_env, start, stop, wait_ready  # noq
 
 
 def parse_setting(text: str) -> tuple[str, dict[str, str]]:
-    """"name=A=1,B=2" -> ("name", {"A": "1", "B": "2"})."""
+    """ "name=A=1,B=2" -> ("name", {"A": "1", "B": "2"})."""
     name, _, assignments = text.partition("=")
     env = {}
     for assignment in filter(None, assignments.split(",")):

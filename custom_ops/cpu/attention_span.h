@@ -31,18 +31,23 @@ static inline void score_rows(const float* q, int64_t head_dim, const Cache* con
   }
 }
 
-// probs[j] of a span as it weighs value j's loaded codes: times the value row's scale for a scaled cache.
-template <class Cache>
-static inline float value_weight(float prob, const Cache* value, int64_t head_dim) {
-  if constexpr (KvElement<Cache>::kScaled) {
-    return prob * KvElement<Cache>::scale(value, head_dim);
-  } else {
-    return prob;
+// A scaled cache's probabilities probs_r[j] (ROWS rows, kKeySpan apart) times value j's row scale, so that they
+// weigh its loaded codes: each scale read once for all rows.
+template <int ROWS, class Cache>
+static inline void fold_value_scales(float* probs, const Cache* const* values, int64_t num_keys, int64_t head_dim) {
+  float scales[kKeySpan];
+  for (int64_t j = 0; j < num_keys; ++j) scales[j] = KvElement<Cache>::scale(values[j], head_dim);
+  const int64_t full = num_keys - num_keys % W;
+  for (int r = 0; r < ROWS; ++r) {
+    float* row = probs + r * kKeySpan;
+    for (int64_t j = 0; j < full; j += W) Vec::store(row + j, Vec::mul(Vec::load(row + j), Vec::load(scales + j)));
+    for (int64_t j = full; j < num_keys; ++j) row[j] *= scales[j];
   }
 }
 
 // acc_r[0..head_dim) += sum_j probs_r[j] * values[j] for ROWS rows at once: each value vector is loaded
-// once for all rows. CHUNK vectors of the head per pass keep ROWS * CHUNK accumulators in registers.
+// once for all rows (a scaled cache's probabilities folded with its value scales first: fold_value_scales).
+// CHUNK vectors of the head per pass keep ROWS * CHUNK accumulators in registers.
 // ahead() is called once per 4 keys of a pass.
 template <int ROWS>
 constexpr int kValueChunk = W == 16 ? 4 : ROWS == 1 ? 4 : 2;
@@ -60,7 +65,7 @@ static inline void accumulate_values(float* acc, const float* probs, const Cache
       reg v[CHUNK];
       for (int c = 0; c < CHUNK; ++c) v[c] = KvElement<Cache>::load(values[j] + d + c * W);
       for (int r = 0; r < ROWS; ++r) {
-        const reg p = Vec::set1(value_weight(probs[r * kKeySpan + j], values[j], head_dim));
+        const reg p = Vec::set1(probs[r * kKeySpan + j]);
         for (int c = 0; c < CHUNK; ++c) a[r][c] = Vec::fmadd(p, v[c], a[r][c]);
       }
     }
@@ -71,8 +76,7 @@ static inline void accumulate_values(float* acc, const float* probs, const Cache
     for (int r = 0; r < ROWS; ++r) {
       reg a = Vec::load(acc + r * head_dim + d);
       for (int64_t j = 0; j < num_keys; ++j) {
-        a = Vec::fmadd(Vec::set1(value_weight(probs[r * kKeySpan + j], values[j], head_dim)),
-                       KvElement<Cache>::load(values[j] + d), a);
+        a = Vec::fmadd(Vec::set1(probs[r * kKeySpan + j]), KvElement<Cache>::load(values[j] + d), a);
       }
       Vec::store(acc + r * head_dim + d, a);
     }

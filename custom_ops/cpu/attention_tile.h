@@ -4,13 +4,16 @@
 // include guard, only builtins and own code (see kernel_impl.h).
 
 // scores[(r + i) * kKeySpan + j] = the scores of ROWS rows (from row r) of one kv head for num_keys keys (a
-// multiple of 4); kDot: the rows' queries are bf16 words (score_rows_dot), else floats.
+// multiple of 4); kDot: the rows' queries are bf16 words (score_rows_dot); kInt8Dot<Cache>: int8 codes and their
+// scale (score_rows_int8); else floats.
 template <int ROWS, bool kDot, class Cache, class Ahead>
 static inline void score_head_rows(const HeadRows& head, int64_t r, int64_t dim, const Cache* const* keys,
                                    int64_t num_keys, float* scores, Ahead& ahead) {
   if constexpr (kDot) {
     score_rows_dot<ROWS>(reinterpret_cast<const uint32_t*>(head.q) + r * dim / 2, dim, keys, num_keys,
                          scores + r * kKeySpan, ahead);
+  } else if constexpr (kInt8Dot<Cache>) {
+    score_rows_int8<ROWS>(head.q + r * dim, dim, keys, num_keys, scores + r * kKeySpan, ahead);
   } else {
     score_rows<ROWS>(head.q + r * dim, dim, keys, num_keys, scores + r * kKeySpan, ahead);
   }
@@ -44,6 +47,7 @@ static inline void attend_rows(const AttentionTile<Cache>& t, const HeadRows& he
         return no_asks;
       }
     }();
+    if constexpr (KvElement<Cache>::kScaled) fold_value_scales<ROWS>(scores + r * kKeySpan, values, most_visible, dim);
     if constexpr (kDot) {
       accumulate_values_dot<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim, value_asks);
     } else {
@@ -154,6 +158,7 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
         for (int64_t d = 0; d < dim; d += W) Vec::store(row + d, Vec::mul(Vec::load(src + d), Vec::set1(t.scale)));
         // In place: row i's words end before row i + 1's floats begin.
         if constexpr (kDot) to_bf16_pairs(row, dim, reinterpret_cast<uint32_t*>(head.q) + (qi * group + i) * dim / 2);
+        if constexpr (kInt8Dot<Cache>) quantize_query_row(row, dim);  // in place, rows still dim floats apart
       }
     }
     for (int64_t i = 0; i < rows * dim; i += W) Vec::store(head.acc + i, Vec::zero());

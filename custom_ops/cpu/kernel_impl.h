@@ -18,6 +18,7 @@ static inline float sexp(float x) { return __builtin_expf(x); }
 // only with the vdpbf16ps micro-kernels defined before attention_span.h's (after them, it kept their 18
 // accumulators on the stack).
 #include "attention_bf16_dot.h"    // vdpbf16ps scores and values, for a bf16 cache (BS_BF16_DOT)
+#include "attention_int8_dot.h"    // vpdpbusd scores, for an int8 cache (BS_INT8_DOT)
 #include "attention_span.h"        // scores, softmax and values of one span
 #include "attention_prefetch.h"    // what a tile asks for as it computes
 #include "attention_tile.h"        // attend_tile

@@ -108,10 +108,11 @@ struct KernelSet {
 
 const KernelSet& avx2_kernels();
 const KernelSet& avx512_kernels();
-const KernelSet& avx512_bf16_kernels();  // AVX-512's, with a bf16 cache's attention by vdpbf16ps
+// AVX-512's, with a bf16 cache's attention by vdpbf16ps and an int8 cache's keys by vpdpbusd.
+const KernelSet& avx512_bf16_kernels();
 
 inline const KernelSet& kernels_for(const Isa& isa) {
-  return isa.bf16 ? avx512_bf16_kernels() : isa.avx512 ? avx512_kernels() : avx2_kernels();
+  return isa.bf16 && isa.vnni ? avx512_bf16_kernels() : isa.avx512 ? avx512_kernels() : avx2_kernels();
 }
 
 }  // namespace bs

@@ -21,7 +21,7 @@ import worker.kernels.selection as kernels_module
 from service.contract import wire
 from tests.support.api_peer import ApiPeer
 from tests.support.isa_kernels import ISA_CAPS, custom_kernels_on
-from tests.support.numerics import attention_config, bf16_rounded
+from tests.support.numerics import attention_config, bf16_rounded, int8_query_rows
 from tests.support.processes import ROOT, loopback_env, metric_samples, start, stop_all
 from worker.attention.backend import LayerAttention
 from worker.attention.custom_kernels import CustomPagedAttention
@@ -349,7 +349,7 @@ def test_a_bfloat16_cache_holds_the_rounded_keys_and_attention_reads_them_as_flo
 def test_vector_instructions_appear_only_in_functions_built_for_their_instruction_set():
     """No build-machine arch flag or global -mavx*: the dispatch and Paddle glue are baseline x86-64, AVX
     instructions live only in the avx2/avx512*/amx* kernels, zmm registers only in the avx512* and amx* ones, the
-    BF16 and VNNI dot products only in the kernels built for them, and AMX's tiles only in the AMX GEMM kernels."""
+    BF16 and VNNI dot products only in the kernels built for them (the attention's set is built with both), and AMX's tiles only in the AMX GEMM kernels."""
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("objdump (binutils) is not installed")
@@ -375,7 +375,7 @@ def test_vector_instructions_appear_only_in_functions_built_for_their_instructio
     assert outside(found["vector"], "avx2", "avx512", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") == []
     assert outside(found["zmm"], "avx512", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") == []
     assert outside(found["vdpbf16ps"], "avx512_bf16", "amx_bf16") == []  # AMX's: the words past its tiles
-    assert outside(found["vpdpbusd"], "avx512_vnni") == []
+    assert outside(found["vpdpbusd"], "avx512_vnni", "avx512_bf16") == []  # avx512_bf16's: an int8 cache's keys
     assert outside(found["tdpbf16ps"], "amx_bf16") == []
     assert outside(found["tdpbsud"], "amx_int8") == []
     assert outside(found["ldtilecfg"], "amx_bf16", "amx_int8") == []
@@ -542,7 +542,8 @@ def test_an_8bit_cache_holds_the_reference_encoding_of_each_row_and_attention_re
     custom, num_heads, num_kv_heads, head_dim, block_size, step, kv_cache_dtype
 ):
     """The op writes each new key (rotated) and value row as kv_rows.encode_rows encodes the row a float32 cache
-    gets, bit for bit, and touches no other row; the attention equals the float32 attention over the decoded rows."""
+    gets, bit for bit, and touches no other row; the attention equals the float32 attention over the decoded rows,
+    for an int8 cache with AVX512-VNNI of the query rows quantized to int8 as vpdpbusd multiplies them."""
     rng = np.random.default_rng(head_dim + 2)
     num_blocks = 2 * (-(-320 // block_size)) * 8 + 1
     config = attention_config(num_heads, num_kv_heads, head_dim, MAX_POSITIONS)
@@ -568,6 +569,10 @@ def test_an_8bit_cache_holds_the_reference_encoding_of_each_row_and_attention_re
         float_rows = float_cache.numpy().reshape(-1, num_kv_heads, head_dim)[written]
         np.testing.assert_array_equal(rows[written], encode_rows(float_rows, kv_cache_dtype))
     decoded = [tensor(decode_rows(eight_bit_rows(cache), kv_cache_dtype)) for cache in caches]
+    if kv_cache_dtype == "int8" and custom.isa.bf16 and custom.isa.vnni:
+        scale = np.float32(1 / np.sqrt(head_dim))
+        scaled = query.numpy().reshape(-1, head_dim) * scale
+        query = tensor((int8_query_rows(scaled) / scale).reshape(query.shape))
     backend = PagedAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
     expected = backend.attend(query, *decoded, backend.prepare(inputs)).numpy()
     np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,90 @@
+// The attention's key scores for an int8 cache on AVX512-VNNI (BS_INT8_DOT, kernels_avx512_bf16.cc): each query row
+// is quantized to int8 codes with a scale of its own, as the cache's rows are (kv_types.h), and vpdpbusd multiplies
+// its codes with a key's codes as stored, 64 at a time, summing in int32. Elsewhere kInt8Dot is false and the
+// generic score_rows widens each code to fp32.
+// Included by kernel_impl.h inside an instruction set's `#pragma GCC target` region and namespace; no
+// include guard, only builtins and own code (see kernel_impl.h).
+
+#ifdef BS_INT8_DOT
+template <class Cache>
+constexpr bool kInt8Dot = __is_same(Cache, Int8);
+
+// A query row quantized in place of its floats: its head_dim codes (value / scale rounded to nearest even, within
+// +-127), then, at float head_dim / 4, the scale (the row's largest magnitude / 127), and at head_dim / 4 + 1 the
+// int32 128 * the codes' sum (what biased key codes add to a dot product, score_rows_int8). head_dim is a multiple
+// of 16 (a chunk of 16 floats is read before its 16 codes overwrite 4 of the floats already read).
+static inline void quantize_query_row(float* row, int64_t head_dim) {
+  const float largest = ScaledRow::largest(row, head_dim);
+  const float to_code = largest > 0.0f ? 127.0f / largest : 0.0f;
+  const __m512 factor = _mm512_set1_ps(to_code);
+  __m512i sums = _mm512_setzero_si512();
+  for (int64_t d = 0; d < head_dim; d += 16) {
+    const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + d), factor));
+    sums = _mm512_add_epi32(sums, codes);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(reinterpret_cast<int8_t*>(row) + d), _mm512_cvtsepi32_epi8(codes));
+  }
+  const int32_t bias = 128 * _mm512_reduce_add_epi32(sums);
+  row[head_dim / 4] = largest / 127.0f;
+  __builtin_memcpy(row + head_dim / 4 + 1, &bias, sizeof bias);
+}
+
+static inline __m256i halves_added_epi32(__m512i x) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(x), _mm512_extracti64x4_epi64(x, 1));
+}
+
+// The int32 sums of a's, b's, c's and d's lanes.
+static inline __m128i hsum4_epi32(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const auto halves = halves_added_epi32;
+  const __m256i abcd = _mm256_hadd_epi32(_mm256_hadd_epi32(halves(a), halves(b)), _mm256_hadd_epi32(halves(c), halves(d)));
+  return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
+}
+
+// score_rows for an int8 cache, the query rows quantized by quantize_query_row (`q`: head_dim floats apart). A key's
+// codes are biased to unsigned (+128, a sign flip) for vpdpbusd's unsigned operand, and each row's 128 * codes' sum
+// is taken back; the exact int32 dot product is then scaled by the row's and the key's scales. A head_dim that is no
+// multiple of 64 reads its last codes masked (a masked key lane becomes 128 against a zero query code).
+template <int ROWS, class Ahead>
+static inline void score_rows_int8(const float* q, int64_t head_dim, const Int8* const* keys, int64_t num_keys,
+                                   float* scores, Ahead& ahead) {
+  const int64_t full = head_dim - head_dim % 64;
+  const __mmask64 tail = head_dim % 64 ? ~0ull >> (64 - head_dim % 64) : 0;
+  const __m512i flip = _mm512_set1_epi8(-128);
+  __m128 row_scale[ROWS];
+  __m128i row_bias[ROWS];
+  for (int r = 0; r < ROWS; ++r) {
+    int32_t bias;
+    __builtin_memcpy(&bias, q + r * head_dim + head_dim / 4 + 1, sizeof bias);
+    row_scale[r] = _mm_set1_ps(q[r * head_dim + head_dim / 4]);
+    row_bias[r] = _mm_set1_epi32(bias);
+  }
+  for (int64_t j = 0; j < num_keys; j += 4) {
+    ahead();
+    __m512i acc[ROWS][4];
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_si512();
+    for (int64_t d = 0; d < head_dim; d += 64) {
+      const __mmask64 lanes = d < full ? ~0ull : tail;
+      __m512i k[4];
+      for (int c = 0; c < 4; ++c) k[c] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(lanes, keys[j + c] + d), flip);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512i qv = _mm512_maskz_loadu_epi8(lanes, reinterpret_cast<const int8_t*>(q + r * head_dim) + d);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], k[c], qv);
+      }
+    }
+    __m128 key_scale = _mm_setr_ps(KvElement<Int8>::scale(keys[j], head_dim), KvElement<Int8>::scale(keys[j + 1], head_dim),
+                                   KvElement<Int8>::scale(keys[j + 2], head_dim),
+                                   KvElement<Int8>::scale(keys[j + 3], head_dim));
+    for (int r = 0; r < ROWS; ++r) {
+      const __m128i dots = _mm_sub_epi32(hsum4_epi32(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), row_bias[r]);
+      _mm_storeu_ps(scores + r * kKeySpan + j, _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(dots), row_scale[r]), key_scale));
+    }
+  }
+}
+#else
+template <class Cache>
+constexpr bool kInt8Dot = false;
+static inline void quantize_query_row(float* row, int64_t head_dim);
+template <int ROWS, class Ahead>
+static inline void score_rows_int8(const float* q, int64_t head_dim, const Int8* const* keys, int64_t num_keys,
+                                   float* scores, Ahead& ahead);
+#endif

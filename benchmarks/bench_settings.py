@@ -56,6 +56,7 @@ def bench(url: str, out: Path, args: argparse.Namespace, num_requests: int, outp
 
 
 def run_setting(name: str, env_extra: dict[str, str], args: argparse.Namespace, work: Path, seed: int) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
     env = loopback_env(BLOCKSERVE_MAX_NUM_SEQS=str(args.concurrency), **env_extra)
     serve = start(["-m", "service.launch.cli", "serve"], env, work / f"{name}-serve.log")
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"

@@ -46,6 +46,7 @@ def for_kv_cache(check, kv_cache_dtype: str):
         check(library, dtype, kv_cache_dtype)
 
     check_with_kv_cache.__name__ = f"{check.__name__}_{kv_cache_dtype}_cache"
+    check_with_kv_cache.kv_cache_dtype = kv_cache_dtype
     return check_with_kv_cache
 
 

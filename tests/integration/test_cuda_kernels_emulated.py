@@ -21,7 +21,16 @@ def emulated(tmp_path_factory) -> KernelLibrary:
     return KernelLibrary(build_emulated_library(tmp_path_factory.mktemp("emulated_kernels")), HostArrays())
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__.removeprefix("check_"))
+# An 8-bit cache's checks with bf16 activations only: its rows are read and written by the same code under every
+# activation dtype, whose own loads and stores each dtype's checks cover (the GPU harness runs every pair).
+EMULATED = [
+    pytest.param(check, dtype, id=f"{check.__name__.removeprefix('check_')}-{dtype}")
+    for check in CHECKS
+    for dtype in DTYPES
+    if getattr(check, "kv_cache_dtype", None) is None or dtype == "bfloat16"
+]
+
+
+@pytest.mark.parametrize("check, dtype", EMULATED)
 def test_cuda_kernel_source_matches_the_reference_when_emulated(emulated, check, dtype):
     check(emulated, dtype)

@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -111,17 +112,20 @@ def schema_format(name: str) -> dict:
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_sampled_answers_always_parse_and_validate(client, model, name):
-    replies = [
-        client.chat.completions.create(
-            model=model,
-            messages=ask(name),
-            response_format=schema_format(name),
-            temperature=TEMPERATURE,
-            seed=seed,
-            max_tokens=150,
+    with ThreadPoolExecutor(len(SEEDS)) as pool:  # served in one batch, as a loaded server serves them
+        replies = list(
+            pool.map(
+                lambda seed: client.chat.completions.create(
+                    model=model,
+                    messages=ask(name),
+                    response_format=schema_format(name),
+                    temperature=TEMPERATURE,
+                    seed=seed,
+                    max_tokens=150,
+                ),
+                SEEDS,
+            )
         )
-        for seed in SEEDS
-    ]
     for reply in replies:
         choice = reply.choices[0]
         assert choice.finish_reason == "stop"

@@ -1,5 +1,5 @@
 // The kernels of one instruction set, written once over `Vec` (simd_avx2.h or simd_avx512.h) and split by job.
-// Included by kernels_avx2.cc, kernels_avx512.cc and kernels_avx512_bf16.cc inside their `#pragma GCC target`
+// Included by kernels_avx2.cc, kernels_avx512.cc, kernels_avx512_bf16.cc and kernels_amx.cc inside their `#pragma GCC target`
 // regions and namespaces; no include guard on purpose. Only builtins and own code here and in the headers it
 // includes: an inline library function instantiated in this region would be compiled for the region's ISA.
 
@@ -20,6 +20,7 @@ static inline float sexp(float x) { return __builtin_expf(x); }
 #include "attention_bf16_dot.h"    // vdpbf16ps scores and values, for a bf16 cache (BS_BF16_DOT)
 #include "attention_span.h"        // scores, softmax and values of one span
 #include "attention_prefetch.h"    // what a tile asks for as it computes
+#include "attention_amx.h"         // a prefill span on AMX tiles, for a bf16 cache (BS_AMX_ATTENTION)
 #include "attention_tile.h"        // attend_tile
 
 // The cache kernels of every element type of the list.

@@ -109,9 +109,10 @@ struct KernelSet {
 const KernelSet& avx2_kernels();
 const KernelSet& avx512_kernels();
 const KernelSet& avx512_bf16_kernels();  // AVX-512's, with a bf16 cache's attention by vdpbf16ps
+const KernelSet& amx_kernels();          // AVX512-BF16's, with a bf16 cache's prefill attention on AMX tiles
 
 inline const KernelSet& kernels_for(const Isa& isa) {
-  return isa.bf16 ? avx512_bf16_kernels() : isa.avx512 ? avx512_kernels() : avx2_kernels();
+  return isa.amx ? amx_kernels() : isa.bf16 ? avx512_bf16_kernels() : isa.avx512 ? avx512_kernels() : avx2_kernels();
 }
 
 }  // namespace bs

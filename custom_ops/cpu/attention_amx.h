@@ -105,8 +105,9 @@ static inline void values_in_pairs(const Bf16* const* values, int64_t num_keys, 
   }
 }
 
-// acc[r * dim + ...] += the pass's rows' probabilities (the tiles shaped for them: `lower` rows past the first 16) (pairs: [kAmxAttentionRows][kKeySpan / 2] words) times the
-// values of keys [0, num_keys) (vt, values_in_pairs; num_keys a multiple of 32), 32 dims at a time.
+// acc[r * dim + ...] += the pass's rows' probabilities (pairs: [kAmxAttentionRows][kKeySpan / 2] words; the tiles
+// shaped for them, `lower` rows past the first 16) times the values of keys [0, num_keys) (vt, values_in_pairs;
+// num_keys a multiple of 32), 32 dims at a time.
 static inline void values_on_tiles(const uint32_t* pairs, int lower, const uint32_t* vt, int64_t num_keys,
                                    int64_t dim, float* acc) {
   const int64_t acc_stride = dim * 4, value_stride = dim * 4;

@@ -1,7 +1,8 @@
 // The kernels of one instruction set, written once over `Vec` (simd_avx2.h or simd_avx512.h) and split by job.
-// Included by kernels_avx2.cc, kernels_avx512.cc, kernels_avx512_bf16.cc and kernels_amx.cc inside their `#pragma GCC target`
-// regions and namespaces; no include guard on purpose. Only builtins and own code here and in the headers it
-// includes: an inline library function instantiated in this region would be compiled for the region's ISA.
+// Included by kernels_avx2.cc, kernels_avx512.cc, kernels_avx512_bf16.cc and kernels_amx.cc inside their
+// `#pragma GCC target` regions and namespaces; no include guard on purpose. Only builtins and own code here and in
+// the headers it includes: an inline library function instantiated in this region would be compiled for the region's
+// ISA.
 
 using reg = Vec::reg;
 constexpr int W = Vec::W;

@@ -64,8 +64,8 @@ def attend(kernels, config, layer, qkv, cache, inputs):
 
 
 # (num_heads, num_kv_heads, head_dim): rows per kv head of a 16-query tile 48 (a pass of 32, one of 16), 80
-# (32, 32, 16), 16 and 64; of the 5-query tile 15, 25 (16 + 9), 5 and 20.
-SHAPES = [(9, 3, 64), (5, 1, 32), (4, 4, 128), (8, 2, 32)]
+# (32, 32, 16), 16, 64 and 32; of the 5-query tile 15, 25 (16 + 9), 5, 20 and 10.
+SHAPES = [(9, 3, 64), (5, 1, 32), (4, 4, 128), (8, 2, 32), (2, 1, 256)]
 WINDOWS_AND_CAPS = [(None, None), (50, None), (None, 30.0), (7, 2.0), (200, 50.0)]
 
 

@@ -207,9 +207,15 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
           const int64_t lane_keys = (span_keys + 15) / 16 * 16;
           for (int64_t j = padded_keys; j < lane_keys; ++j) keys[j] = keys[0];
           keys_in_lanes(keys, lane_keys, dim, keys_by_lane);
+#ifdef BS_AMX_ATTENTION  // scores, softmax and values of the span on AMX tiles (attention_amx.h)
+          attend_span_on_tiles(t, heads[h], span, span_keys, first_row, rows, lane_keys, values, keys_by_lane,
+                               head_scores, ahead);
+          continue;
+#else
           score_span_in_lanes(reinterpret_cast<const uint32_t*>(heads[h].q), first_row, rows, dim, keys_by_lane,
                               lane_keys, head_scores, ahead);
           scored = true;
+#endif
         }
       }
       int64_t r = first_row;

@@ -1,7 +1,8 @@
 // The kernels of one instruction set, written once over `Vec` (simd_avx2.h or simd_avx512.h) and split by job.
-// Included by kernels_avx2.cc, kernels_avx512.cc and kernels_avx512_bf16.cc inside their `#pragma GCC target`
-// regions and namespaces; no include guard on purpose. Only builtins and own code here and in the headers it
-// includes: an inline library function instantiated in this region would be compiled for the region's ISA.
+// Included by kernels_avx2.cc, kernels_avx512.cc, kernels_avx512_bf16.cc and kernels_amx.cc inside their
+// `#pragma GCC target` regions and namespaces; no include guard on purpose. Only builtins and own code here and in
+// the headers it includes: an inline library function instantiated in this region would be compiled for the region's
+// ISA.
 
 using reg = Vec::reg;
 constexpr int W = Vec::W;
@@ -21,6 +22,7 @@ static inline float sexp(float x) { return __builtin_expf(x); }
 #include "attention_int8_dot.h"    // vpdpbusd scores, for an int8 cache (BS_INT8_DOT)
 #include "attention_span.h"        // scores, softmax and values of one span
 #include "attention_prefetch.h"    // what a tile asks for as it computes
+#include "attention_amx.h"         // a prefill span on AMX tiles, for a bf16 cache (BS_AMX_ATTENTION)
 #include "attention_tile.h"        // attend_tile
 
 // The cache kernels of every element type of the list.

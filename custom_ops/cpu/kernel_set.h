@@ -110,9 +110,14 @@ const KernelSet& avx2_kernels();
 const KernelSet& avx512_kernels();
 // AVX-512's, with a bf16 cache's attention by vdpbf16ps and an int8 cache's keys by vpdpbusd.
 const KernelSet& avx512_bf16_kernels();
+const KernelSet& amx_kernels();  // AVX512-BF16's, with a bf16 cache's prefill attention on AMX tiles
 
+// AMX implies AVX512-BF16 and AVX512-VNNI (isa.h); every CPU with AVX512-BF16 has VNNI.
 inline const KernelSet& kernels_for(const Isa& isa) {
-  return isa.bf16 && isa.vnni ? avx512_bf16_kernels() : isa.avx512 ? avx512_kernels() : avx2_kernels();
+  return isa.amx                 ? amx_kernels()
+         : isa.bf16 && isa.vnni  ? avx512_bf16_kernels()
+         : isa.avx512            ? avx512_kernels()
+                                 : avx2_kernels();
 }
 
 }  // namespace bs

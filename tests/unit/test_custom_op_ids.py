@@ -49,7 +49,10 @@ def test_isa_bits_are_the_headers():
 
 def test_cuda_dtype_codes_are_the_headers():
     dtypes = header_enum(CUSTOM_OPS / "gpu" / "numeric.cuh", "enum class Dtype : int")
-    codes = {name[1:].lower(): value for name, value in dtypes.items()}  # kBFloat16 -> bfloat16
+    # kBFloat16 -> bfloat16, kFp8E4M3 -> fp8_e4m3 (BLOCKSERVE_KV_CACHE_DTYPE's name)
+    codes = {name[1:].lower().replace("fp8e4m3", "fp8_e4m3"): value for name, value in dtypes.items()}
+    activations = {name: value for name, value in codes.items() if name in kernel_reference.DTYPES}
 
-    assert kernel_reference.DTYPE_CODES == codes
-    assert kernel_library.DTYPE_CODES == codes
+    assert kernel_reference.DTYPE_CODES == activations
+    assert kernel_library.DTYPE_CODES == activations
+    assert kernel_library.KV_CACHE_CODES == codes  # a cache's: an activation dtype's, or an 8-bit row's

@@ -4,6 +4,8 @@ dtype and quantization ran, and how much of the worker's memory is in huge pages
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
@@ -42,11 +44,18 @@ def greedy_texts(kernels: str, logs, **settings: str) -> tuple[list[str], dict[s
 
 
 def test_service_on_custom_kernels_generates_the_greedy_text_of_pure_paddle(tmp_path):
-    # BLOCKSERVE_CPU_ISA=avx2: the AVX2 path a CPU without AVX-512 runs, on any CPU.
-    custom_texts, custom_info = greedy_texts(
-        "custom", tmp_path, BLOCKSERVE_DTYPE="float32", BLOCKSERVE_QUANTIZATION="none", BLOCKSERVE_CPU_ISA="avx2"
-    )
-    paddle_texts, paddle_info = greedy_texts("paddle", tmp_path, BLOCKSERVE_HUGE_PAGES="0")
+    # BLOCKSERVE_CPU_ISA=avx2: the AVX2 path a CPU without AVX-512 runs, on any CPU. Both services at once.
+    with ThreadPoolExecutor(2) as pool:
+        custom = pool.submit(
+            greedy_texts,
+            "custom",
+            tmp_path,
+            BLOCKSERVE_DTYPE="float32",
+            BLOCKSERVE_QUANTIZATION="none",
+            BLOCKSERVE_CPU_ISA="avx2",
+        )
+        paddle = pool.submit(greedy_texts, "paddle", tmp_path, BLOCKSERVE_HUGE_PAGES="0")
+        (custom_texts, custom_info), (paddle_texts, paddle_info) = custom.result(), paddle.result()
 
     assert custom_texts == paddle_texts and all(custom_texts)
     assert (custom_info["worker_kernels"], custom_info["worker_kernels_isa"]) == ("custom", "avx2")

@@ -1,6 +1,7 @@
-// AMX tiles for the GEMM micro-kernels of linear_amx_bf16.h and linear_amx_int8.h: the tile configuration
-// (ldtilecfg's 64-byte palette 1) and the tile instructions as inline assembly. Included inside an AMX region of
-// linear_gemm.cc; no include guard, nothing from the standard library.
+// AMX tiles for the GEMM micro-kernels of linear_amx_bf16.h and linear_amx_int8.h and the prefill attention of
+// attention_amx.h: the tile configuration (ldtilecfg's 64-byte palette 1) and the tile instructions as inline
+// assembly. Included inside an AMX region (linear_gemm.cc, kernels_amx.cc); no include guard, nothing from the
+// standard library.
 //
 // GCC's own intrinsics (amxtileintrin.h) tell the compiler neither that tileloadd reads memory nor that
 // tilestored writes it, and _tile_loadconfig reads its 64 bytes through an 8-byte operand: stores to a buffer
@@ -32,6 +33,22 @@ static inline void set_tile(TileConfig& config, int tile, int rows, int row_byte
 }
 
 static inline void load_tile_config(const TileConfig& config) { asm volatile("ldtilecfg %0" ::"m"(config) : "memory"); }
+
+// Loads the register plan of the GEMMs' and the attention's tile products, C[rows][16] += A[rows][k] . B[k][16] over an
+// upper and a lower block of rows and `blocks` (1 or 2) column blocks: tmm0..3 the sums of (upper | lower rows) x
+// (block 0 | 1), tmm(2 * half + block), 64 bytes a row; tmm4, tmm5 the upper and lower rows' A, a_row_bytes a row;
+// tmm6, tmm7 the B of block 0 and 1, b_rows rows of 64 bytes. No lower rows: tmm2, tmm3 and tmm5 stay unconfigured.
+static inline void load_row_block_tiles(int upper, int lower, int blocks, int a_row_bytes, int b_rows) {
+  TileConfig config = empty_tile_config();
+  for (int block = 0; block < blocks; ++block) {
+    set_tile(config, block, upper, 64);
+    if (lower > 0) set_tile(config, 2 + block, lower, 64);
+    set_tile(config, 6 + block, b_rows, 64);
+  }
+  set_tile(config, 4, upper, a_row_bytes);
+  if (lower > 0) set_tile(config, 5, lower, a_row_bytes);
+  load_tile_config(config);
+}
 static inline void release_tiles() { asm volatile("tilerelease" ::: "memory"); }
 
 #define BS_TILE_ZERO(tmm) asm volatile("tilezero %%tmm" #tmm ::)

@@ -29,15 +29,7 @@ struct AttentionTiles {
   inline void shape(int new_upper, int new_lower) {
     if (new_upper == upper && new_lower == lower) return;
     upper = new_upper, lower = new_lower;
-    TileConfig config = empty_tile_config();
-    for (int block = 0; block < 2; ++block) {
-      set_tile(config, block, upper, 64);
-      if (lower > 0) set_tile(config, 2 + block, lower, 64);
-      set_tile(config, 6 + block, kTileRegisterRows, 64);
-    }
-    set_tile(config, 4, upper, 64);
-    if (lower > 0) set_tile(config, 5, lower, 64);
-    load_tile_config(config);
+    load_row_block_tiles(upper, lower, 2, 64, kTileRegisterRows);
   }
 
   inline void release() {

@@ -23,15 +23,7 @@ static __attribute__((noinline)) void amx_bf16_tile(const uint32_t* words, int64
                                                     float* y, int64_t ldy, int cols, const uint8_t* ahead) {
   static_assert(!kSiluMul || kPanels == 2, "a SiLU tile pairs a gate panel with an up panel");
   const int upper = rows < kTileRegisterRows ? rows : kTileRegisterRows, lower = rows - upper;
-  TileConfig config = empty_tile_config();
-  for (int p = 0; p < kPanels; ++p) {
-    set_tile(config, p, upper, 64);
-    if (lower > 0) set_tile(config, 2 + p, lower, 64);
-    set_tile(config, 6 + p, kTileRegisterRows, 64);
-  }
-  set_tile(config, 4, upper, 64);
-  if (lower > 0) set_tile(config, 5, lower, 64);
-  load_tile_config(config);
+  load_row_block_tiles(upper, lower, kPanels, 64, kTileRegisterRows);
   BS_TILE_ZERO(0);
   if (kPanels == 2) BS_TILE_ZERO(1);
   if (lower > 0) {

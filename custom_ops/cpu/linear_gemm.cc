@@ -162,9 +162,10 @@ struct MicroKernelRow {
 // rows, 3-7x from 32, but ~0.5-1x at 1 row; the int8 formats on tdpbsud 0.7-1.1x vpdpbusd at 8 rows, 1.1-2x from 16
 // (their per-group scaling on AVX-512 bounds the gain), 0.3-0.6x at 1 row.
 // From kAmxDequantMinRows rows the int8 formats' panels are dequantized to bf16 once per block of rows and run on
-// tdpbf16ps (linear_amx_dequant.h). The 4 GEMMs of the default model (q|k|v, o, gate|up, down) in each format, same
-// host, 1 thread, best of 25 runs alternated, dequantizing / tdpbsud: 1.6-1.7x at 16 rows, 0.90-1.01 at 32, 0.84-0.92
-// at 48, 0.69-0.75 at 64, 0.61-0.64 at 512.
+// tdpbf16ps (linear_amx_dequant.h). The 4 GEMMs of the default model's shapes (q|k|v, o, gate|up, down), random
+// weights in each of the 4 formats, same host, 1 thread, a C++ loop over gemm() with this row's min_rows switched
+// between runs, best of 25, dequantizing / tdpbsud: 1.6-1.7x at 16 rows, 0.90-1.01 at 32, 0.84-0.92 at 48, 0.69-0.75
+// at 64, 0.61-0.64 at 512. 64, not 32 or 48: a clear gain, and fewer decode batches change kernels.
 constexpr int64_t kAmxBf16MinRows = 8;
 constexpr int64_t kAmxInt8MinRows = 16;
 constexpr int64_t kAmxDequantMinRows = 64;

@@ -73,9 +73,7 @@ def int8_activations(x: np.ndarray) -> np.ndarray:
     return quantized.reshape(rows, -1)[:, :width]
 
 
-def multiplied_operands(
-    custom, rows: int, x: np.ndarray, values: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+def multiplied_operands(custom, rows: int, x: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x and an INT8 or GGUF weight's values as the kernel of `rows` rows multiplies them: rounded to bf16 on AMX from
     AMX_DEQUANT_ROWS, x quantized per 32 inputs on VNNI (and AMX's tdpbsud), else as they are."""
     if custom.isa.amx and rows >= AMX_DEQUANT_ROWS:

@@ -1,4 +1,5 @@
-// The GEMM micro-kernel for the 8- and 4-bit formats (INT8, Q8_0, Q4_0, Q4_1) on AMX-INT8: x quantized per row and
+// The GEMM micro-kernel for the 8- and 4-bit formats (INT8, Q8_0, Q4_0, Q4_1) on AMX-INT8 for GEMMs of a few tiles of
+// rows (from more rows, linear_amx_dequant.h dequantizes their panels to bf16 instead): x quantized per row and
 // group of 32 inputs as for vpdpbusd (linear_vnni.h, whose Input and Group it shares), and each group's int32 sums
 // taken by tdpbsud (signed bytes of x times the weights' unsigned bytes) in tiles, then scaled into fp32
 // accumulators exactly as Int8DotKernel scales its vpdpbusd sums: the same int32 sums, the same fp32 operations in

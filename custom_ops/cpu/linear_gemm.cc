@@ -1,6 +1,7 @@
 #include "linear_gemm.h"
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include <iterator>
 #include <type_traits>
@@ -134,6 +135,20 @@ using MicroKernel = AmxInt8Kernel<kFormat>;
 #pragma GCC pop_options
 }  // namespace amx_int8
 
+namespace amx_dequant {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bf16,avx512vnni,amx-tile,amx-bf16,amx-int8,avx2,fma,f16c")
+#include "unroll.h"
+#include "linear_vnni.h"
+#include "linear_bf16.h"
+#include "linear_amx_bf16.h"
+#include "linear_amx_dequant.h"
+template <Format kFormat>
+using MicroKernel = AmxDequantKernel<kFormat>;
+#include "gemm_driver.h"
+#pragma GCC pop_options
+}  // namespace amx_dequant
+
 // A micro-kernel as the dispatch sees it: the instruction set it needs (null: every CPU the ops run on), the fewest
 // rows of x it computes, and its region's entry points.
 struct MicroKernelRow {
@@ -146,15 +161,23 @@ struct MicroKernelRow {
 // (Emerald Rapids), 1 thread, a shared and busy host (ratios within +-30%): BF16 on tdpbf16ps 1.5-3.6x vdpbf16ps at 8
 // rows, 3-7x from 32, but ~0.5-1x at 1 row; the int8 formats on tdpbsud 0.7-1.1x vpdpbusd at 8 rows, 1.1-2x from 16
 // (their per-group scaling on AVX-512 bounds the gain), 0.3-0.6x at 1 row.
+// From kAmxDequantMinRows rows the int8 formats' panels are dequantized to bf16 once per block of rows and run on
+// tdpbf16ps (linear_amx_dequant.h). The 4 GEMMs of the default model's shapes (q|k|v, o, gate|up, down), random
+// weights in each of the 4 formats, same host, 1 thread, a C++ loop over gemm() with this row's min_rows switched
+// between runs, best of 25, dequantizing / tdpbsud: 1.6-1.7x at 16 rows, 0.90-1.01 at 32, 0.84-0.92 at 48, 0.69-0.75
+// at 64, 0.61-0.64 at 512. 64, not 32 or 48: a clear gain, and fewer decode batches change kernels.
 constexpr int64_t kAmxBf16MinRows = 8;
 constexpr int64_t kAmxInt8MinRows = 16;
+constexpr int64_t kAmxDequantMinRows = 64;
 
 // The micro-kernels, fastest first: a GEMM runs on the first that the CPU and the op's isa bits allow, that reads
-// the weight's format and takes its rows. AMX tiles from their fewest rows (tdpbf16ps for BF16, tdpbsud for INT8 and
-// the GGUF blocks), vdpbf16ps for BF16 (x rounded to bf16), vpdpbusd for INT8 and the GGUF blocks (x quantized per
-// 32 inputs to int8), else the weights widened to fp32 (x as it is).
+// the weight's format and takes its rows. AMX tiles from their fewest rows (tdpbf16ps for BF16; for INT8 and the GGUF
+// blocks, tdpbf16ps on their panels dequantized to bf16 (x rounded to bf16) from kAmxDequantMinRows, tdpbsud below),
+// vdpbf16ps for BF16 (x rounded to bf16), vpdpbusd for INT8 and the GGUF blocks (x quantized per 32 inputs to int8),
+// else the weights widened to fp32 (x as it is).
 const MicroKernelRow kMicroKernels[] = {
     {&Isa::amx, kAmxBf16MinRows, amx_bf16::entry::kEntries},
+    {&Isa::amx, kAmxDequantMinRows, amx_dequant::entry::kEntries},
     {&Isa::amx, kAmxInt8MinRows, amx_int8::entry::kEntries},
     {&Isa::bf16, 0, avx512_bf16::entry::kEntries},
     {&Isa::vnni, 0, avx512_vnni::entry::kEntries},

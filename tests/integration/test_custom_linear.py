@@ -33,6 +33,11 @@ GGUF_TYPES = {
 
 AMX_ROWS = [17, 64, 300]  # of ROWS, the ones AMX computes in every format (from 16 rows): a row past a tile, whole
 # tiles, a partial one
+# From this many rows (linear_gemm.cc's kAmxDequantMinRows) AMX multiplies INT8 and GGUF panels dequantized to bf16 by
+# x rounded to bf16 (tdpbf16ps); below, tdpbsud's int32 sums of x quantized as for vpdpbusd.
+AMX_DEQUANT_ROWS = 64
+AMX_INT8_ROWS = [17, 48, AMX_DEQUANT_ROWS - 1]  # a row past a tile, a partial tile, the most below
+AMX_DEQUANT_ROWS_TESTED = [AMX_DEQUANT_ROWS, AMX_DEQUANT_ROWS + 1, 96, 300]  # whole tiles, a row past, past a block
 
 
 @pytest.fixture(scope="module", params=ISA_CAPS)
@@ -66,6 +71,14 @@ def int8_activations(x: np.ndarray) -> np.ndarray:
     inverse = np.where(max_abs > 0, np.float32(127) / np.where(max_abs > 0, max_abs, 1), 0).astype(np.float32)
     quantized = np.rint(groups * inverse) * (max_abs / np.float32(127))
     return quantized.reshape(rows, -1)[:, :width]
+
+
+def multiplied_operands(custom, rows: int, x: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x and an INT8 or GGUF weight's values as the kernel of `rows` rows multiplies them: rounded to bf16 on AMX from
+    AMX_DEQUANT_ROWS, x quantized per 32 inputs on VNNI (and AMX's tdpbsud), else as they are."""
+    if custom.isa.amx and rows >= AMX_DEQUANT_ROWS:
+        return bf16_rounded(x), bf16_rounded(values)
+    return (int8_activations(x) if custom.isa.vnni else x), values
 
 
 def pack(
@@ -118,7 +131,8 @@ def test_bf16_weights_are_rounded_once_and_summed_in_float32(custom, in_features
 
 @pytest.mark.parametrize("in_features, out_features", SHAPES)
 def test_int8_weights_with_a_scale_per_output_feature(custom, in_features, out_features):
-    """VNNI also quantizes x per 32 inputs; elsewhere the int8 weights are widened and x stays fp32."""
+    """VNNI also quantizes x per 32 inputs (AMX from AMX_DEQUANT_ROWS: x and the weights rounded to bf16); elsewhere
+    the int8 weights are widened and x stays fp32."""
     rng = np.random.default_rng(3 * in_features + out_features)
     weight, bias = random(rng, in_features, out_features), random(rng, out_features)
     q, scales = quantize_int8(weight)
@@ -128,16 +142,16 @@ def test_int8_weights_with_a_scale_per_output_feature(custom, in_features, out_f
 
     for rows in ROWS:
         x = random(rng, rows, in_features)
-        x_used = int8_activations(x) if custom.isa.vnni else x
         got = layer(paddle.to_tensor(x)).numpy()
-        expected = reference(x_used, values, bias)
+        expected = reference(*multiplied_operands(custom, rows, x, values), bias)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.sqrt(in_features))
 
 
 @pytest.mark.parametrize("weight_format", list(GGUF_TYPES), ids=lambda f: f.name)
 @pytest.mark.parametrize("in_features, out_features", GGUF_SHAPES)
 def test_gguf_blocks_multiply_as_the_values_they_stand_for(custom, weight_format, in_features, out_features):
-    """On VNNI as llama.cpp multiplies them: x quantized per 32 inputs (a GGUF block) to int8."""
+    """On VNNI as llama.cpp multiplies them: x quantized per 32 inputs (a GGUF block) to int8; on AMX from
+    AMX_DEQUANT_ROWS, the values and x rounded to bf16."""
     rng = np.random.default_rng(in_features * 7 + out_features)
     layer, values = pack(custom, weight_format, random(rng, in_features, out_features))
     file_bytes = out_features * in_features // 32 * {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[weight_format.name]
@@ -145,15 +159,16 @@ def test_gguf_blocks_multiply_as_the_values_they_stand_for(custom, weight_format
 
     for rows in ROWS:
         x = random(rng, rows, in_features)
-        x_used = int8_activations(x) if custom.isa.vnni else x
         got = layer(paddle.to_tensor(x)).numpy()
-        np.testing.assert_allclose(got, reference(x_used, values, None), rtol=1e-4, atol=1e-4 * np.sqrt(in_features))
+        expected = reference(*multiplied_operands(custom, rows, x, values), None)
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.sqrt(in_features))
 
 
 @pytest.mark.parametrize("weight_format", [WeightFormat.INT8, *GGUF_TYPES], ids=lambda f: f.name)
 @pytest.mark.parametrize("in_features, out_features", [(37, 53), (96, 17), (300, 40), (576, 200)])
 def test_amx_int8_tiles_equal_vpdpbusd_bit_for_bit(amx_and_dot_products, weight_format, in_features, out_features):
-    """tdpbsud's int32 sums of a group are vpdpbusd's, scaled by the same fp32 operations in the same order."""
+    """Below AMX_DEQUANT_ROWS, tdpbsud's int32 sums of a group are vpdpbusd's, scaled by the same fp32 operations in
+    the same order."""
     if weight_format.is_gguf_block and in_features % 32:
         in_features += 32 - in_features % 32  # GGUF rows are whole blocks
     amx, dot_products = amx_and_dot_products
@@ -162,9 +177,37 @@ def test_amx_int8_tiles_equal_vpdpbusd_bit_for_bit(amx_and_dot_products, weight_
     on_tiles, _ = pack(amx, weight_format, weight, bias)
     on_vectors, _ = pack(dot_products, weight_format, weight, bias)
 
-    for rows in AMX_ROWS:
+    for rows in AMX_INT8_ROWS:
         x = paddle.to_tensor(random(rng, rows, in_features))
         np.testing.assert_array_equal(on_tiles(x).numpy(), on_vectors(x).numpy())
+
+
+@pytest.mark.parametrize("weight_format", [WeightFormat.INT8, *GGUF_TYPES], ids=lambda f: f.name)
+@pytest.mark.parametrize("in_features, out_features", [(5, 33), (37, 53), (96, 17), (300, 40), (576, 200)])
+def test_amx_dequantized_panels_sum_bf16_weights_and_x_in_float32(
+    amx_and_dot_products, weight_format, in_features, out_features
+):
+    """From AMX_DEQUANT_ROWS rows the panels are dequantized to bf16 (d * q + offset in fp32, rounded once more) and
+    summed with x rounded to bf16 by tdpbf16ps: within fp32 rounding of bf16(x) . bf16(values), which the int8 path
+    (x quantized per 32 inputs) is not. Depths of words past the last whole tile (INT8: 5, 37, 300 inputs), one panel
+    or two per tile (17, 33, 40 and 200 columns end on a tile of one panel), blocks of rows past the first (300)."""
+    if weight_format.is_gguf_block and in_features % 32:
+        in_features += 32 - in_features % 32  # GGUF rows are whole blocks
+    amx, dot_products = amx_and_dot_products
+    rng = np.random.default_rng(in_features * 17 + out_features)
+    weight, bias = random(rng, in_features, out_features), random(rng, out_features)
+    on_tiles, values = pack(amx, weight_format, weight, bias)
+    on_vectors, _ = pack(dot_products, weight_format, weight, bias)
+
+    for rows in AMX_DEQUANT_ROWS_TESTED:
+        x = random(rng, rows, in_features)
+        got, int8_path = on_tiles(paddle.to_tensor(x)).numpy(), on_vectors(paddle.to_tensor(x)).numpy()
+        x_used, values_used = multiplied_operands(amx, rows, x, values)
+        exact = reference(x_used, values_used, bias)
+        # fp32 sums of k + 1 terms, in any order: within (k + 1) * 2^-24 of the sum of their magnitudes
+        bound = (in_features + 1) * 2.0**-24 * (np.abs(x_used) @ np.abs(values_used) + np.abs(bias)) + 1e-30
+        assert np.all(np.abs(got - exact) <= bound), np.max(np.abs(got - exact) / bound)
+        assert not np.all(np.abs(int8_path - exact) <= bound)  # the bound tells the two kernels apart
 
 
 @pytest.mark.parametrize("in_features, out_features", [(5, 16), (37, 53), (64, 33), (300, 17), (1000, 100)])

@@ -24,7 +24,9 @@ from worker.layers.weight_format import GgufBlocks, WeightFormat
 # enough of them for the threads to take whole experts (at least 4 per thread: up to 11 threads), as few do not.
 SHAPES = [(37, 24, 8, 2), (64, 48, 6, 3), (96, 32, 8, 2), (32, 16, 48, 4)]
 GGUF_SHAPES = [(64, 64, 6, 3), (96, 32, 8, 2)]  # GGUF rows (of gate, up and down) are whole blocks of 32
-TOKENS = [1, 5, 37]  # one decode, a few, more than a tile on several experts (AMX from 16 rows)
+# one decode, a few, more than a tile on several experts (AMX from 16 rows), and 64 or more on the experts of 6 (AMX
+# on INT8 and GGUF panels dequantized to bf16, the SiLU-and-multiply fused where the intermediate is whole panels)
+TOKENS = [1, 5, 37, 160]
 PRECISIONS = {
     WeightFormat.F32: Precision("float32", "none", "test"),
     WeightFormat.BF16: Precision("bfloat16", "none", "test"),

@@ -350,8 +350,8 @@ def test_vector_instructions_appear_only_in_functions_built_for_their_instructio
     """No build-machine arch flag or global -mavx*: the dispatch and Paddle glue are baseline x86-64, AVX
     instructions live only in the avx2/avx512*/amx* kernels, zmm registers only in the avx512* and amx* ones, the
     BF16 and VNNI dot products only in the kernels built for them (the attention's sets are built with both), and
-    AMX's tiles only in the AMX GEMM kernels and the AMX attention kernels (kernels_amx.cc, namespace amx_attention:
-    a bf16 prefill's spans on tiles)."""
+    AMX's tiles only in the AMX GEMM kernels (amx_dequant: INT8 and GGUF panels dequantized to bf16 for tdpbf16ps)
+    and the AMX attention kernels (kernels_amx.cc, namespace amx_attention: a bf16 prefill's spans on tiles)."""
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("objdump (binutils) is not installed")
@@ -374,17 +374,18 @@ def test_vector_instructions_appear_only_in_functions_built_for_their_instructio
         return [f for f in functions if not any(f"{namespace}::" in f for namespace in namespaces)]
 
     assert all(found.values()), {name: len(functions) for name, functions in found.items()}
-    amx = ("amx_bf16", "amx_int8", "amx_attention")  # the GEMMs' kernels and the attention's (kernels_amx.cc)
+    amx = ("amx_bf16", "amx_dequant", "amx_int8", "amx_attention")  # the GEMMs' kernels, the attention's
     assert outside(found["vector"], "avx2", "avx512", "avx512_bf16", "avx512_vnni", *amx) == []
     assert outside(found["zmm"], "avx512", "avx512_bf16", "avx512_vnni", *amx) == []
     # AMX's: the words past the GEMM's tiles, the attention's decodes
-    assert outside(found["vdpbf16ps"], "avx512_bf16", "amx_bf16", "amx_attention") == []
+    assert outside(found["vdpbf16ps"], "avx512_bf16", "amx_bf16", "amx_dequant", "amx_attention") == []
     # the attention sets': an int8 cache's keys
     assert outside(found["vpdpbusd"], "avx512_vnni", "avx512_bf16", "amx_attention") == []
-    assert outside(found["tdpbf16ps"], "amx_bf16", "amx_attention") == []
+    assert outside(found["tdpbf16ps"], "amx_bf16", "amx_dequant", "amx_attention") == []
     assert outside(found["tdpbsud"], "amx_int8") == []
-    assert outside(found["ldtilecfg"], "amx_bf16", "amx_int8", "amx_attention") == []
+    assert outside(found["ldtilecfg"], "amx_bf16", "amx_dequant", "amx_int8", "amx_attention") == []
     assert any("amx_attention::" in f for f in found["tdpbf16ps"])  # the attention's own tiles
+    assert any("amx_dequant::" in f for f in found["tdpbf16ps"])  # the dequantized panels' own
 
 
 def test_a_failing_build_serves_with_paddle_and_says_so_in_one_line(tmp_path, monkeypatch, caplog):

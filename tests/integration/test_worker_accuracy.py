@@ -14,7 +14,8 @@ from worker.kernels.cpu_isa import cpu_features
 from worker.layers.weight_format import WeightFormat
 
 # precision (DTYPE:QUANTIZATION) -> (largest mean KL in nats, smallest greedy agreement). Where VNNI multiplies
-# int8 and GGUF weights, x is quantized per 32 inputs too (as llama.cpp does); elsewhere only the weights differ.
+# int8 and GGUF weights, x is quantized per 32 inputs too (as llama.cpp does; on AMX from 64 rows, x and the weights
+# are rounded to bf16 instead); elsewhere only the weights differ.
 THRESHOLDS = {
     "bfloat16:none": (0.01, 0.95),
     "float32:int8": (0.05, 0.9),

@@ -1,0 +1,125 @@
+// The GEMM micro-kernel for the 8- and 4-bit formats (INT8, Q8_0, Q4_0, Q4_1) on AMX-BF16 for GEMMs of many rows
+// (a prefill): each thread dequantizes a tile's weight panels once into bf16 pairs laid out as a BF16 panel
+// (tdpbf16ps's B layout, linear_amx_bf16.h), keeps them in its slice of the scratch for every tile of rows of the
+// current block (gemm_driver.h walks a block's row tiles panel by panel, so the copy is keyed on the panel), and
+// runs amx_bf16_tile on them with x rounded to bf16 as AmxBf16Kernel does. The sums accumulate in tiles over the
+// whole depth: no per-group scaling of int32 sums on AVX-512 (what bounds AmxInt8Kernel). Each weight is rounded to
+// bf16 (d * q + offset in fp32, then nearest even; INT8: q * its column's scale), x too: a bf16 GEMM's accuracy,
+// not Int8DotKernel's bits. Included inside the amx_dequant region of linear_gemm.cc after unroll.h, linear_vnni.h
+// (Group), linear_bf16.h and linear_amx_bf16.h; no include guard, nothing from the standard library.
+
+// Where a thread's dequantized panels live: a key (the first panel dequantized and how many), then the panels.
+struct DequantizedKey {
+  const uint8_t* panel;
+  int64_t panels;
+};
+constexpr int64_t kKeyWords = 16;  // the key's room: the panels start 64 bytes into a 64-byte aligned slice
+
+// A packed panel's weights as a BF16 panel's blocks (`out`: 2 blocks of 64 bytes per word of 4 inputs): group g's
+// word w (inputs 4w..4w + 3 of the group, one byte per column and input) becomes blocks 2 (8g + w) and the next,
+// lane c of each the pair (w[i][c], w[i + 1][c]) in bf16. A short last INT8 group leaves its missing words' blocks
+// as they were: x has no words there.
+template <Format kFormat>
+static void dequantize_panel(const uint8_t* panel, int64_t num_groups, int64_t num_words, uint8_t* out) {
+  const uint8_t* blocks = panel + FormatTraits<kFormat>::kGeometry.header_bytes;
+  const __m512 column_scales = kFormat == Format::kInt8 ? _mm512_loadu_ps(panel) : _mm512_set1_ps(1.0f);
+  const __m512i low_byte = _mm512_set1_epi32(0xff);
+  // 16-bit element 2c takes element c (bf16 of the even input), 2c + 1 element 16 + c (the odd input).
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t g = 0; g < num_groups; ++g) {
+    __m512 d, offset;
+    Group<kFormat>::words(blocks, g, num_words, d, offset, [&](auto w, __m512i bytes) {
+      // INT8's d = 1 and offset = -128 times its column's scale: the exact q times the scale, rounded once.
+      const __m512 scale = _mm512_mul_ps(d, column_scales), shift = _mm512_mul_ps(offset, column_scales);
+      __m512 values[4];
+      static_for<4>([&](auto j) {
+        const __m512i byte = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * decltype(j)::value), low_byte);
+        values[j] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(byte), shift);
+      });
+      uint8_t* pairs = out + (g * kGroupWords + decltype(w)::value) * 2 * 64;
+      for (int half = 0; half < 2; ++half) {
+        const __m512bh both = _mm512_cvtne2ps_pbh(values[2 * half + 1], values[2 * half]);
+        _mm512_store_si512(pairs + half * 64, _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(both)));
+      }
+    });
+  }
+}
+
+// The micro-kernel (gemm_driver.h) of the int8 formats on AMX-BF16: x rounded to bf16 pairs (as Bf16DotKernel
+// prepares it), kAmxRows rows by two panels per tile, the panels dequantized once per block of rows and thread.
+template <Format kFormat>
+struct AmxDequantKernel {
+  static constexpr bool kReads = FormatTraits<kFormat>::kDot == Dot::kInt8;
+  static constexpr int kTileRows = kAmxRows;
+  static constexpr bool kEvenRowTiles = false;
+  static constexpr int kMaxPanels = 2;
+  static constexpr int64_t kTwoPanelRows = 1;
+
+  // x's words per row (bf16 pairs of inputs), the packed panel's words (4 inputs each) and groups of them, and the
+  // words (uint32) of one dequantized panel (16 per pair of inputs, the padding rows included).
+  static int64_t num_x_words(int64_t k) { return (k + 1) / 2; }
+  static int64_t num_packed_words(int64_t k) {
+    return num_blocks(kFormat, k) * (FormatTraits<kFormat>::kGeometry.block_k / 4);
+  }
+  static int64_t num_groups(int64_t k) { return (num_packed_words(k) + kGroupWords - 1) / kGroupWords; }
+  static int64_t dequantized_panel_words(int64_t k) { return num_groups(k) * kGroupWords * 2 * 16; }
+  static int64_t slice_words(int64_t k) { return kKeyWords + 2 * dequantized_panel_words(k); }
+  // words: x's rows [m, num_x_words], room to align, then a slice per thread the GEMM may run on.
+  static ScratchSize scratch(int64_t m, int64_t k) {
+    return {m * num_x_words(k) + kKeyWords + omp_get_max_threads() * slice_words(k), 0};
+  }
+
+  // Rows of x from a tile's first, and the threads' slices.
+  struct Rows {
+    const uint32_t* words;
+    int64_t num_words;
+    uint32_t* slices;
+    int64_t slice_words, panel_words, num_groups, num_packed_words;
+  };
+  struct Input {
+    static constexpr bool kPrepares = true;
+    const float* x;
+    int64_t k;
+    uint32_t* words;
+    int64_t num_words;
+    uint32_t* slices;
+    Input(const float* x, int64_t m, int64_t k, const Scratch& scratch)
+        : x(x), k(k), words(scratch.words), num_words(num_x_words(k)) {
+      const uintptr_t end = reinterpret_cast<uintptr_t>(words + m * num_words);
+      slices = reinterpret_cast<uint32_t*>((end + 63) & ~static_cast<uintptr_t>(63));
+      for (int t = 0; t < omp_get_max_threads(); ++t) {
+        const DequantizedKey none{nullptr, 0};
+        __builtin_memcpy(slices + t * slice_words(k), &none, sizeof none);
+      }
+    }
+    void prepare(int64_t r) const { to_bf16_pairs(x + r * k, k, words + r * num_words); }
+    Rows rows(int64_t r0) const {
+      return {words + r0 * num_words, num_words, slices, slice_words(k), dequantized_panel_words(k), num_groups(k),
+              num_packed_words(k)};
+    }
+    int64_t row_bytes() const { return num_words * 4; }
+  };
+
+  // The tile's panels dequantized into the thread's slice unless its last tile's were the same, then
+  // AmxBf16Kernel's tile on them (asking for nothing ahead: the dequantization reads the panel front to back).
+  template <int kRows, int kPanels, bool kSiluMul>
+  static inline void tile(const Rows& rows, const uint8_t* panel, int64_t panel_bytes, const float* start, float* y,
+                          int64_t ldy, int cols, const uint8_t*, bool) {
+    uint32_t* slice = rows.slices + omp_get_thread_num() * rows.slice_words;
+    uint8_t* dequantized = reinterpret_cast<uint8_t*>(slice + kKeyWords);
+    const int64_t dequantized_bytes = rows.panel_words * 4;
+    DequantizedKey key;
+    __builtin_memcpy(&key, slice, sizeof key);
+    if (key.panel != panel || key.panels != kPanels) {
+      for (int p = 0; p < kPanels; ++p) {
+        dequantize_panel<kFormat>(panel + p * panel_bytes, rows.num_groups, rows.num_packed_words,
+                                  dequantized + p * dequantized_bytes);
+      }
+      key = {panel, kPanels};
+      __builtin_memcpy(slice, &key, sizeof key);
+    }
+    amx_bf16_tile<kPanels, kSiluMul>(rows.words, rows.num_words, kRows, dequantized, dequantized_bytes, start, y, ldy,
+                                     cols, nullptr);
+  }
+};

@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +56,18 @@ def bench(url: str, out: Path, args: argparse.Namespace, num_requests: int, outp
     return report
 
 
+def wait_for_kv_cache_pages(log: Path, env_extra: dict[str, str], timeout_s: float = 120) -> None:
+    """Until the worker's log says its KV cache moved into 2 MiB pages (a thread it starts as it registers,
+    worker/startup.py): the trace measures the server as it serves from then on, not its last second of start-up."""
+    if env_extra.get("BLOCKSERVE_HUGE_PAGES", "1").lower() in ("0", "false"):
+        return
+    deadline = time.monotonic() + timeout_s
+    while "of the KV cache's" not in log.read_text(errors="replace"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{log}: the KV cache's move into 2 MiB pages did not end in {timeout_s} s")
+        time.sleep(0.2)
+
+
 def run_setting(name: str, env_extra: dict[str, str], args: argparse.Namespace, work: Path, seed: int) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     env = loopback_env(BLOCKSERVE_MAX_NUM_SEQS=str(args.concurrency), **env_extra)
@@ -62,6 +75,7 @@ def run_setting(name: str, env_extra: dict[str, str], args: argparse.Namespace, 
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
     try:
         wait_ready(url, timeout_s=900)
+        wait_for_kv_cache_pages(work / f"{name}-serve.log", env_extra)
         bench(url, work / f"{name}-warmup", args, 4, 8, seed=10_000 + seed)
         return bench(url, work / name, args, args.num_requests, args.output_len, seed=seed)
     finally:

@@ -62,6 +62,7 @@ class ModelRunner:
         self.sampler = parts.sampler
         self.clock = parts.clock
         self.kernels = parts.reported
+        self.kv_cache_move = parts.kv_cache_move  # the thread moving the KV cache into 2 MiB pages, or None
         self.requests: dict[str, RequestState] = {}
         self.grammars = GrammarMatchers(self.model_info)
         # Requests refused for their own parameters, and why: never computed (no token; each result that skips

@@ -11,6 +11,7 @@ import paddle
 import pytest
 
 from service.contract.config import load_settings
+from tests.support.accuracy import paged_logits
 from worker.host.cpu_memory import resident_anonymous_bytes
 from worker.host.huge_pages import HUGE_PAGE_BYTES, TENSOR_ALIGNMENT, aligned_runs, collapse, move_into_one_buffer
 from worker.model_runner import ModelRunner
@@ -150,3 +151,27 @@ def test_a_worker_on_a_cpu_holds_all_its_weights_in_one_run_of_2_mib_pages(smoll
     if float(runner.kernels["huge_pages_mib"]) == 0:
         pytest.skip("this kernel keeps 4 KiB pages here (the worker's log says why)")
     assert huge_bytes_in(*run) >= run[1] - run[0], mappings_of(*run)
+
+
+def test_a_worker_on_a_cpu_moves_its_kv_cache_into_2_mib_pages_on_a_thread_while_it_computes(smollm_path):
+    runner = ModelRunner(load_settings(model=os.fspath(smollm_path), num_kv_blocks=512, dtype="bfloat16"))
+    caches = runner.kv_cache.key_caches + runner.kv_cache.value_caches
+    prompt = list(range(100, 400))
+    logits_while_moving = paged_logits(runner, prompt, chunk_size=64)  # the move may still be going on
+
+    runner.kv_cache_move.join(timeout=120)
+
+    assert not runner.kv_cache_move.is_alive()
+    np.testing.assert_array_equal(paged_logits(runner, prompt, chunk_size=64), logits_while_moving)
+    if float(runner.kernels["huge_pages_mib"]) == 0:
+        pytest.skip("this kernel keeps 4 KiB pages here (the worker's log says why)")
+    runs = aligned_runs(spans(caches))
+    assert sum(end - start for start, end in runs) > 0.9 * sum(end - start for start, end in spans(caches))
+    for start, end in runs:
+        assert huge_bytes_in(start, end) >= end - start, mappings_of(start, end)
+
+
+def test_with_huge_pages_off_nothing_moves_the_kv_cache(smollm_path):
+    settings = load_settings(model=os.fspath(smollm_path), num_kv_blocks=16, dtype="bfloat16", huge_pages=False)
+    runner = ModelRunner(settings)
+    assert runner.kv_cache_move is None and runner.kernels["huge_pages_mib"] == "0.0"

@@ -9,6 +9,7 @@ advises nothing. After loading, the worker advises the 2 MiB-aligned runs of the
 Only runs that the tensors fill whole are touched (adjacent tensors merged across the allocator's headers
 between them), so no page becomes resident that was not. Where the kernel refuses (older kernels, THP off,
 no free 2 MiB pages) the memory stays as it was and the log says so.
+The worker moves its weights before it registers and its KV cache on a thread while it serves (startup.py).
 
 The weights are first copied into one buffer that begins on a 2 MiB boundary (move_into_one_buffer): allocated one
 by one, a model's ~180 tensors of 0.6-3.5 MB lie between the allocator's other blocks, and only 43-81% of their
@@ -80,14 +81,25 @@ def _advise(madvise, start: int, end: int, advice: int) -> int:
     return code
 
 
-def collapse(tensors: Iterable) -> HugePages:
-    """Moves the aligned runs of `tensors`' memory (Paddle CPU tensors, each counted once) into 2 MiB pages."""
-    unique = {id(tensor): tensor for tensor in tensors}.values()
+def tensor_spans(tensors: Iterable) -> list[tuple[int, int]]:
+    """The byte ranges [start, end) of `tensors` (Paddle CPU tensors, each counted once), empty ones left out."""
     spans = []
-    for tensor in unique:
+    for tensor in {id(tensor): tensor for tensor in tensors}.values():
         size = int(tensor.numel()) * tensor.element_size()
         if size > 0:
             spans.append((tensor.data_ptr(), tensor.data_ptr() + size))
+    return spans
+
+
+def collapse(tensors: Iterable) -> HugePages:
+    """Moves the aligned runs of `tensors`' memory (Paddle CPU tensors, each counted once) into 2 MiB pages."""
+    return collapse_spans(tensor_spans(tensors))
+
+
+def collapse_spans(spans: list[tuple[int, int]]) -> HugePages:
+    """Moves the aligned runs of the byte ranges `spans` into 2 MiB pages. Touches no Python object but the
+    numbers: it may run on a thread of its own while the memory is read and written (the kernel moves a page's
+    bytes under its lock, as khugepaged does for any process)."""
     tensor_bytes = sum(end - start for start, end in spans)
     if not sys.platform.startswith("linux"):  # the advice numbers are Linux's
         return HugePages(tensor_bytes, 0, f"not Linux ({sys.platform})")

@@ -44,3 +44,14 @@ def hf_smollm_tokenizer(smollm_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(os.fspath(smollm_path.parent), gguf_file=smollm_path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm_model(smollm_path):
+    """transformers' float32 model of the same GGUF (read once: its dequantizing load takes ~10 s), in eval mode;
+    no test may change it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.fspath(smollm_path.parent), smollm_path.name
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()

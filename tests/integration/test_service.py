@@ -84,18 +84,9 @@ def model_name(url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference_model():
+def reference_model(hf_smollm_tokenizer, hf_smollm_model):
     """transformers on torch fp32, loading the same GGUF file: (tokenizer, model)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from service.contract.config import default_model_path
-
-    path = default_model_path()
-    folder, name = path.rsplit("/", 1)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32).eval()
-    return tokenizer, model
+    return hf_smollm_tokenizer, hf_smollm_model
 
 
 @pytest.fixture(scope="module")

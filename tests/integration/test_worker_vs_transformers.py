@@ -74,7 +74,7 @@ def kernels(request) -> str:
 
 
 @pytest.fixture(scope="module", params=["smollm2-gguf", "qwen2-folder", "llama3-bf16-folder"])
-def models(request, kernels, smollm_path, hf_smollm_tokenizer, tmp_path_factory):
+def models(request, kernels, smollm_path, hf_smollm_tokenizer, hf_smollm_model, tmp_path_factory):
     """(our ModelRunner, transformers' model) for the same files."""
     from transformers import AutoModelForCausalLM
 
@@ -92,6 +92,8 @@ def models(request, kernels, smollm_path, hf_smollm_tokenizer, tmp_path_factory)
     runner = ModelRunner(settings)
     assert runner.kernels["kernels"] == kernels and runner.kernels["dtype"] == "float32"
     assert runner.kernels["quantization"] == "none"
+    if request.param == "smollm2-gguf":
+        return runner, hf_smollm_model
     reference = AutoModelForCausalLM.from_pretrained(os.fspath(hf_dir), dtype=torch.float32, **hf_kwargs).eval()
     return runner, reference
 

@@ -171,10 +171,10 @@ def _move_to_huge_pages(
     settings: Settings, model: CausalDecoder, kv_cache: KVCache
 ) -> tuple[str, threading.Thread | None]:
     """The weights into 2 MiB pages now, and the KV cache on a thread of its own (host/huge_pages.py), unless
-    BLOCKSERVE_HUGE_PAGES=0; the weights' MiB moved, as reported, and the KV cache's thread. The KV cache's move takes most of the time (6.5 s
-    of a default worker's 9.9 s start for SmolLM2's 512 MiB on an Emerald Rapids VM, 3.4 s without it), and its
-    blocks are first written by requests that arrive as it goes, so the worker registers without waiting for it
-    (`blockserve serve` ready in 5.5-6.1 s instead of 9.9 s there)."""
+    BLOCKSERVE_HUGE_PAGES=0; the weights' MiB moved, as reported, and the KV cache's thread. The KV cache's move
+    takes most of the time (6.5 s of a default worker's 9.9 s start for SmolLM2's 512 MiB on an Emerald Rapids VM,
+    3.4 s without it), and its blocks are first written by requests that arrive as it goes, so the worker registers
+    without waiting for it (`blockserve serve` ready in 5.5-6.1 s instead of 9.9 s there)."""
     if not settings.huge_pages:
         log.info("huge pages: off (BLOCKSERVE_HUGE_PAGES=0)")
         return "0.0", None

@@ -5,7 +5,6 @@ attention together, the weights, the KV cache, and the way a step's inputs reach
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ from worker.attention.custom_kernels import CustomPagedAttention
 from worker.attention.kv_cache import KVCache, num_blocks_for
 from worker.host.compute_clock import ComputeClock, gpu_event
 from worker.host.cpu_memory import keep_freed_memory
-from worker.host.huge_pages import HugePages, collapse, collapse_spans, tensor_spans
+from worker.host.huge_pages import BackgroundCollapse, HugePages, collapse, tensor_spans
 from worker.host.model_to_device import move_model, on_host
 from worker.host.placement import activation_bytes, choose_device, kv_cache_budget
 from worker.inputs.device_inputs import DeviceInputs
@@ -51,7 +50,7 @@ class WorkerParts:
     clock: ComputeClock
     # Reported in the hello and the scheduler's settings_info (worker_kernels, worker_device, worker_dtype, ...).
     reported: dict[str, str]
-    kv_cache_move: threading.Thread | None  # moving the KV cache into 2 MiB pages, or None (GPU, huge pages off)
+    kv_cache_move: BackgroundCollapse | None  # moving the KV cache into 2 MiB pages, or None (GPU, huge pages off)
 
 
 def assemble_worker(settings: Settings) -> WorkerParts:
@@ -169,27 +168,27 @@ def _choose_device(settings: Settings) -> str:
 
 def _move_to_huge_pages(
     settings: Settings, model: CausalDecoder, kv_cache: KVCache
-) -> tuple[str, threading.Thread | None]:
+) -> tuple[str, BackgroundCollapse | None]:
     """The weights into 2 MiB pages now, and the KV cache on a thread of its own (host/huge_pages.py), unless
     BLOCKSERVE_HUGE_PAGES=0; the weights' MiB moved, as reported, and the KV cache's thread. The KV cache's move
     takes most of the time (6.5 s of a default worker's 9.9 s start for SmolLM2's 512 MiB on an Emerald Rapids VM,
     3.4 s without it), and its blocks are first written by requests that arrive as it goes, so the worker registers
-    without waiting for it (`blockserve serve` ready in 5.5-6.1 s instead of 9.9 s there)."""
+    without waiting for it (`blockserve serve` ready in 5.5-6.7 s instead of 9.9 s there)."""
     if not settings.huge_pages:
         log.info("huge pages: off (BLOCKSERVE_HUGE_PAGES=0)")
         return "0.0", None
     started = time.perf_counter()
     moved = collapse(model.weight_tensors())
     _log_moved("the weights'", moved, started)
-    kv_spans = tensor_spans(kv_cache.key_caches + kv_cache.value_caches)
-    kv_cache_move = threading.Thread(target=_move_kv_cache, args=(kv_spans,), name="kv-cache-huge-pages", daemon=True)
+    kv_cache_move = _KvCacheMove(tensor_spans(kv_cache.key_caches + kv_cache.value_caches), "kv-cache-huge-pages")
     kv_cache_move.start()
     return f"{moved.collapsed_bytes / 2**20:.1f}", kv_cache_move
 
 
-def _move_kv_cache(spans: list[tuple[int, int]]) -> None:
-    started = time.perf_counter()
-    _log_moved("the KV cache's", collapse_spans(spans), started)
+class _KvCacheMove(BackgroundCollapse):
+    def run(self) -> None:
+        super().run()
+        _log_moved("the KV cache's", self.moved, self.started_s)
 
 
 def _log_moved(what: str, moved: HugePages, started: float) -> None:

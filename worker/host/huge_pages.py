@@ -23,6 +23,8 @@ import errno
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -114,6 +116,20 @@ def collapse_spans(spans: list[tuple[int, int]]) -> HugePages:
         else:
             collapsed += end - start
     return HugePages(tensor_bytes, collapsed, refused)
+
+
+class BackgroundCollapse(threading.Thread):
+    """collapse_spans(spans) on a thread of its own (made at `started_s`); `moved` holds its HugePages once it has
+    run."""
+
+    def __init__(self, spans: list[tuple[int, int]], name: str):
+        super().__init__(name=name, daemon=True)
+        self.spans = spans
+        self.started_s = time.perf_counter()
+        self.moved: HugePages | None = None
+
+    def run(self) -> None:
+        self.moved = collapse_spans(self.spans)
 
 
 def move_into_one_buffer(tensors: Iterable):

@@ -56,9 +56,12 @@ struct AmxDequantKernel {
   static constexpr int kMaxPanels = 2;
   static constexpr int64_t kTwoPanelRows = 1;
 
-  // x's words per row (bf16 pairs of inputs), the packed panel's words (4 inputs each) and groups of them, and the
-  // words (uint32) of one dequantized panel (16 per pair of inputs, the padding rows included).
-  static int64_t num_x_words(int64_t k) { return (k + 1) / 2; }
+  // x as AmxBf16Kernel and Bf16DotKernel prepare it: bf16 pairs of inputs, one word per block of a BF16 panel.
+  using XInput = typename Bf16DotKernel<Format::kBF16>::Input;
+
+  // The packed panel's words (4 inputs each) and groups of them, and the words (uint32) of one dequantized panel
+  // (16 per pair of inputs, the padding rows included).
+  static int64_t num_x_words(int64_t k) { return num_blocks(Format::kBF16, k); }
   static int64_t num_packed_words(int64_t k) {
     return num_blocks(kFormat, k) * (FormatTraits<kFormat>::kGeometry.block_k / 4);
   }
@@ -77,28 +80,22 @@ struct AmxDequantKernel {
     uint32_t* slices;
     int64_t slice_words, panel_words, num_groups, num_packed_words;
   };
-  struct Input {
-    static constexpr bool kPrepares = true;
-    const float* x;
-    int64_t k;
-    uint32_t* words;
-    int64_t num_words;
+  // XInput (its prepare and row_bytes), and the threads' slices after x's rows, each key set to none.
+  struct Input : XInput {
     uint32_t* slices;
-    Input(const float* x, int64_t m, int64_t k, const Scratch& scratch)
-        : x(x), k(k), words(scratch.words), num_words(num_x_words(k)) {
-      const uintptr_t end = reinterpret_cast<uintptr_t>(words + m * num_words);
+    Input(const float* x, int64_t m, int64_t k, const Scratch& scratch) : XInput(x, m, k, scratch) {
+      const uintptr_t end = reinterpret_cast<uintptr_t>(this->words + m * this->num_words);
       slices = reinterpret_cast<uint32_t*>((end + 63) & ~static_cast<uintptr_t>(63));
       for (int t = 0; t < omp_get_max_threads(); ++t) {
         const DequantizedKey none{nullptr, 0};
         __builtin_memcpy(slices + t * slice_words(k), &none, sizeof none);
       }
     }
-    void prepare(int64_t r) const { to_bf16_pairs(x + r * k, k, words + r * num_words); }
     Rows rows(int64_t r0) const {
-      return {words + r0 * num_words, num_words, slices, slice_words(k), dequantized_panel_words(k), num_groups(k),
-              num_packed_words(k)};
+      const int64_t k = this->k;
+      return {this->words + r0 * this->num_words, this->num_words, slices, slice_words(k), dequantized_panel_words(k),
+              num_groups(k), num_packed_words(k)};
     }
-    int64_t row_bytes() const { return num_words * 4; }
   };
 
   // The tile's panels dequantized into the thread's slice unless its last tile's were the same, then

@@ -112,11 +112,6 @@ def read_gguf(path: Path) -> GgufFile:
     return GgufFile(metadata, [_tensor(data, data_start, info, cursor.byte_order) for info in infos])
 
 
-def check_gguf_header(path: Path) -> None:
-    """Raises ModelFileError naming the field of `path` whose count, length or data does not fit in the file."""
-    read_gguf(path)
-
-
 def _tensor(data: np.memmap, data_start: int, info: _TensorInfo, byte_order: str) -> GgufTensor:
     start = data_start + info.data_offset
     item_type = _TENSOR_ITEM_TYPES.get(info.tensor_type)

@@ -34,10 +34,21 @@ static inline void set_tile(TileConfig& config, int tile, int rows, int row_byte
 
 static inline void load_tile_config(const TileConfig& config) { asm volatile("ldtilecfg %0" ::"m"(config) : "memory"); }
 
+// Loads `config` unless the thread's tiles are configured so already (sttilecfg reads the current configuration:
+// 64 zero bytes where none is loaded or the tiles were released). A GEMM's tiles keep one configuration over all
+// their calls on a thread, and ldtilecfg (which also zeroes every tile) is not cheap: loading it once a thread,
+// not once a 32 x 32 tile, made a 512 x 576 x 960 bf16 product 1.12x faster on one thread (Emerald Rapids).
+static inline void configure_tiles(const TileConfig& config) {
+  TileConfig current;
+  asm volatile("sttilecfg %0" : "=m"(current)::"memory");
+  if (__builtin_memcmp(&current, &config, sizeof config) != 0) load_tile_config(config);
+}
+
 // Loads the register plan of the GEMMs' and the attention's tile products, C[rows][16] += A[rows][k] . B[k][16] over an
 // upper and a lower block of rows and `blocks` (1 or 2) column blocks: tmm0..3 the sums of (upper | lower rows) x
 // (block 0 | 1), tmm(2 * half + block), 64 bytes a row; tmm4, tmm5 the upper and lower rows' A, a_row_bytes a row;
 // tmm6, tmm7 the B of block 0 and 1, b_rows rows of 64 bytes. No lower rows: tmm2, tmm3 and tmm5 stay unconfigured.
+// Loaded only where the thread's tiles are configured otherwise (configure_tiles); the caller zeroes its sums.
 static inline void load_row_block_tiles(int upper, int lower, int blocks, int a_row_bytes, int b_rows) {
   TileConfig config = empty_tile_config();
   for (int block = 0; block < blocks; ++block) {
@@ -47,7 +58,7 @@ static inline void load_row_block_tiles(int upper, int lower, int blocks, int a_
   }
   set_tile(config, 4, upper, a_row_bytes);
   if (lower > 0) set_tile(config, 5, lower, a_row_bytes);
-  load_tile_config(config);
+  configure_tiles(config);
 }
 static inline void release_tiles() { asm volatile("tilerelease" ::: "memory"); }
 

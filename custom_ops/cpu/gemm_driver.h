@@ -28,6 +28,15 @@ static inline bool asks_ahead_of(int64_t m, int64_t r0) {
   return (FormatTraits<kFormat>::kAsksFromOneRow && r0 == 0) || asks_ahead(m, r0);
 }
 
+// A micro-kernel on AMX tiles (a static finish_thread()) leaves them configured from one tile to the next; each
+// thread releases them once its share of a GEMM is done. Other micro-kernels have nothing to finish.
+template <class K>
+static inline auto finish_thread(int) -> decltype(K::finish_thread(), void()) {
+  K::finish_thread();
+}
+template <class K>
+static inline void finish_thread(long) {}
+
 // y[m, n] = x[m, k] @ W (+ bias) with W packed in kFormat, on K = MicroKernel<kFormat>; or (kSiluMul, no bias)
 // y[m, n / 2] = silu(x @ W[:, :n / 2]) * (x @ W[:, n / 2:]) for a gate|up weight (n / 2 a multiple of 16,
 // m >= K::kTwoPanelRows): each tile pairs gate panel g with up panel n / 32 + g and applies silu_and_mul_row's
@@ -102,6 +111,7 @@ static void gemm_with(const float* x, int64_t m, int64_t k, const uint8_t* packe
         });
       });
     }
+    finish_thread<K>(0);
   }
 }
 

@@ -16,7 +16,8 @@ constexpr int kAmxRows = 2 * kTileRegisterRows;  // rows of x per tile call: an 
 
 // y[rows, kPanels panels] = start + x's rows . the panels (Bf16DotKernel::tile's contract, rows at run time).
 // Tile registers: tmm0..3 the sums of (upper | lower rows) x (panel 0 | 1), tmm(2 * half + panel); tmm4, tmm5 the
-// upper and lower rows of x; tmm6, tmm7 panel 0 and 1. Not inlined: one body for every row count.
+// upper and lower rows of x; tmm6, tmm7 panel 0 and 1, configured only where they are not already (the driver
+// releases them after a thread's last tile: finish_thread). Not inlined: one body for every row count.
 template <int kPanels, bool kSiluMul>
 static __attribute__((noinline)) void amx_bf16_tile(const uint32_t* words, int64_t num_words, int rows,
                                                     const uint8_t* panel, int64_t panel_bytes, const float* start,
@@ -58,7 +59,6 @@ static __attribute__((noinline)) void amx_bf16_tile(const uint32_t* words, int64
     BS_TILE_STORE(2, &sums[kTileRegisterRows][0], kSumsStride);
     if (kPanels == 2) BS_TILE_STORE(3, &sums[kTileRegisterRows][kPanelWidth], kSumsStride);
   }
-  release_tiles();
   const __mmask16 last_columns = static_cast<__mmask16>((1u << cols) - 1);
   for (int r = 0; r < rows; ++r) {
     __m512 acc[kPanels];
@@ -97,6 +97,8 @@ struct AmxBf16Kernel {
   static ScratchSize scratch(int64_t m, int64_t k) { return DotKernel::scratch(m, k); }
   using Rows = typename DotKernel::Rows;
   using Input = typename DotKernel::Input;
+
+  static void finish_thread() { release_tiles(); }
 
   template <int kRows, int kPanels, bool kSiluMul>
   static inline void tile(Rows rows, const uint8_t* panel, int64_t panel_bytes, const float* start, float* y,

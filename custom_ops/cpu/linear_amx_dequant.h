@@ -98,6 +98,8 @@ struct AmxDequantKernel {
     }
   };
 
+  static void finish_thread() { release_tiles(); }
+
   // The tile's panels dequantized into the thread's slice unless its last tile's were the same, then
   // AmxBf16Kernel's tile on them (asking for nothing ahead: the dequantization reads the panel front to back).
   template <int kRows, int kPanels, bool kSiluMul>

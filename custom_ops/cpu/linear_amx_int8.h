@@ -115,7 +115,6 @@ static __attribute__((noinline)) void amx_int8_tile(const typename Int8DotKernel
       }
     }
   }
-  release_tiles();
   const __mmask16 last_columns = static_cast<__mmask16>((1u << cols) - 1);
   for (int r = 0; r < rows; ++r) {
     __m512 out[kPanels];
@@ -156,6 +155,8 @@ struct AmxInt8Kernel {
   }
   using Rows = typename DotKernel::Rows;
   using Input = typename DotKernel::Input;
+
+  static void finish_thread() { release_tiles(); }
 
   template <int kRows, int kPanels, bool kSiluMul>
   static inline void tile(const Rows& rows, const uint8_t* panel, int64_t panel_bytes, const float* start, float* y,

@@ -299,3 +299,29 @@ def test_embedding_and_lm_head_through_the_tied_table_or_their_own_weights(kerne
         np.testing.assert_array_equal(lookup(ids).numpy(), table[[3, 49, 0]])
     if kernels.name == "custom":  # the tied table is held once, as the packed lm_head
         assert [id(t) for t in tied_embedding.tensors()] == [id(t) for t in tied_head.tensors()]
+
+
+def test_amx_gemms_of_other_tile_shapes_in_between_change_no_result(amx_and_dot_products):
+    """A thread's AMX tiles stay configured from one tile to the next, are configured again only where the shapes
+    differ (amx_tiles.h configure_tiles) and released after a thread's last tile: bf16 tiles of 32 and of 17 rows (a
+    lower tile of one row), int8 tiles (32-byte rows of x), dequantized GGUF panels, and dot products in between give
+    each GEMM the same bits as when it ran first. (A configuration kept from a GEMM of other tile shapes fails this.)"""
+    amx, dot_products = amx_and_dot_products
+    rng = np.random.default_rng(7)
+    cases = []
+    for weight_format, rows, in_features, out_features in [
+        (WeightFormat.BF16, 17, 300, 53),
+        (WeightFormat.INT8, 48, 96, 40),
+        (WeightFormat.BF16, 300, 576, 200),
+        (WeightFormat.Q4_0, 64, 96, 33),
+        (WeightFormat.Q8_0, 20, 64, 17),
+        (WeightFormat.BF16, 32, 37, 16),
+    ]:
+        layer, _ = pack(amx, weight_format, random(rng, in_features, out_features), random(rng, out_features))
+        x = paddle.to_tensor(random(rng, rows, in_features))
+        cases.append((layer, x, layer(x).numpy()))
+    vector_layer, _ = pack(dot_products, WeightFormat.BF16, random(rng, 64, 32))
+    for order in (cases[::-1], cases[1::2] + cases[::2]):
+        for layer, x, first in order:
+            vector_layer(paddle.to_tensor(random(rng, 3, 64)))
+            np.testing.assert_array_equal(layer(x).numpy(), first)

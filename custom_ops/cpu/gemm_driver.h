@@ -28,8 +28,14 @@ static inline bool asks_ahead_of(int64_t m, int64_t r0) {
   return (FormatTraits<kFormat>::kAsksFromOneRow && r0 == 0) || asks_ahead(m, r0);
 }
 
-// A micro-kernel on AMX tiles (a static finish_thread()) leaves them configured from one tile to the next; each
-// thread releases them once its share of a GEMM is done. Other micro-kernels have nothing to finish.
+// A micro-kernel on AMX tiles (static start_thread() and finish_thread()) configures them once per thread and GEMM,
+// before the thread's first tile, and releases them after its last. Other micro-kernels have nothing to do there.
+template <class K>
+static inline auto start_thread(int) -> decltype(K::start_thread(), void()) {
+  K::start_thread();
+}
+template <class K>
+static inline void start_thread(long) {}
 template <class K>
 static inline auto finish_thread(int) -> decltype(K::finish_thread(), void()) {
   K::finish_thread();
@@ -69,6 +75,7 @@ static void gemm_with(const float* x, int64_t m, int64_t k, const uint8_t* packe
   }
 #pragma omp parallel
   {
+    start_thread<K>(0);
     if constexpr (K::Input::kPrepares) {
       if (rows_in_parallel) {
 #pragma omp for schedule(static)

@@ -16,15 +16,14 @@ constexpr int kAmxRows = 2 * kTileRegisterRows;  // rows of x per tile call: an 
 
 // y[rows, kPanels panels] = start + x's rows . the panels (Bf16DotKernel::tile's contract, rows at run time).
 // Tile registers: tmm0..3 the sums of (upper | lower rows) x (panel 0 | 1), tmm(2 * half + panel); tmm4, tmm5 the
-// upper and lower rows of x; tmm6, tmm7 panel 0 and 1, configured only where they are not already (the driver
-// releases them after a thread's last tile: finish_thread). Not inlined: one body for every row count.
+// upper and lower rows of x; tmm6, tmm7 panel 0 and 1, as the thread configured them for the GEMM (load_gemm_tiles:
+// 16 rows each, however many of them are x's). Not inlined: one body for every row count.
 template <int kPanels, bool kSiluMul>
 static __attribute__((noinline)) void amx_bf16_tile(const uint32_t* words, int64_t num_words, int rows,
                                                     const uint8_t* panel, int64_t panel_bytes, const float* start,
                                                     float* y, int64_t ldy, int cols, const uint8_t* ahead) {
   static_assert(!kSiluMul || kPanels == 2, "a SiLU tile pairs a gate panel with an up panel");
   const int upper = rows < kTileRegisterRows ? rows : kTileRegisterRows, lower = rows - upper;
-  load_row_block_tiles(upper, lower, kPanels, 64, kTileRegisterRows);
   BS_TILE_ZERO(0);
   if (kPanels == 2) BS_TILE_ZERO(1);
   if (lower > 0) {
@@ -94,10 +93,12 @@ struct AmxBf16Kernel {
   static constexpr int kMaxPanels = 2;
   static constexpr int64_t kTwoPanelRows = 1;
 
-  static ScratchSize scratch(int64_t m, int64_t k) { return DotKernel::scratch(m, k); }
+  // Bf16DotKernel's, and kAmxRows rows of slack: a tile loads 16 (or 32) rows of x however many are left.
+  static ScratchSize scratch(int64_t m, int64_t k) { return DotKernel::scratch(m + kAmxRows, k); }
   using Rows = typename DotKernel::Rows;
   using Input = typename DotKernel::Input;
 
+  static void start_thread() { load_gemm_tiles(64, kTileRegisterRows); }
   static void finish_thread() { release_tiles(); }
 
   template <int kRows, int kPanels, bool kSiluMul>

@@ -68,9 +68,10 @@ struct AmxDequantKernel {
   static int64_t num_groups(int64_t k) { return (num_packed_words(k) + kGroupWords - 1) / kGroupWords; }
   static int64_t dequantized_panel_words(int64_t k) { return num_groups(k) * kGroupWords * 2 * 16; }
   static int64_t slice_words(int64_t k) { return kKeyWords + 2 * dequantized_panel_words(k); }
-  // words: x's rows [m, num_x_words], room to align, then a slice per thread the GEMM may run on.
+  // words: x's rows [m, num_x_words] and kAmxRows rows of slack (a tile loads 16 or 32 rows of x however many are
+  // left), room to align, then a slice per thread the GEMM may run on.
   static ScratchSize scratch(int64_t m, int64_t k) {
-    return {m * num_x_words(k) + kKeyWords + omp_get_max_threads() * slice_words(k), 0};
+    return {(m + kAmxRows) * num_x_words(k) + kKeyWords + omp_get_max_threads() * slice_words(k), 0};
   }
 
   // Rows of x from a tile's first, and the threads' slices.
@@ -84,7 +85,7 @@ struct AmxDequantKernel {
   struct Input : XInput {
     uint32_t* slices;
     Input(const float* x, int64_t m, int64_t k, const Scratch& scratch) : XInput(x, m, k, scratch) {
-      const uintptr_t end = reinterpret_cast<uintptr_t>(this->words + m * this->num_words);
+      const uintptr_t end = reinterpret_cast<uintptr_t>(this->words + (m + kAmxRows) * this->num_words);
       slices = reinterpret_cast<uint32_t*>((end + 63) & ~static_cast<uintptr_t>(63));
       for (int t = 0; t < omp_get_max_threads(); ++t) {
         const DequantizedKey none{nullptr, 0};
@@ -98,6 +99,7 @@ struct AmxDequantKernel {
     }
   };
 
+  static void start_thread() { load_gemm_tiles(64, kTileRegisterRows); }
   static void finish_thread() { release_tiles(); }
 
   // The tile's panels dequantized into the thread's slice unless its last tile's were the same, then

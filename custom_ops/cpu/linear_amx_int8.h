@@ -25,7 +25,8 @@ static inline const uint8_t* group_rows(const uint8_t* blocks, int64_t g, int64_
 // y[rows, kPanels panels] = start + x's rows . the panels (Int8DotKernel::tile's contract, rows at run time; kSiluMul
 // as Bf16DotKernel's). Tile registers: tmm0..3 a group's int32 sums of (upper | lower rows) x (panel 0 | 1),
 // tmm(2 * half + panel); tmm4, tmm5 the group's words of the upper and lower rows; tmm6, tmm7 its weights of panel 0
-// and 1. Not inlined: one body for every row count.
+// and 1, as the thread configured them for the GEMM (load_gemm_tiles: 16 rows of x each, however many are x's).
+// Not inlined: one body for every row count.
 template <Format kFormat, int kPanels, bool kSiluMul>
 static __attribute__((noinline)) void amx_int8_tile(const typename Int8DotKernel<kFormat>::Rows& x, int rows,
                                                     const uint8_t* panel, int64_t panel_bytes, const float* start,
@@ -33,7 +34,6 @@ static __attribute__((noinline)) void amx_int8_tile(const typename Int8DotKernel
                                                     bool non_temporal) {
   constexpr Geometry kGeometry = FormatTraits<kFormat>::kGeometry;
   const int upper = rows < kTileRegisterRows ? rows : kTileRegisterRows, lower = rows - upper;
-  load_row_block_tiles(upper, lower, kPanels, kGroupWords * 4, kGroupWords);
   const uint8_t* words = reinterpret_cast<const uint8_t*>(x.words);
   const int64_t x_stride = x.num_words * 4;
   alignas(64) float acc[kAmxRows][2 * kPanelWidth];
@@ -147,15 +147,15 @@ struct AmxInt8Kernel {
   static constexpr int kMaxPanels = 2;
   static constexpr int64_t kTwoPanelRows = 1;
 
-  // Int8DotKernel's, and a group of words more: an INT8 panel's short last group loads a whole group of each row
-  // (the words past the row times zero weights), the last row's past the end.
+  // Int8DotKernel's words, and kAmxRows rows of slack: a tile loads 16 (or 32) rows of x however many are left (an
+  // INT8 panel's short last group loads a whole group of each row, the words past the row times zero weights).
   static ScratchSize scratch(int64_t m, int64_t k) {
-    const ScratchSize size = DotKernel::scratch(m, k);
-    return {size.words + kGroupWords, size.floats};
+    return {DotKernel::scratch(m + kAmxRows, k).words, DotKernel::scratch(m, k).floats};
   }
   using Rows = typename DotKernel::Rows;
   using Input = typename DotKernel::Input;
 
+  static void start_thread() { load_gemm_tiles(kGroupWords * 4, kGroupWords); }
   static void finish_thread() { release_tiles(); }
 
   template <int kRows, int kPanels, bool kSiluMul>

@@ -43,6 +43,16 @@ static inline auto finish_thread(int) -> decltype(K::finish_thread(), void()) {
 template <class K>
 static inline void finish_thread(long) {}
 
+// Bytes of x rows a block of rows holds: the micro-kernel's kBlockBytes where it has one, else linear_gemm.cc's.
+template <class K>
+static constexpr auto block_bytes_of(int) -> decltype(K::kBlockBytes, int64_t()) {
+  return K::kBlockBytes;
+}
+template <class K>
+static constexpr int64_t block_bytes_of(long) {
+  return kBlockBytes;
+}
+
 // y[m, n] = x[m, k] @ W (+ bias) with W packed in kFormat, on K = MicroKernel<kFormat>; or (kSiluMul, no bias)
 // y[m, n / 2] = silu(x @ W[:, :n / 2]) * (x @ W[:, n / 2:]) for a gate|up weight (n / 2 a multiple of 16,
 // m >= K::kTwoPanelRows): each tile pairs gate panel g with up panel n / 32 + g and applies silu_and_mul_row's
@@ -65,7 +75,7 @@ static void gemm_with(const float* x, int64_t m, int64_t k, const uint8_t* packe
     num_tiles = (panels + step - 1) / step;
     whole_tiles = panels / step;  // a tile asks ahead for a whole tile's panels
   }
-  const int64_t fitting_rows = kBlockBytes / input.row_bytes() / kTileRows * kTileRows;
+  const int64_t fitting_rows = block_bytes_of<K>(0) / input.row_bytes() / kTileRows * kTileRows;
   const int64_t block_rows = fitting_rows > kTileRows ? fitting_rows : kTileRows;
   const bool rows_in_parallel = m > kTileRows;  // a tile's worth of rows is prepared faster than a barrier
   if constexpr (K::Input::kPrepares) {

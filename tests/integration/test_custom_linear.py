@@ -37,7 +37,9 @@ AMX_ROWS = [17, 64, 300]  # of ROWS, the ones AMX computes in every format (from
 # x rounded to bf16 (tdpbf16ps); below, tdpbsud's int32 sums of x quantized as for vpdpbusd.
 AMX_DEQUANT_ROWS = 64
 AMX_INT8_ROWS = [17, 48, AMX_DEQUANT_ROWS - 1]  # a row past a tile, a partial tile, the most below
-AMX_DEQUANT_ROWS_TESTED = [AMX_DEQUANT_ROWS, AMX_DEQUANT_ROWS + 1, 96, 300]  # whole tiles, a row past, past a block
+# whole tiles, a row past, a partial tile; 1000 rows of 576 inputs are two blocks of rows (linear_amx_dequant.h's
+# kBlockBytes, 1 MiB of x's bf16 rows)
+AMX_DEQUANT_ROWS_TESTED = [AMX_DEQUANT_ROWS, AMX_DEQUANT_ROWS + 1, 96, 300, 1000]
 
 
 @pytest.fixture(scope="module", params=ISA_CAPS)
@@ -190,7 +192,7 @@ def test_amx_dequantized_panels_sum_bf16_weights_and_x_in_float32(
     """From AMX_DEQUANT_ROWS rows the panels are dequantized to bf16 (d * q + offset in fp32, rounded once more) and
     summed with x rounded to bf16 by tdpbf16ps: within fp32 rounding of bf16(x) . bf16(values), which the int8 path
     (x quantized per 32 inputs) is not. Depths of words past the last whole tile (INT8: 5, 37, 300 inputs), one panel
-    or two per tile (17, 33, 40 and 200 columns end on a tile of one panel), blocks of rows past the first (300)."""
+    or two per tile (17, 33, 40 and 200 columns end on a tile of one panel), two blocks of rows (1000 x 576)."""
     if weight_format.is_gguf_block and in_features % 32:
         in_features += 32 - in_features % 32  # GGUF rows are whole blocks
     amx, dot_products = amx_and_dot_products

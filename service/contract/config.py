@@ -31,9 +31,9 @@ UNPREFIXED_ENV_NAMES = {
 # Variables blockserve reads besides the settings (before settings exist, or to build its CUDA ops): no misspellings.
 OTHER_VARIABLES = {"BLOCKSERVE_LOG_LEVEL", "BLOCKSERVE_TERMINATION_MESSAGE_PATH", "BLOCKSERVE_CUDA_ARCHS"}
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TARGET_ITL_MS = (
-    500.0  # see docs/scheduling.md, "A step budget in time": never binds on a GPU, keeps a 2-core CPU's streams moving
-)
+# see docs/scheduling.md, "A step budget in time": keeps a CPU's streams and new requests moving; binds on a GPU only
+# where a full step of the token budget takes longer (large models)
+TARGET_ITL_MS = 250.0
 
 log = logging.getLogger(__name__)
 

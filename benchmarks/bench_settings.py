@@ -5,7 +5,9 @@ trace against each, settings taking turns round by round so that all see the sam
         --setting default= \
         --setting old-default=BLOCKSERVE_QUANTIZATION=none,BLOCKSERVE_DTYPE=bfloat16,BLOCKSERVE_CPU_ISA=avx512+bf16+vnni
 
-A setting is NAME=ENV=VALUE,ENV=VALUE,... (nothing after the first '=': the defaults). Each server first answers a
+A setting is NAME=ENV=VALUE,ENV=VALUE,... (nothing after the first '=': the defaults); CHECKOUT=DIR in it serves
+that checkout's code instead of this one's (a git worktree of an older commit, say: its defaults as they were then),
+the same `blockserve bench` client measuring both. Each server first answers a
 short warm-up trace (its kernels' first calls, the dtype probe of `auto`), which is not counted. Quoted per round and
 setting: output tok/s, TTFT p50 and TPOT p50; then each setting's output tok/s over all rounds as a ratio of the
 first setting's, and its TTFT p50 likewise.
@@ -68,14 +70,28 @@ def wait_for_kv_cache_pages(log: Path, env_extra: dict[str, str], timeout_s: flo
         time.sleep(0.2)
 
 
+def start_checkout(checkout: Path, env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    """`blockserve serve` of another checkout: run from its folder, so its service and worker are imported."""
+    with open(log_path, "wb") as log:
+        command = [sys.executable, "-m", "service.launch.cli", "serve"]
+        return subprocess.Popen(command, env=env, cwd=checkout, stdout=log, stderr=subprocess.STDOUT)
+
+
 def run_setting(name: str, env_extra: dict[str, str], args: argparse.Namespace, work: Path, seed: int) -> dict:
     work.mkdir(parents=True, exist_ok=True)
+    env_extra = dict(env_extra)
+    checkout = env_extra.pop("CHECKOUT", None)
     env = loopback_env(BLOCKSERVE_MAX_NUM_SEQS=str(args.concurrency), **env_extra)
-    serve = start(["-m", "service.launch.cli", "serve"], env, work / f"{name}-serve.log")
+    log = work / f"{name}-serve.log"
+    if checkout:
+        serve = start_checkout(Path(checkout).resolve(), env, log)
+    else:
+        serve = start(["-m", "service.launch.cli", "serve"], env, log)
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
     try:
         wait_ready(url, timeout_s=900)
-        wait_for_kv_cache_pages(work / f"{name}-serve.log", env_extra)
+        if not checkout:  # older checkouts moved their KV cache before they were ready, and log it otherwise
+            wait_for_kv_cache_pages(log, env_extra)
         bench(url, work / f"{name}-warmup", args, 4, 8, seed=10_000 + seed)
         return bench(url, work / name, args, args.num_requests, args.output_len, seed=seed)
     finally:

@@ -18,7 +18,10 @@ Each figure is the best of --trials timed runs, the candidates taking turns (the
 
 --amx (on a CPU with AMX): instead, bs_linear's GEMM in the weight formats with dot products (BF16, INT8, Q4_1:
 what a GGUF Q4_K is regrouped into) on AVX512-BF16/VNNI (BLOCKSERVE_CPU_ISA=avx512+bf16+vnni) and on AMX's tiles
-(auto), the two taking turns, and the ratio of their rates.
+(auto), the two taking turns, and the ratio of their rates; beside them oneDNN's bf16 matmul through PyTorch
+(torch.nn.functional.linear on bf16 tensors, torch.set_num_threads(OMP_NUM_THREADS): `brg_matmul` on AMX where the
+CPU has it, as ONEDNN_VERBOSE=1 shows), which a route to oneDNN for bf16 weights would reach, and AMX / oneDNN.
+--rows sets the row counts (default: 1, 8, 16, 32, 64, 512).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 import torch  # noqa: E402
 
+from worker.host.cpu_memory import keep_freed_memory  # noqa: E402
 from worker.kernels.selection import select_kernels  # noqa: E402
 from worker.layers.linear import linear  # noqa: E402
 from worker.layers.precision import Precision  # noqa: E402
@@ -136,26 +140,41 @@ def format_layer(kernels, format_name: str, weight: np.ndarray):
     return linear(kernels, np.ascontiguousarray(weight.T), None, precision)
 
 
-def amx_table(trials: int, formats: list[str]) -> None:
-    """GFLOP/s of bs_linear per format (of AMX_FORMATS) on AVX512-BF16/VNNI and on AMX, and new / old."""
+def onednn_bf16(x: paddle.Tensor, weight: np.ndarray):
+    """y = x @ weight in bf16 through PyTorch's oneDNN matmul, as a run for best_seconds."""
+    tx = torch.from_numpy(x.numpy()).to(torch.bfloat16)
+    tw = torch.from_numpy(np.ascontiguousarray(weight.T)).to(torch.bfloat16)
+    return lambda: torch.nn.functional.linear(tx, tw)
+
+
+def amx_table(trials: int, formats: list[str], rows: tuple[int, ...]) -> None:
+    """GFLOP/s of bs_linear per format (of AMX_FORMATS) on AVX512-BF16/VNNI and on AMX, and new / old; and of
+    oneDNN's bf16 matmul (PyTorch's), and AMX / oneDNN."""
     paths = {"dot products": select_kernels("custom", isa_cap="avx512+bf16+vnni").kernels}
     paths["amx"] = select_kernels("custom", isa_cap="all").kernels
     if not paths["amx"].isa.amx:
         raise SystemExit("--amx: this CPU has no AMX (or Linux does not grant this process its tiles)")
     rng = np.random.default_rng(0)
     print(f"bs_linear GFLOP/s, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, best of {trials}")
-    print(f"{'format':<7}{'weight':<9}{'M x K x N':>18}{'dot products':>14}{'amx':>10}{'amx / dot':>11}")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    print(
+        f"{'format':<7}{'weight':<9}{'M x K x N':>18}{'dot products':>14}{'amx':>10}{'amx / dot':>11}"
+        f"{'onednn bf16':>13}{'amx / onednn':>14}"
+    )
     for format_name in formats:
         for weight_name, (k, n) in WEIGHTS.items():
             weight = rng.standard_normal((k, n), dtype=np.float32)
             layers = {name: format_layer(kernels, format_name, weight) for name, kernels in paths.items()}
-            for m in ROWS:
+            for m in rows:
                 x = paddle.to_tensor(rng.standard_normal((m, k), dtype=np.float32))
-                seconds = best_seconds({name: (lambda layer=layer: layer(x)) for name, layer in layers.items()}, trials)
-                rates = {name: 2 * m * k * n / seconds[name] / 1e9 for name in layers}
+                runs = {name: (lambda layer=layer: layer(x)) for name, layer in layers.items()}
+                runs["onednn bf16"] = onednn_bf16(x, weight)
+                seconds = best_seconds(runs, trials)
+                rates = {name: 2 * m * k * n / seconds[name] / 1e9 for name in runs}
                 print(
                     f"{format_name:<7}{weight_name:<9}{f'{m} x {k} x {n}':>18}{rates['dot products']:>14.1f}"
-                    f"{rates['amx']:>10.1f}{rates['amx'] / rates['dot products']:>10.2f}x",
+                    f"{rates['amx']:>10.1f}{rates['amx'] / rates['dot products']:>10.2f}x"
+                    f"{rates['onednn bf16']:>13.1f}{rates['amx'] / rates['onednn bf16']:>13.2f}x",
                     flush=True,
                 )
 
@@ -165,10 +184,12 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--amx", action="store_true", help="bs_linear's formats without and with AMX's tiles")
     parser.add_argument("--formats", nargs="*", choices=list(AMX_FORMATS), default=list(AMX_FORMATS), help="of --amx")
+    parser.add_argument("--rows", nargs="*", type=int, default=list(ROWS), help="of --amx: M, the rows of x")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    keep_freed_memory()  # as the worker does: a large output is not fresh pages each call (page faults timed)
     if args.amx:
-        amx_table(args.trials, args.formats)
+        amx_table(args.trials, args.formats, tuple(args.rows))
         return
     custom = select_kernels("custom", isa_cap="avx2").kernels
     mklml = PaddleMklml()

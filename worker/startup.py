@@ -120,7 +120,7 @@ def assemble_worker(settings: Settings) -> WorkerParts:
     num_kv_blocks = num_blocks_for(
         config, block_size, budget.num_bytes, settings.num_kv_blocks, precision.kv_cache_dtype
     )
-    kv_cache = KVCache(config, num_kv_blocks, block_size, precision.kv_cache_dtype)
+    kv_cache = KVCache(config, num_kv_blocks, block_size, precision.kv_cache_dtype, in_one_buffer=device == "cpu")
     reported["huge_pages_mib"], kv_cache_move = (
         _move_to_huge_pages(settings, model, kv_cache) if device == "cpu" else ("-", None)
     )

@@ -198,8 +198,8 @@ const MicroKernelEntries& micro_kernel(const Isa& isa, Format format, int64_t m)
 // - Aligned: an AMX tile loads 16 rows of 64 bytes, and a row that starts inside a cache line reads two. malloc
 //   aligns a large vector to 16 bytes, and x's bf16 rows loaded from there made a 512 x 576 x 960 tile product
 //   1.5x slower than from 64-byte aligned rows (one thread, Emerald Rapids).
-// - Kept: a new scratch of a prompt chunk's size is fresh memory from the kernel each call (its page faults and
-//   zeroing cost about as much as the AMX tile products of the chunk's GEMM).
+// - Kept: a new scratch of a prompt chunk's size is fresh memory from the kernel each call (page faults, zeroing):
+//   the bf16 GEMMs of 512 rows on AMX were 1.01-1.19x faster with a kept one (bench_gemm.py --amx).
 // One GEMM at a time per thread: the MoE op's threads each call their own.
 template <class T>
 class AlignedArray {

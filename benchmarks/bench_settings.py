@@ -70,23 +70,13 @@ def wait_for_kv_cache_pages(log: Path, env_extra: dict[str, str], timeout_s: flo
         time.sleep(0.2)
 
 
-def start_checkout(checkout: Path, env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    """`blockserve serve` of another checkout: run from its folder, so its service and worker are imported."""
-    with open(log_path, "wb") as log:
-        command = [sys.executable, "-m", "service.launch.cli", "serve"]
-        return subprocess.Popen(command, env=env, cwd=checkout, stdout=log, stderr=subprocess.STDOUT)
-
-
 def run_setting(name: str, env_extra: dict[str, str], args: argparse.Namespace, work: Path, seed: int) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     env_extra = dict(env_extra)
     checkout = env_extra.pop("CHECKOUT", None)
     env = loopback_env(BLOCKSERVE_MAX_NUM_SEQS=str(args.concurrency), **env_extra)
     log = work / f"{name}-serve.log"
-    if checkout:
-        serve = start_checkout(Path(checkout).resolve(), env, log)
-    else:
-        serve = start(["-m", "service.launch.cli", "serve"], env, log)
+    serve = start(["-m", "service.launch.cli", "serve"], env, log, cwd=Path(checkout).resolve() if checkout else ROOT)
     url = f"http://127.0.0.1:{env['BLOCKSERVE_PORT']}"
     try:
         wait_ready(url, timeout_s=900)

@@ -35,9 +35,10 @@ static inline void set_tile(TileConfig& config, int tile, int rows, int row_byte
 static inline void load_tile_config(const TileConfig& config) { asm volatile("ldtilecfg %0" ::"m"(config) : "memory"); }
 
 // Loads `config` unless the thread's tiles are configured so already (sttilecfg reads the current configuration:
-// 64 zero bytes where none is loaded or the tiles were released). A GEMM's tiles keep one configuration over all
-// their calls on a thread, and ldtilecfg (which also zeroes every tile) is not cheap: loading it once a thread,
-// not once a 32 x 32 tile, made a 512 x 576 x 960 bf16 product 1.12x faster on one thread (Emerald Rapids).
+// 64 zero bytes where none is loaded or the tiles were released): for configurations loaded now and then (a GEMM's
+// per thread, the attention's per change of shape), not per tile. sttilecfg waits for the tile products before it;
+// checked per 32 x 32 tile it still cost a 512 x 576 x 960 bf16 product about a quarter of its time on one thread
+// (Emerald Rapids), loading per tile more.
 static inline void configure_tiles(const TileConfig& config) {
   TileConfig current;
   asm volatile("sttilecfg %0" : "=m"(current)::"memory");

@@ -41,9 +41,10 @@ def loopback_env(**overrides: str) -> dict[str, str]:
     return env
 
 
-def start(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+def start(args: list[str], env: dict[str, str], log_path: Path, cwd: Path = ROOT) -> subprocess.Popen:
+    """`python *args` from `cwd` (this checkout; another one's folder runs that checkout's code)."""
     log = open(log_path, "ab")
-    return subprocess.Popen([sys.executable, *args], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen([sys.executable, *args], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
 
 
 def stop(process: subprocess.Popen, timeout_s: float = 10) -> None:

@@ -5,6 +5,8 @@ their scale (attention/kv_rows.py)."""
 
 from __future__ import annotations
 
+import math
+
 import paddle
 
 from worker.attention.kv_rows import KV_ROW_FORMATS
@@ -50,11 +52,10 @@ class KVCache:
         shape = [num_blocks, block_size, config.num_kv_heads, row.row_elements(config.head_dim)]
         count = 2 * config.num_layers
         if in_one_buffer:
-            elements = num_blocks * block_size * config.num_kv_heads * row.row_elements(config.head_dim)
-            probe = paddle.zeros([1], dtype=row.paddle_dtype)
-            padding = HUGE_PAGE_BYTES // probe.element_size()
+            elements = math.prod(shape)
+            padding = HUGE_PAGE_BYTES // row.element_bytes
             self._buffer = paddle.zeros([count * elements + padding], dtype=row.paddle_dtype)
-            first = -self._buffer.data_ptr() % HUGE_PAGE_BYTES // probe.element_size()
+            first = -self._buffer.data_ptr() % HUGE_PAGE_BYTES // row.element_bytes
             tensors = [
                 self._buffer[first + i * elements : first + (i + 1) * elements].reshape(shape) for i in range(count)
             ]

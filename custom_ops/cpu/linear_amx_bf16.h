@@ -18,10 +18,13 @@ constexpr int kAmxRows = 2 * kTileRegisterRows;  // rows of x per tile call: an 
 // Tile registers: tmm0..3 the sums of (upper | lower rows) x (panel 0 | 1), tmm(2 * half + panel); tmm4, tmm5 the
 // upper and lower rows of x; tmm6, tmm7 panel 0 and 1, as the thread configured them for the GEMM (load_gemm_tiles:
 // 16 rows each, however many of them are x's). Not inlined: one body for every row count.
+// `ahead` (or null): kPanels panels `ahead_panel_bytes` apart to ask for into L2 as the tile computes,
+// `ahead_chunk_bytes` of each per 32 inputs of depth.
 template <int kPanels, bool kSiluMul>
 static __attribute__((noinline)) void amx_bf16_tile(const uint32_t* words, int64_t num_words, int rows,
                                                     const uint8_t* panel, int64_t panel_bytes, const float* start,
-                                                    float* y, int64_t ldy, int cols, const uint8_t* ahead) {
+                                                    float* y, int64_t ldy, int cols, const uint8_t* ahead,
+                                                    int64_t ahead_panel_bytes, int64_t ahead_chunk_bytes) {
   static_assert(!kSiluMul || kPanels == 2, "a SiLU tile pairs a gate panel with an up panel");
   const int upper = rows < kTileRegisterRows ? rows : kTileRegisterRows, lower = rows - upper;
   BS_TILE_ZERO(0);
@@ -36,7 +39,8 @@ static __attribute__((noinline)) void amx_bf16_tile(const uint32_t* words, int64
   for (int64_t c = 0; c < chunks; ++c) {
     if (ahead != nullptr) {
       for (int p = 0; p < kPanels; ++p) {
-        for (int line = 0; line < 16; ++line) __builtin_prefetch(ahead + p * panel_bytes + c * kChunkBytes + line * 64, 0, 2);
+        const uint8_t* lines = ahead + p * ahead_panel_bytes + c * ahead_chunk_bytes;
+        for (int64_t line = 0; line < ahead_chunk_bytes; line += 64) __builtin_prefetch(lines + line, 0, 2);
       }
     }
     BS_TILE_LOAD(6, panel + c * kChunkBytes, 64);
@@ -104,6 +108,7 @@ struct AmxBf16Kernel {
   template <int kRows, int kPanels, bool kSiluMul>
   static inline void tile(Rows rows, const uint8_t* panel, int64_t panel_bytes, const float* start, float* y,
                           int64_t ldy, int cols, const uint8_t* ahead, bool) {
-    amx_bf16_tile<kPanels, kSiluMul>(rows.words, rows.num_words, kRows, panel, panel_bytes, start, y, ldy, cols, ahead);
+    amx_bf16_tile<kPanels, kSiluMul>(rows.words, rows.num_words, kRows, panel, panel_bytes, start, y, ldy, cols, ahead,
+                                     panel_bytes, 16 * 64);
   }
 };

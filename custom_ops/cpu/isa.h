@@ -39,13 +39,14 @@ inline bool cpu_has_amx() {
   return granted;
 }
 
-// AMX only above AVX512-BF16 and AVX512-VNNI (its kernels finish with them; every AMX CPU has both).
+// AMX only above AVX512-BF16 and AVX512-VNNI (its kernels finish with them) and AVX512-VBMI (the dequantizing
+// GEMM's vpermb); every AMX CPU has all three.
 inline Isa allowed_isa(int allowed) {
   Isa isa;
   isa.avx512 = (allowed & kAllowAvx512) && __builtin_cpu_supports("avx512f");
   isa.bf16 = isa.avx512 && (allowed & kAllowAvx512Bf16) && __builtin_cpu_supports("avx512bf16");
   isa.vnni = isa.avx512 && (allowed & kAllowAvx512Vnni) && __builtin_cpu_supports("avx512vnni");
-  isa.amx = isa.bf16 && isa.vnni && (allowed & kAllowAmx) && cpu_has_amx();
+  isa.amx = isa.bf16 && isa.vnni && (allowed & kAllowAmx) && __builtin_cpu_supports("avx512vbmi") && cpu_has_amx();
   return isa;
 }
 

@@ -109,6 +109,6 @@ struct AmxBf16Kernel {
   static inline void tile(Rows rows, const uint8_t* panel, int64_t panel_bytes, const float* start, float* y,
                           int64_t ldy, int cols, const uint8_t* ahead, bool) {
     amx_bf16_tile<kPanels, kSiluMul>(rows.words, rows.num_words, kRows, panel, panel_bytes, start, y, ldy, cols, ahead,
-                                     panel_bytes, 16 * 64);
+                                     panel_bytes, kTileRegisterRows * 64);  // a panel's B tile per 32 inputs
   }
 };

@@ -137,7 +137,7 @@ using MicroKernel = AmxInt8Kernel<kFormat>;
 
 namespace amx_dequant {
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bf16,avx512vnni,amx-tile,amx-bf16,amx-int8,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vbmi,avx512bf16,avx512vnni,amx-tile,amx-bf16,amx-int8,avx2,fma,f16c")
 #include "unroll.h"
 #include "linear_vnni.h"
 #include "linear_bf16.h"

@@ -12,7 +12,18 @@ from service.contract.config import Settings
 from worker.kernels.cpu_isa import ISA_AMX, ISA_CAPS, IsaSet
 from worker.kernels.selection import CPU_ISA_CAPS
 
-SAPPHIRE_RAPIDS = {"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"}
+SAPPHIRE_RAPIDS = {
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_vnni",
+    "avx512vbmi",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+}
 
 
 @pytest.fixture
@@ -35,12 +46,12 @@ def test_each_cap_keeps_the_ops_at_or_below_its_level(granted, cap, name):
     assert bool(isa.bits & ISA_AMX) == (cap == "all")
 
 
-def test_amx_needs_the_os_grant_and_all_three_of_its_flags(granted):
+def test_amx_needs_the_os_grant_all_three_of_its_flags_and_vbmi(granted):
     granted(False)
     assert not IsaSet.of(SAPPHIRE_RAPIDS).amx
     granted(True)
     assert IsaSet.of(SAPPHIRE_RAPIDS).amx
-    for flag in ("amx_tile", "amx_bf16", "amx_int8", "avx512_bf16"):
+    for flag in ("amx_tile", "amx_bf16", "amx_int8", "avx512_bf16", "avx512vbmi"):
         assert not IsaSet.of(SAPPHIRE_RAPIDS - {flag}).amx, flag
 
 

@@ -7,7 +7,8 @@ import functools
 from dataclasses import dataclass
 
 REQUIRED_CPU_FEATURES = ("avx2", "fma", "f16c")
-AMX_CPU_FEATURES = ("amx_tile", "amx_bf16", "amx_int8")
+# AMX, and AVX512-VBMI beside it (the dequantizing GEMM's vpermb; custom_ops/cpu/isa.h): every AMX CPU has it.
+AMX_CPU_FEATURES = ("amx_tile", "amx_bf16", "amx_int8", "avx512vbmi")
 # The ops' `isa` attribute bits (custom_ops/cpu/isa.h): extensions allowed beyond AVX2 + FMA + F16C.
 ISA_AVX512, ISA_AVX512_BF16, ISA_AVX512_VNNI, ISA_AMX = 1, 2, 4, 8
 # The most the ops may use (BLOCKSERVE_CPU_ISA): avx2 forces AVX2; avx512 allows AVX-512F only; avx512+bf16+vnni its

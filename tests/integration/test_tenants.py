@@ -56,7 +56,9 @@ def test_a_quiet_tenant_is_served_beside_a_flooding_one_under_fair_and_behind_it
         BLOCKSERVE_SCHEDULING_POLICY=policy,
         BLOCKSERVE_MAX_NUM_SEQS="8",
         BLOCKSERVE_NUM_KV_BLOCKS="512",
-        FAKE_STEP_DELAY_S="0.01",
+        # A flood request holds its seat 60 steps: 1.8 s, time for all 32 to arrive before a seat frees (at 10 ms a
+        # step, on a 2-core machine running the suite, one had finished when the last arrived: 23 queued, not 24).
+        FAKE_STEP_DELAY_S="0.03",
     )
     with FakeStack(tmp_path, **settings) as stack:
         finished_before_quiet = flood_then_quiet(stack)

@@ -20,10 +20,11 @@ constexpr int64_t kKeyWords = 16;  // the key's room: the panels start 64 bytes 
 // lane c of each the pair (w[i][c], w[i + 1][c]) in bf16. A short last INT8 group leaves its missing words' blocks
 // as they were: x has no words there.
 // Each block's fp32 values are computed in its own order, so that vcvtne2ps2bf16 writes the pairs as they lie: one
-// vector the pairs of columns 0..7, one those of 8..15 (lane 2c + e: input i + e of column c). vpermb takes each
-// value's byte to the low byte of its lane and zeroes the rest (AVX512-VBMI, which every AMX CPU has), and the
+// vector the pairs of columns 0..7, one those of 8..15 (lane 2c + e: input 2 * block + e of column c). vpermb takes
+// each value's byte to the low byte of its lane and zeroes the rest (AVX512-VBMI, which every AMX CPU has), and the
 // columns' scale and offset are permuted to match once a group: d * q + offset rounded as before, bit for bit, with
-// 18 vector instructions a word instead of 23 (shifts and masks, and a vpermw to interleave each block).
+// 16 vector instructions a word instead of 21 (3 shifts and 4 masks, and a vpermw to interleave each block, against
+// 4 vpermb), the group's unpacking of its bytes aside.
 template <Format kFormat>
 static void dequantize_panel(const uint8_t* panel, int64_t num_groups, int64_t num_words, uint8_t* out) {
   const uint8_t* blocks = panel + FormatTraits<kFormat>::kGeometry.header_bytes;

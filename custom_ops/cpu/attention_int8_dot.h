@@ -1,7 +1,9 @@
-// The attention's key scores for an int8 cache on AVX512-VNNI (BS_INT8_DOT, kernels_avx512_bf16.cc): each query row
-// is quantized to int8 codes with a scale of its own, as the cache's rows are (kv_types.h), and vpdpbusd multiplies
-// its codes with a key's codes as stored, 64 at a time, summing in int32. Elsewhere kInt8Dot is false and the
-// generic score_rows widens each code to fp32.
+// The attention's key scores and sums of values for an int8 cache on AVX512-VNNI (BS_INT8_DOT,
+// kernels_avx512_bf16.cc): each query row is quantized to int8 codes with a scale of its own, as the cache's rows
+// are (kv_types.h), and vpdpbusd multiplies its codes with a key's codes as stored, 64 at a time, summing in int32;
+// the values' weights are rounded to 8 bits per span and vpdpbusd sums four keys' values at once
+// (accumulate_values_int8). Elsewhere kInt8Dot is false: the generic score_rows and accumulate_values widen each code
+// to fp32.
 // Included by kernel_impl.h inside an instruction set's `#pragma GCC target` region and namespace; no
 // include guard, only builtins and own code (see kernel_impl.h).
 
@@ -80,6 +82,87 @@ static inline void score_rows_int8(const float* q, int64_t head_dim, const Int8*
     }
   }
 }
+
+// Four keys' 64-byte chunks of value codes interleaved byte by byte: dword k of lane L of v[n] holds the four keys'
+// codes of dim 16L + 4n + k (so that a dword of four keys' weights multiplies them in vpdpbusd).
+static inline void value_groups(__m512i a, __m512i b, __m512i c, __m512i d, __m512i* v) {
+  const __m512i t0 = _mm512_unpacklo_epi8(a, b), t1 = _mm512_unpackhi_epi8(a, b);
+  const __m512i t2 = _mm512_unpacklo_epi8(c, d), t3 = _mm512_unpackhi_epi8(c, d);
+  v[0] = _mm512_unpacklo_epi16(t0, t2), v[1] = _mm512_unpackhi_epi16(t0, t2);
+  v[2] = _mm512_unpacklo_epi16(t1, t3), v[3] = _mm512_unpackhi_epi16(t1, t3);
+}
+
+// The 4 x 4 transpose of s's 128-bit lanes: out[L] holds lane L of s[0], s[1], s[2], s[3] (value_groups' sums
+// back in the order of the dims).
+static inline void lanes_transposed(const __m512i* s, __m512i* out) {
+  const __m512i x0 = _mm512_shuffle_i32x4(s[0], s[1], _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512i x1 = _mm512_shuffle_i32x4(s[2], s[3], _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512i x2 = _mm512_shuffle_i32x4(s[0], s[1], _MM_SHUFFLE(3, 2, 3, 2));
+  const __m512i x3 = _mm512_shuffle_i32x4(s[2], s[3], _MM_SHUFFLE(3, 2, 3, 2));
+  out[0] = _mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)), out[1] = _mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1));
+  out[2] = _mm512_shuffle_i32x4(x2, x3, _MM_SHUFFLE(2, 0, 2, 0)), out[3] = _mm512_shuffle_i32x4(x2, x3, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+// accumulate_values for an int8 cache, 8-bit weights times 8-bit values as FlashAttention-3 and SageAttention2
+// multiply probabilities and values on GPUs: each row's weights of the span (its probabilities, value scales folded
+// in) become unsigned 8-bit codes, the row's largest 255 (rounded to nearest even), and vpdpbusd adds four keys'
+// code products at once in int32 (value_groups), scaled back once per span. A weight's error is at most 1/510 of
+// the row's largest in the span (tests/support/numerics.py: int8_weights_error_bound). ahead() is called once per
+// 4 keys and 64 dims.
+template <int ROWS, class Ahead>
+static inline void accumulate_values_int8(float* acc, const float* probs, const Int8* const* values,
+                                          int64_t num_keys, int64_t head_dim, Ahead& ahead) {
+  const int64_t groups = (num_keys + 3) / 4;
+  alignas(64) uint8_t weights[ROWS][kKeySpan];
+  float unit[ROWS];  // the weight of code 1
+  for (int r = 0; r < ROWS; ++r) {
+    const float* row = probs + r * kKeySpan;
+    __m512 most = _mm512_setzero_ps();
+    for (int64_t j = 0; j < num_keys; j += 16) {
+      const __mmask16 lanes = num_keys - j >= 16 ? 0xffff : (1u << (num_keys - j)) - 1;
+      most = _mm512_max_ps(most, _mm512_maskz_loadu_ps(lanes, row + j));
+    }
+    const float largest = _mm512_reduce_max_ps(most);
+    const __m512 to_code = _mm512_set1_ps(largest > 0.0f ? 255.0f / largest : 0.0f);
+    unit[r] = largest / 255.0f;
+    for (int64_t j = 0; j < groups * 4; j += 16) {
+      const __mmask16 lanes = num_keys - j >= 16 ? 0xffff : (1u << (num_keys - j)) - 1;
+      const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, row + j), to_code));
+      _mm_store_si128(reinterpret_cast<__m128i*>(weights[r] + j), _mm512_cvtusepi32_epi8(codes));
+    }
+  }
+  for (int64_t c = 0; c * 64 < head_dim; ++c) {
+    const int64_t left = head_dim - c * 64;
+    const __mmask64 lanes = left >= 64 ? ~0ull : ~0ull >> (64 - left);
+    __m512i sums[ROWS][4];
+    for (int r = 0; r < ROWS; ++r)
+      for (int n = 0; n < 4; ++n) sums[r][n] = _mm512_setzero_si512();
+    for (int64_t g = 0; g < groups; ++g) {
+      ahead();
+      __m512i k[4], v[4];
+      for (int i = 0; i < 4; ++i) {
+        const Int8* row = 4 * g + i < num_keys ? values[4 * g + i] : values[0];  // its weight is 0
+        k[i] = _mm512_maskz_loadu_epi8(lanes, row + c * 64);
+      }
+      value_groups(k[0], k[1], k[2], k[3], v);
+      for (int r = 0; r < ROWS; ++r) {
+        uint32_t word;
+        __builtin_memcpy(&word, weights[r] + 4 * g, sizeof word);
+        const __m512i w = _mm512_set1_epi32(static_cast<int32_t>(word));
+        for (int n = 0; n < 4; ++n) sums[r][n] = _mm512_dpbusd_epi32(sums[r][n], w, v[n]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      __m512i in_order[4];
+      lanes_transposed(sums[r], in_order);
+      const __m512 u = _mm512_set1_ps(unit[r]);
+      float* out = acc + r * head_dim + c * 64;
+      for (int L = 0; L < 4 && 16 * L < left; ++L) {
+        _mm512_storeu_ps(out + 16 * L, _mm512_fmadd_ps(_mm512_cvtepi32_ps(in_order[L]), u, _mm512_loadu_ps(out + 16 * L)));
+      }
+    }
+  }
+}
 #else
 template <class Cache>
 constexpr bool kInt8Dot = false;
@@ -87,4 +170,7 @@ static inline void quantize_query_row(float* row, int64_t head_dim);
 template <int ROWS, class Ahead>
 static inline void score_rows_int8(const float* q, int64_t head_dim, const Int8* const* keys, int64_t num_keys,
                                    float* scores, Ahead& ahead);
+template <int ROWS, class Ahead>
+static inline void accumulate_values_int8(float* acc, const float* probs, const Int8* const* values,
+                                          int64_t num_keys, int64_t head_dim, Ahead& ahead);
 #endif

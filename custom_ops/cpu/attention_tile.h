@@ -50,6 +50,8 @@ static inline void attend_rows(const AttentionTile<Cache>& t, const HeadRows& he
     if constexpr (KvElement<Cache>::kScaled) fold_value_scales<ROWS>(scores + r * kKeySpan, values, most_visible, dim);
     if constexpr (kDot) {
       accumulate_values_dot<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim, value_asks);
+    } else if constexpr (kInt8Dot<Cache>) {
+      accumulate_values_int8<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim, value_asks);
     } else {
       accumulate_values<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim, value_asks);
     }

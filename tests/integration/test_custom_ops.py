@@ -21,7 +21,7 @@ import worker.kernels.selection as kernels_module
 from service.contract import wire
 from tests.support.api_peer import ApiPeer
 from tests.support.isa_kernels import ISA_CAPS, custom_kernels_on
-from tests.support.numerics import attention_config, bf16_rounded, int8_query_rows
+from tests.support.numerics import attention_config, bf16_rounded, int8_query_rows, int8_weights_error_bound
 from tests.support.processes import ROOT, loopback_env, metric_samples, start, stop_all
 from worker.attention.backend import LayerAttention
 from worker.attention.custom_kernels import CustomPagedAttention
@@ -556,7 +556,8 @@ def test_an_8bit_cache_holds_the_reference_encoding_of_each_row_and_attention_re
 ):
     """The op writes each new key (rotated) and value row as kv_rows.encode_rows encodes the row a float32 cache
     gets, bit for bit, and touches no other row; the attention equals the float32 attention over the decoded rows,
-    for an int8 cache with AVX512-VNNI of the query rows quantized to int8 as vpdpbusd multiplies them."""
+    for an int8 cache with AVX512-VNNI of the query rows quantized to int8 as vpdpbusd multiplies them, and within
+    the bound of the values' weights rounded to 8 bits (int8_weights_error_bound)."""
     rng = np.random.default_rng(head_dim + 2)
     num_blocks = 2 * (-(-320 // block_size)) * 8 + 1
     config = attention_config(num_heads, num_kv_heads, head_dim, MAX_POSITIONS)
@@ -582,13 +583,30 @@ def test_an_8bit_cache_holds_the_reference_encoding_of_each_row_and_attention_re
         float_rows = float_cache.numpy().reshape(-1, num_kv_heads, head_dim)[written]
         np.testing.assert_array_equal(rows[written], encode_rows(float_rows, kv_cache_dtype))
     decoded = [tensor(decode_rows(eight_bit_rows(cache), kv_cache_dtype)) for cache in caches]
-    if kv_cache_dtype == "int8" and custom.isa.bf16 and custom.isa.vnni:
+    vnni_int8 = kv_cache_dtype == "int8" and custom.isa.bf16 and custom.isa.vnni
+    if vnni_int8:
         scale = np.float32(1 / np.sqrt(head_dim))
         scaled = query.numpy().reshape(-1, head_dim) * scale
         query = tensor((int8_query_rows(scaled) / scale).reshape(query.shape))
     backend = PagedAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
     expected = backend.attend(query, *decoded, backend.prepare(inputs)).numpy()
-    np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
+    if vnni_int8:  # the weights of the values rounded to 8 bits as well: within their bound
+        slots_shape = (-1, num_kv_heads, head_dim)
+        value_rows = eight_bit_rows(caches[1]).reshape(-1, num_kv_heads, head_dim + 2)
+        value_scales = (value_rows[..., -2:].copy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)[..., 0]
+        bound = int8_weights_error_bound(
+            query.numpy().reshape(len(output), num_heads, head_dim),
+            decoded[0].numpy().reshape(slots_shape),
+            decoded[1].numpy().reshape(slots_shape),
+            value_scales,
+            inputs,
+            block_size,
+            1 / np.sqrt(head_dim),
+        ).reshape(output.shape)
+        error = np.abs(output - expected)
+        assert (error <= bound + 1e-4 * np.abs(expected) + 1e-5).all(), (error - bound).max()
+    else:
+        np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
 
 
 WINDOWS_AND_CAPS = [(1, None), (7, None), (64, None), (None, 30.0), (7, 2.0), (64, 50.0)]

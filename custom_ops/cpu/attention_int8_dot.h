@@ -83,6 +83,100 @@ static inline void score_rows_int8(const float* q, int64_t head_dim, const Int8*
   }
 }
 
+// A prompt's scores (many rows per span) without a horizontal sum per key and row: the span's keys are regrouped
+// once (int8_key_groups), four keys' 64-byte chunks into four vectors, vector m holding in each 128-bit lane L the
+// four keys' 4-byte groups 4L + m; each row's codes are repeated to match (query_groups), vpdpbusd then leaves in
+// each lane four keys' sums over that lane's groups, and 16 keys' accumulators are added across lanes by 6 shuffles
+// (lanes_added). The int32 sums and the scores are score_rows_int8's, bit for bit.
+constexpr int64_t kMaxGroupedDim = 256;
+
+// groups[((j / 4) * chunks + c) * 4 + m] for keys j..j + 3 of `keys` (num_keys a multiple of 16), chunk c of
+// their codes biased to unsigned as score_rows_int8 does; the tail of a head_dim no multiple of 64 reads 128.
+static inline void int8_key_groups(const Int8* const* keys, int64_t num_keys, int64_t head_dim, __m512i* groups) {
+  const int64_t chunks = (head_dim + 63) / 64;
+  const __m512i flip = _mm512_set1_epi8(-128);
+  for (int64_t j = 0; j < num_keys; j += 4) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t left = head_dim - c * 64;
+      const __mmask64 lanes = left >= 64 ? ~0ull : ~0ull >> (64 - left);
+      __m512i k[4];
+      for (int i = 0; i < 4; ++i) k[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(lanes, keys[j + i] + c * 64), flip);
+      const __m512i t0 = _mm512_unpacklo_epi32(k[0], k[1]), t1 = _mm512_unpackhi_epi32(k[0], k[1]);
+      const __m512i t2 = _mm512_unpacklo_epi32(k[2], k[3]), t3 = _mm512_unpackhi_epi32(k[2], k[3]);
+      __m512i* out = groups + ((j / 4) * chunks + c) * 4;
+      _mm512_storeu_si512(out + 0, _mm512_unpacklo_epi64(t0, t2));
+      _mm512_storeu_si512(out + 1, _mm512_unpackhi_epi64(t0, t2));
+      _mm512_storeu_si512(out + 2, _mm512_unpacklo_epi64(t1, t3));
+      _mm512_storeu_si512(out + 3, _mm512_unpackhi_epi64(t1, t3));
+    }
+  }
+}
+
+// The partners of int8_key_groups' vectors for ROWS query rows (quantize_query_row's codes, dim floats apart):
+// out[(r * chunks + c) * 4 + m] holds in lane L row r's group 4L + m of chunk c, four times (zero past head_dim).
+template <int ROWS>
+static inline void query_groups(const float* q, int64_t head_dim, __m512i* out) {
+  const int64_t chunks = (head_dim + 63) / 64;
+  for (int r = 0; r < ROWS; ++r) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t left = head_dim - c * 64;
+      const __mmask64 lanes = left >= 64 ? ~0ull : ~0ull >> (64 - left);
+      const __m512i codes = _mm512_maskz_loadu_epi8(lanes, reinterpret_cast<const int8_t*>(q + r * head_dim) + c * 64);
+      __m512i* row = out + (r * chunks + c) * 4;
+      row[0] = _mm512_shuffle_epi32(codes, _MM_PERM_AAAA), row[1] = _mm512_shuffle_epi32(codes, _MM_PERM_BBBB);
+      row[2] = _mm512_shuffle_epi32(codes, _MM_PERM_CCCC), row[3] = _mm512_shuffle_epi32(codes, _MM_PERM_DDDD);
+    }
+  }
+}
+
+// Lane g of the result: the sum of a[g]'s four lanes.
+static inline __m512i lanes_added(const __m512i* a) {
+  const __m512i x01 = _mm512_add_epi32(_mm512_shuffle_i32x4(a[0], a[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm512_shuffle_i32x4(a[0], a[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512i x23 = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2], a[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm512_shuffle_i32x4(a[2], a[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// score_rows_int8 of ROWS rows over num_keys keys (a multiple of 16) regrouped by int8_key_groups; `scales`: the
+// keys' scales. ahead() is called once per 4 keys, as there.
+template <int ROWS, class Ahead>
+static inline void score_rows_int8_grouped(const float* q, int64_t head_dim, const __m512i* groups,
+                                           const float* scales, int64_t num_keys, float* scores, Ahead& ahead) {
+  const int64_t chunks = (head_dim + 63) / 64;
+  __m512i partners[ROWS * (kMaxGroupedDim / 64) * 4];
+  query_groups<ROWS>(q, head_dim, partners);
+  __m512 row_scale[ROWS];
+  __m512i row_bias[ROWS];
+  for (int r = 0; r < ROWS; ++r) {
+    int32_t bias;
+    __builtin_memcpy(&bias, q + r * head_dim + head_dim / 4 + 1, sizeof bias);
+    row_scale[r] = _mm512_set1_ps(q[r * head_dim + head_dim / 4]);
+    row_bias[r] = _mm512_set1_epi32(bias);
+  }
+  for (int64_t j = 0; j < num_keys; j += 16) {
+    for (int g = 0; g < 4; ++g) ahead();
+    __m512i acc[ROWS][4];
+    for (int r = 0; r < ROWS; ++r)
+      for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int m = 0; m < 4; ++m) {
+        for (int g = 0; g < 4; ++g) {
+          const __m512i keys = _mm512_loadu_si512(groups + ((j / 4 + g) * chunks + c) * 4 + m);
+          for (int r = 0; r < ROWS; ++r) acc[r][g] = _mm512_dpbusd_epi32(acc[r][g], keys, partners[(r * chunks + c) * 4 + m]);
+        }
+      }
+    }
+    const __m512 key_scale = _mm512_loadu_ps(scales + j);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512i dots = _mm512_sub_epi32(lanes_added(acc[r]), row_bias[r]);
+      _mm512_storeu_ps(scores + r * kKeySpan + j,
+                       _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), row_scale[r]), key_scale));
+    }
+  }
+}
+
 // Four keys' 64-byte chunks of value codes interleaved byte by byte: dword k of lane L of v[n] holds the four keys'
 // codes of dim 16L + 4n + k (so that a dword of four keys' weights multiplies them in vpdpbusd).
 static inline void value_groups(__m512i a, __m512i b, __m512i c, __m512i d, __m512i* v) {
@@ -173,4 +267,9 @@ static inline void score_rows_int8(const float* q, int64_t head_dim, const Int8*
 template <int ROWS, class Ahead>
 static inline void accumulate_values_int8(float* acc, const float* probs, const Int8* const* values,
                                           int64_t num_keys, int64_t head_dim, Ahead& ahead);
+constexpr int64_t kMaxGroupedDim = 0;
+static inline void int8_key_groups(const Int8* const* keys, int64_t num_keys, int64_t head_dim, __m512i* groups);
+template <int ROWS, class Ahead>
+static inline void score_rows_int8_grouped(const float* q, int64_t head_dim, const __m512i* groups,
+                                           const float* scales, int64_t num_keys, float* scores, Ahead& ahead);
 #endif

@@ -220,6 +220,28 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
 #endif
         }
       }
+      if constexpr (kInt8Dot<Cache> && !by_slot) {
+        if (t.num_queries > 1 && dim >= 32 && dim <= kMaxGroupedDim) {  // a prompt's rows share the regrouped keys
+          const int64_t grouped = (span_keys + 15) / 16 * 16;  // fits keys_by_lane from head_dim 32
+          for (int64_t j = padded_keys; j < grouped; ++j) keys[j] = keys[0];
+          alignas(64) float key_scales[kKeySpan];
+          for (int64_t j = 0; j < grouped; ++j) key_scales[j] = KvElement<Cache>::scale(keys[j], dim);
+          __m512i* groups = reinterpret_cast<__m512i*>(keys_by_lane);
+          int8_key_groups(keys, grouped, dim, groups);
+          const float* q = heads[h].q;
+          int64_t r = first_row;
+          for (; r + 3 <= rows; r += 3) {
+            score_rows_int8_grouped<3>(q + r * dim, dim, groups, key_scales, grouped, head_scores + r * kKeySpan, ahead);
+          }
+          if (rows - r == 2) {
+            score_rows_int8_grouped<2>(q + r * dim, dim, groups, key_scales, grouped, head_scores + r * kKeySpan, ahead);
+          }
+          if (rows - r == 1) {
+            score_rows_int8_grouped<1>(q + r * dim, dim, groups, key_scales, grouped, head_scores + r * kKeySpan, ahead);
+          }
+          scored = true;
+        }
+      }
       int64_t r = first_row;
       for (; r + 3 <= rows; r += 3) {
         attend_rows<3, kDot, by_slot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, head_scores,

@@ -30,6 +30,17 @@ static inline void quantize_query_row(float* row, int64_t head_dim) {
   __builtin_memcpy(row + head_dim / 4 + 1, &bias, sizeof bias);
 }
 
+// What quantize_query_row left after a row's codes: its scale and 128 * the codes' sum.
+struct QueryRowCodes {
+  float scale;
+  int32_t bias;
+};
+static inline QueryRowCodes query_row_codes(const float* row, int64_t head_dim) {
+  QueryRowCodes codes{row[head_dim / 4], 0};
+  __builtin_memcpy(&codes.bias, row + head_dim / 4 + 1, sizeof codes.bias);
+  return codes;
+}
+
 static inline __m256i halves_added_epi32(__m512i x) {
   return _mm256_add_epi32(_mm512_castsi512_si256(x), _mm512_extracti64x4_epi64(x, 1));
 }
@@ -54,10 +65,8 @@ static inline void score_rows_int8(const float* q, int64_t head_dim, const Int8*
   __m128 row_scale[ROWS];
   __m128i row_bias[ROWS];
   for (int r = 0; r < ROWS; ++r) {
-    int32_t bias;
-    __builtin_memcpy(&bias, q + r * head_dim + head_dim / 4 + 1, sizeof bias);
-    row_scale[r] = _mm_set1_ps(q[r * head_dim + head_dim / 4]);
-    row_bias[r] = _mm_set1_epi32(bias);
+    const QueryRowCodes row = query_row_codes(q + r * head_dim, head_dim);
+    row_scale[r] = _mm_set1_ps(row.scale), row_bias[r] = _mm_set1_epi32(row.bias);
   }
   for (int64_t j = 0; j < num_keys; j += 4) {
     ahead();
@@ -147,14 +156,8 @@ static inline void score_rows_int8_grouped(const float* q, int64_t head_dim, con
   const int64_t chunks = (head_dim + 63) / 64;
   __m512i partners[ROWS * (kMaxGroupedDim / 64) * 4];
   query_groups<ROWS>(q, head_dim, partners);
-  __m512 row_scale[ROWS];
-  __m512i row_bias[ROWS];
-  for (int r = 0; r < ROWS; ++r) {
-    int32_t bias;
-    __builtin_memcpy(&bias, q + r * head_dim + head_dim / 4 + 1, sizeof bias);
-    row_scale[r] = _mm512_set1_ps(q[r * head_dim + head_dim / 4]);
-    row_bias[r] = _mm512_set1_epi32(bias);
-  }
+  QueryRowCodes rows[ROWS];
+  for (int r = 0; r < ROWS; ++r) rows[r] = query_row_codes(q + r * head_dim, head_dim);
   for (int64_t j = 0; j < num_keys; j += 16) {
     for (int g = 0; g < 4; ++g) ahead();
     __m512i acc[ROWS][4];
@@ -170,9 +173,9 @@ static inline void score_rows_int8_grouped(const float* q, int64_t head_dim, con
     }
     const __m512 key_scale = _mm512_loadu_ps(scales + j);
     for (int r = 0; r < ROWS; ++r) {
-      const __m512i dots = _mm512_sub_epi32(lanes_added(acc[r]), row_bias[r]);
+      const __m512i dots = _mm512_sub_epi32(lanes_added(acc[r]), _mm512_set1_epi32(rows[r].bias));
       _mm512_storeu_ps(scores + r * kKeySpan + j,
-                       _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), row_scale[r]), key_scale));
+                       _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_set1_ps(rows[r].scale)), key_scale));
     }
   }
 }

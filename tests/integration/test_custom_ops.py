@@ -591,14 +591,10 @@ def test_an_8bit_cache_holds_the_reference_encoding_of_each_row_and_attention_re
     backend = PagedAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
     expected = backend.attend(query, *decoded, backend.prepare(inputs)).numpy()
     if vnni_int8:  # the weights of the values rounded to 8 bits as well: within their bound
-        slots_shape = (-1, num_kv_heads, head_dim)
-        value_rows = eight_bit_rows(caches[1]).reshape(-1, num_kv_heads, head_dim + 2)
-        value_scales = (value_rows[..., -2:].copy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)[..., 0]
         bound = int8_weights_error_bound(
             query.numpy().reshape(len(output), num_heads, head_dim),
-            decoded[0].numpy().reshape(slots_shape),
-            decoded[1].numpy().reshape(slots_shape),
-            value_scales,
+            decoded[0].numpy().reshape(-1, num_kv_heads, head_dim),
+            eight_bit_rows(caches[1]).reshape(-1, num_kv_heads, head_dim + 2),
             inputs,
             block_size,
             1 / np.sqrt(head_dim),

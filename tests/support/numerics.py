@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from worker.attention.kv_rows import row_scales
 from worker.models.config import ModelConfig, RopeConfig
 
 
@@ -42,16 +43,18 @@ def attention_config(num_heads: int, num_kv_heads: int, head_dim: int, max_posit
     )
 
 
-def int8_weights_error_bound(query, keys, values, value_scales, inputs, block_size: int, scale: float) -> np.ndarray:
+def int8_weights_error_bound(query, keys, value_rows, inputs, block_size: int, scale: float) -> np.ndarray:
     """Per output [tokens, heads, head_dim], how far an int8 cache's attention may move from the exact attention
     over the decoded rows when it rounds each span's weights (probability times value scale) to 8-bit codes of
     the span's largest weight (attention_int8_dot.h's accumulate_values_int8): a weight by at most 1/510 of that
     largest, itself at most the largest over every key the query sees, times each key's |code|.
 
-    query [tokens, heads, head_dim] as the kernel multiplies it (unscaled); keys and values [slots, kv_heads,
-    head_dim] decoded; value_scales [slots, kv_heads]; inputs: the step's StepInputs."""
+    query [tokens, heads, head_dim] as the kernel multiplies it (unscaled); keys [slots, kv_heads, head_dim]
+    decoded; value_rows [slots, kv_heads, head_dim + 2] the int8 cache's bytes; inputs: the step's StepInputs."""
     tokens, num_heads, _ = query.shape
     group = num_heads // keys.shape[1]
+    codes = np.abs(value_rows[..., :-2].view(np.int8).astype(np.float64))
+    value_scales = row_scales(value_rows)
     bound = np.zeros(query.shape, dtype=np.float64)
     request_of = np.searchsorted(inputs.query_start, np.arange(tokens), side="right") - 1
     for t in range(tokens):
@@ -63,6 +66,5 @@ def int8_weights_error_bound(query, keys, values, value_scales, inputs, block_si
             probs = np.exp(scores - scores.max())
             probs /= probs.sum()
             largest = (probs * value_scales[slots, kv]).max()
-            codes = np.abs(values[slots, kv].astype(np.float64)) / value_scales[slots, kv, None]
-            bound[t, h] = largest / 510 * codes.sum(axis=0)
+            bound[t, h] = largest / 510 * codes[slots, kv].sum(axis=0)
     return bound

@@ -84,11 +84,16 @@ def encode_rows(values: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
     return np.concatenate([codes, scale_bits[..., None].view(np.uint8)], axis=-1)
 
 
+def row_scales(rows: np.ndarray) -> np.ndarray:
+    """float32 [...]: the scale of each 8-bit row uint8 [..., head_dim + 2] (its last two bytes, a bf16)."""
+    rows = np.ascontiguousarray(rows).view(np.uint8)
+    return _bf16_value(np.ascontiguousarray(rows[..., -2:]).view(np.uint16)[..., 0])
+
+
 def decode_rows(rows: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
     """float32 [..., head_dim] of 8-bit rows uint8 [..., head_dim + 2] (encode_rows' or a cache's bytes)."""
     rows = np.ascontiguousarray(rows).view(np.uint8)
-    codes, scale_bytes = rows[..., :-2], np.ascontiguousarray(rows[..., -2:])
-    scale = _bf16_value(scale_bytes.view(np.uint16)[..., 0])
+    codes, scale = rows[..., :-2], row_scales(rows)
     if kv_cache_dtype == "int8":
         decoded = codes.view(np.int8).astype(np.float32)
     else:

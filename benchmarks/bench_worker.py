@@ -1,7 +1,7 @@
 """Worker step time on SmolLM2 for each weight precision, against the time to read the weights.
 
 Run: OMP_NUM_THREADS=2 python benchmarks/bench_worker.py [--steps N]
-     [--precision KERNELS:DTYPE:QUANTIZATION[:ISA_CAP] ...] [--op-by-op]
+     [--precision KERNELS:DTYPE:QUANTIZATION[:ISA_CAP[:KV_CACHE_DTYPE]] ...] [--op-by-op]
      [--decode-batches B ...] [--prefills COUNTxLEN ...]
      [--temperature T] [--top-p P] [--top-k K]
 
@@ -24,7 +24,11 @@ synchronously); inside the fused decoder stack (the default), the op clocks its 
 the clocks are read after the timed step's clock stops), so the linear matmuls and the attention are the same parts in both modes. ISA_CAP (avx2, avx512, avx512+bf16+vnni; default all: BLOCKSERVE_CPU_ISA) keeps the custom ops below what the
 CPU has: `custom:float32:none:avx2` and `custom:bfloat16:none:avx2` measure the AVX2 path
 (bf16 storage widened to fp32 in registers) on an AVX-512 machine; `custom:bfloat16:none:avx512+bf16+vnni` beside
-`custom:bfloat16:none` on a CPU with AMX measures the GEMMs without and with its tiles in the same run. The worker's OpenMP settings (worker/host/cpu_threads.py) apply, as in the service.
+`custom:bfloat16:none` on a CPU with AMX measures the GEMMs without and with its tiles in the same run.
+KV_CACHE_DTYPE (BLOCKSERVE_KV_CACHE_DTYPE: auto, bfloat16, float32, int8, fp8_e4m3; default auto) sets the KV cache:
+`custom:auto:gguf:all:bfloat16` beside `custom:auto:gguf:all:int8` compares the caches' attention (the breakdown's
+"attention": rotary, KV write and attention as the worker's fused stack runs them) step by step in one process.
+The worker's OpenMP settings (worker/host/cpu_threads.py) apply, as in the service.
 """
 
 from __future__ import annotations
@@ -206,7 +210,7 @@ def median_steps(count: int, rounds: int, timed_turn) -> list[tuple[float, dict[
 class Subject:
     """One precision under test: its runner, the timers of its parts and the requests it serves."""
 
-    name: str  # KERNELS:DTYPE:QUANTIZATION[:ISA_CAP] as asked
+    name: str  # KERNELS:DTYPE:QUANTIZATION[:ISA_CAP[:KV_CACHE_DTYPE]] as asked
     runner: ModelRunner
     timers: Timers
     workload: Workload
@@ -224,12 +228,20 @@ class Subject:
 
 
 def subject_of(name: str, op_by_op: bool, sampling: wire.SamplingParams = GREEDY) -> Subject:
-    kernels, dtype, quantization, *cap = name.split(":")
-    cpu_isa = {"all": "auto"}.get(cap[0], cap[0]) if cap else "auto"  # BLOCKSERVE_CPU_ISA
+    kernels, dtype, quantization, *rest = name.split(":")
+    cap = rest[0] if rest else "all"
+    cpu_isa = {"all": "auto"}.get(cap, cap)  # BLOCKSERVE_CPU_ISA
+    kv_cache_dtype = rest[1] if len(rest) > 1 else "auto"  # BLOCKSERVE_KV_CACHE_DTYPE
     model = {"model": MODEL} if MODEL else {}
     runner = ModelRunner(
         load_settings(
-            num_kv_blocks=1024, kernels=kernels, cpu_isa=cpu_isa, dtype=dtype, quantization=quantization, **model
+            num_kv_blocks=1024,
+            kernels=kernels,
+            cpu_isa=cpu_isa,
+            dtype=dtype,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
+            **model,
         )
     )
     assert runner.kernels["kernels"] == kernels, runner.kernels
@@ -287,8 +299,9 @@ def time_prefill(subjects: list[Subject], count: int, prompt_len: int, steps: in
 
 @dataclasses.dataclass
 class PrecisionRun:
-    name: str  # KERNELS:DTYPE:QUANTIZATION as asked
+    name: str  # KERNELS:DTYPE:QUANTIZATION[:ISA_CAP[:KV_CACHE_DTYPE]] as asked
     described: dict[str, str]  # what the worker reports it chose
+    kv_cache_dtype: str  # what its KV cache holds
     weight_bytes: int
     cases: list[tuple[str, int, float, dict[str, float]]]  # (case, tokens per step, median step s, s per part)
     read_bandwidths: list[float]  # bytes per second, read once before each timed decode B=1 step
@@ -317,6 +330,7 @@ def run_precisions(
         PrecisionRun(
             subject.name,
             subject.runner.kernels,
+            subject.runner.kv_cache.dtype,
             subject.weight_bytes,
             own,
             subject.read_bandwidths,
@@ -337,7 +351,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=9, help="timed steps per decode case (the median is shown)")
     parser.add_argument(
-        "--precision", action="append", help=f"KERNELS:DTYPE:QUANTIZATION[:ISA_CAP] (default: {PRECISIONS})"
+        "--precision",
+        action="append",
+        help=f"KERNELS:DTYPE:QUANTIZATION[:ISA_CAP[:KV_CACHE_DTYPE]] (default: {PRECISIONS})",
     )
     parser.add_argument("--op-by-op", action="store_true", help="custom kernels: layers op by op, timed by part")
     parser.add_argument(
@@ -396,6 +412,7 @@ def main() -> None:
         print(f"{case:<16}" + "".join(f"{cell:>34}" for cell in cells))
     if 1 in args.decode_batches:
         print_read_ratios(runs, args.decode_batches.index(1))
+    print_attention(runs, reference)
     for run in runs:
         print_breakdown(run)
 
@@ -409,10 +426,29 @@ def print_read_ratios(runs: list[PrecisionRun], case_index: int) -> None:
         median_read, fastest_read = float(np.median(run.read_bandwidths)), max(run.read_bandwidths)
         read_s, step_s = run.weight_bytes / median_read, run.cases[case_index][2]
         print(
-            f"{run.name:<27} dtype={run.described['dtype']:<9} isa={run.described.get('kernels_isa', '-'):<22} weights {run.weight_bytes / 2**20:6.1f} MiB, "
+            f"{run.name:<27} dtype={run.described['dtype']:<9} kv={run.kv_cache_dtype:<9} isa={run.described.get('kernels_isa', '-'):<22} weights {run.weight_bytes / 2**20:6.1f} MiB, "
             f"read at {median_read / 1e9:4.1f} GB/s {read_s * 1e3:5.1f} ms, step {step_s * 1e3:6.1f} ms = {step_s / read_s:.2f}x "
             f"(at {fastest_read / 1e9:4.1f} GB/s: {step_s * fastest_read / run.weight_bytes:.2f}x)"
         )
+
+
+def print_attention(runs: list[PrecisionRun], reference: PrecisionRun) -> None:
+    """The attention part of each median step (rotary, KV write, attention) beside the reference's: with KV caches
+    of two dtypes, the caches' attention compared in steps that took turns."""
+    print(
+        f"\nattention ms of the median step (vs {reference.name}; KV cache: "
+        + ", ".join(f"{run.kv_cache_dtype}" for run in runs)
+        + ")"
+    )
+    print(f"{'case':<16}" + "".join(f"{run.name:>34}" for run in runs))
+    for index, (case, *_) in enumerate(reference.cases):
+        reference_s = reference.cases[index][3].get("attention", 0.0)
+        cells = []
+        for run in runs:
+            attention_s = run.cases[index][3].get("attention", 0.0)
+            ratio = f"{attention_s / reference_s:.2f}x" if reference_s > 0 else "-"
+            cells.append(f"{attention_s * 1e3:.2f} ({ratio})")
+        print(f"{case:<16}" + "".join(f"{cell:>34}" for cell in cells))
 
 
 def print_breakdown(run: PrecisionRun) -> None:

@@ -73,6 +73,25 @@ def test_bench_worker_requests_sample_as_asked(bench_worker):
         assert 0 < parts["sampling"] < seconds
 
 
+def test_bench_worker_compares_kv_caches_of_two_dtypes_in_one_run(bench_worker, capsys):
+    """KERNELS:DTYPE:QUANTIZATION:ISA_CAP:KV_CACHE_DTYPE: each precision serves from a cache of the dtype it asks
+    for, its attention timed, and the attention table holds each beside the first."""
+    names = ["custom:float32:none:all:bfloat16", "custom:float32:none:all:int8"]
+    runs = bench_worker.run_precisions(
+        names, steps=2, op_by_op=False, probe=bench_worker.ReadProbe(), decode_batches=(2,)
+    )
+
+    assert [run.kv_cache_dtype for run in runs] == ["bfloat16", "int8"]
+    for run in runs:
+        assert [case[0] for case in run.cases] == ["decode B=2", "prefill 1x20"]
+        assert all(parts["attention"] > 0 for _, _, _, parts in run.cases)
+    bench_worker.print_attention(runs, runs[0])
+    printed = capsys.readouterr().out
+    assert "KV cache: bfloat16, int8" in printed
+    int8_decode = runs[1].cases[0][3]["attention"] / runs[0].cases[0][3]["attention"]
+    assert f"({int8_decode:.2f}x)" in printed.splitlines()[3]
+
+
 def test_bench_worker_precisions_take_turns_step_by_step(bench_worker, monkeypatch):
     """Two precisions in one run: their timed steps alternate (each after an untimed one of its own), each
     B=1 step gets its own read, and each precision's figures are its own."""

@@ -2,8 +2,8 @@
 // kernels_avx512_bf16.cc): each query row is quantized to int8 codes with a scale of its own, as the cache's rows
 // are (kv_types.h), and vpdpbusd multiplies its codes with a key's codes as stored, 64 at a time, summing in int32;
 // a prompt's rows are scored from each span's keys regrouped once (score_rows_int8_grouped); the values' weights
-// are rounded to 8 bits per span and vpdpbusd sums four keys' values at once (accumulate_values_int8). Elsewhere kInt8Dot is false: the generic score_rows and accumulate_values widen each code
-// to fp32.
+// are rounded to 8 bits per span and vpdpbusd sums four keys' values at once (accumulate_values_int8). Elsewhere
+// kInt8Dot is false: the generic score_rows and accumulate_values widen each code to fp32.
 // Included by kernel_impl.h inside an instruction set's `#pragma GCC target` region and namespace; no
 // include guard, only builtins and own code (see kernel_impl.h).
 

@@ -1,7 +1,7 @@
 // The arithmetic of decode attention tiles, without the memory reads: bench_attention_tile.py builds this file into a
 // small library beside the op library (whose kernel sets it calls through kernel_set.h) and times, on one thread,
-// `tiles` decode tiles over caches small enough to stay in the core's caches, each tile attending `keys` keys of
-// every kv head, as paged_attention's decode tiles do.
+// `tiles` decode tiles over rows few enough to stay in the core's L2, each tile attending `keys` keys of every kv
+// head, as paged_attention's decode tiles do.
 #include <algorithm>
 #include <cmath>
 #include <chrono>
@@ -113,10 +113,14 @@ std::unique_ptr<DtypeTiles> tiles_of(const bs::KernelSet& kernels, const std::st
 
 }  // namespace
 
-// For each of `num_dtypes` cache dtypes (names separated by commas): ns[i], the nanoseconds per tile of its fastest
-// pass over the tiles, the dtypes' passes taking turns `reps` times (a slow moment of a shared host falls on all of
-// them alike), and outs[i * heads * head_dim...], its last tile's output. Returns 0, -1 if the CPU does not run
-// `kernels`, -2 for an unknown dtype.
+// Passes of one dtype in a row: its first pass after another dtype's finds its rows pushed out of the core's L2 by
+// theirs, and is rarely the fastest.
+constexpr int kTurn = 20;
+
+// For each cache dtype of `cache_dtypes` (names separated by commas): ns[i], the nanoseconds per tile of its fastest
+// pass over the tiles, the dtypes taking turns of kTurn passes until `reps` passes each (a slow moment of a shared
+// host falls on all of them alike), and outs[i * heads * head_dim...], its last tile's output. Returns 0, -1 if the
+// CPU does not run `kernels`, -2 for an unknown dtype.
 extern "C" int bs_time_decode_tiles(const char* kernels, const char* cache_dtypes, int tiles, int keys, int reps,
                                     int heads, int kv_heads, int head_dim, int block_size, double* ns, float* outs) {
   const bs::KernelSet* set = kernel_set(kernels);
@@ -131,11 +135,13 @@ extern "C" int bs_time_decode_tiles(const char* kernels, const char* cache_dtype
     start = comma + 1;
   }
   std::vector<double> best(timed.size(), 1e30);
-  for (int r = 0; r < reps; ++r) {
+  for (int r = 0; r < reps; r += kTurn) {
     for (size_t i = 0; i < timed.size(); ++i) {
-      const auto started = std::chrono::steady_clock::now();
-      timed[i]->attend();
-      best[i] = std::min(best[i], std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+      for (int pass = r; pass < std::min(reps, r + kTurn); ++pass) {
+        const auto started = std::chrono::steady_clock::now();
+        timed[i]->attend();
+        best[i] = std::min(best[i], std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+      }
     }
   }
   const int64_t out_floats = static_cast<int64_t>(heads) * head_dim;

@@ -40,7 +40,7 @@ const bs::KernelSet* kernel_set(const char* name) {
 }
 
 struct Shape {
-  int tiles, keys, reps, heads, kv_heads, head_dim, block_size;
+  int tiles, keys, heads, kv_heads, head_dim, block_size;
 };
 
 // Values in [-1, 1) from a fixed sequence (the same for every cache and kernel set).
@@ -68,34 +68,37 @@ struct TypedTiles : DtypeTiles {
   std::vector<bs::AttentionTile<T>> tiles;
   int64_t out_floats;
 
-  TypedTiles(const bs::KernelSet& kernels, const Shape& s) : cache_kernels(kernels.for_cache<T>()) {
-    const int64_t row = bs::kv_row_elements<T>(s.head_dim);
-    const int64_t blocks_each = (s.keys + s.block_size - 1) / s.block_size, num_blocks = s.tiles * blocks_each;
-    const int64_t num_rows = num_blocks * s.block_size * s.kv_heads;
+  TypedTiles(const bs::KernelSet& kernels, const Shape& shape) : cache_kernels(kernels.for_cache<T>()) {
+    const int64_t row = bs::kv_row_elements<T>(shape.head_dim);
+    const int64_t blocks_each = (shape.keys + shape.block_size - 1) / shape.block_size;
+    const int64_t num_blocks = shape.tiles * blocks_each;
+    const int64_t num_rows = num_blocks * shape.block_size * shape.kv_heads;
     key_cache.resize(num_rows * row), value_cache.resize(num_rows * row);
-    std::vector<float> x(s.head_dim);
+    std::vector<float> x(shape.head_dim);
     Values values;
     for (int64_t r = 0; r < num_rows; ++r) {
       for (float& v : x) v = values.next();
-      cache_kernels.store(x.data(), key_cache.data() + r * row, s.head_dim, 1);
+      cache_kernels.store(x.data(), key_cache.data() + r * row, shape.head_dim, 1);
       for (float& v : x) v = values.next();
-      cache_kernels.store(x.data(), value_cache.data() + r * row, s.head_dim, 1);
+      cache_kernels.store(x.data(), value_cache.data() + r * row, shape.head_dim, 1);
     }
     table.resize(num_blocks);
     for (int64_t b = 0; b < num_blocks; ++b) table[b] = b;
-    out_floats = static_cast<int64_t>(s.heads) * s.head_dim;
-    query.resize(s.tiles * out_floats), out.resize(query.size());
+    out_floats = static_cast<int64_t>(shape.heads) * shape.head_dim;
+    query.resize(shape.tiles * out_floats), out.resize(query.size());
     for (float& v : query) v = values.next();
-    scratch.resize(bs::attention_scratch_floats(1, s.kv_heads, s.heads / s.kv_heads, s.head_dim));
-    tiles.resize(s.tiles);
-    for (int i = 0; i < s.tiles; ++i) {
+    scratch.resize(bs::attention_scratch_floats(1, shape.kv_heads, shape.heads / shape.kv_heads, shape.head_dim));
+    tiles.resize(shape.tiles);
+    for (int i = 0; i < shape.tiles; ++i) {
+      // One query at position keys - 1, every kv head; the tile before asked for its first span (i > 0).
       tiles[i] = bs::AttentionTile<T>{query.data(), key_cache.data(), value_cache.data(),
-                                      table.data() + i * blocks_each, out.data(), scratch.data(), i, 1, s.keys - 1, 0,
-                                      s.kv_heads, s.heads, s.kv_heads, s.head_dim, s.block_size,
-                                      1.0f / std::sqrt(static_cast<float>(s.head_dim)), nullptr, i > 0, 0, s.keys,
-                                      nullptr, 0, 0.0f};
+                                      table.data() + i * blocks_each, out.data(), scratch.data(),
+                                      i, 1, shape.keys - 1, 0, shape.kv_heads,
+                                      shape.heads, shape.kv_heads, shape.head_dim, shape.block_size,
+                                      1.0f / std::sqrt(static_cast<float>(shape.head_dim)), nullptr, i > 0,
+                                      0, shape.keys, nullptr, 0, 0.0f};
     }
-    for (int i = 0; i + 1 < s.tiles; ++i) tiles[i].next = &tiles[i + 1];  // as a thread's next tile
+    for (int i = 0; i + 1 < shape.tiles; ++i) tiles[i].next = &tiles[i + 1];  // as a thread's next tile
   }
   void attend() override {
     for (const auto& tile : tiles) cache_kernels.attend_tile(tile);
@@ -111,11 +114,11 @@ std::unique_ptr<DtypeTiles> tiles_of(const bs::KernelSet& kernels, const std::st
   return nullptr;
 }
 
-}  // namespace
-
 // Passes of one dtype in a row: its first pass after another dtype's finds its rows pushed out of the core's L2 by
 // theirs, and is rarely the fastest.
 constexpr int kTurn = 20;
+
+}  // namespace
 
 // For each cache dtype of `cache_dtypes` (names separated by commas): ns[i], the nanoseconds per tile of its fastest
 // pass over the tiles, the dtypes taking turns of kTurn passes until `reps` passes each (a slow moment of a shared
@@ -125,7 +128,7 @@ extern "C" int bs_time_decode_tiles(const char* kernels, const char* cache_dtype
                                     int heads, int kv_heads, int head_dim, int block_size, double* ns, float* outs) {
   const bs::KernelSet* set = kernel_set(kernels);
   if (set == nullptr) return -1;
-  const Shape shape{tiles, keys, reps, heads, kv_heads, head_dim, block_size};
+  const Shape shape{tiles, keys, heads, kv_heads, head_dim, block_size};
   std::vector<std::unique_ptr<DtypeTiles>> timed;
   std::string names = cache_dtypes;
   for (size_t start = 0; start <= names.size();) {

@@ -24,7 +24,7 @@ def emulated(tmp_path_factory) -> KernelLibrary:
 # With bf16 activations only: an 8-bit cache's checks (its rows are read and written by the same code under every
 # activation dtype) and the sliding windows' and soft-caps' (the masking and capping act on the fp32 scores of
 # any dtype). Each dtype's own loads and stores are covered by its other checks; the GPU harness runs every pair.
-# The windows' checks under every dtype took 37 of this file's 165 s on a 2-core CI machine.
+# The windows' checks under every dtype took 37 of this file's 165 s on a 2-core VM.
 ACTIVATIONS_ONLY_IN_BF16 = ("check_paged_attention_window_and_softcap", "check_paged_attention_window_splits")
 EMULATED = [
     pytest.param(check, dtype, id=f"{check.__name__.removeprefix('check_')}-{dtype}")

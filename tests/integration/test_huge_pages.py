@@ -118,11 +118,11 @@ def test_collapse_moves_paddle_tensors_and_they_compute_as_before():
     # In a fresh process, as a worker moves its tensors: in this long-lived one the tensors can land in the heap
     # among earlier tests' memory, whose later changes split a mapping inside a run (seen once in the full suite:
     # a mapping boundary at an address no 2 MiB page can straddle).
-    check = "from tests.integration.test_huge_pages import check_paddle_tensors_collapse as c; print(c())"
+    check = "from tests.integration.test_huge_pages import check_paddle_tensors_collapse as c; print('refused:', c())"
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
-    assert done.returncode == 0, done.stderr[-4000:]
-    refused = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-    if refused:
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    (answer,) = [line for line in done.stdout.splitlines() if line.startswith("refused:")]
+    if refused := answer.removeprefix("refused:").strip():
         pytest.skip(f"this kernel keeps 4 KiB pages here: {refused}")
 
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernel_set.h"
@@ -82,6 +83,23 @@ struct TypedTiles : DtypeTiles {
       for (float& v : x) v = values.next();
       cache_kernels.store(x.data(), value_cache.data() + r * row, shape.head_dim, 1);
     }
+    const bool in_groups =
+        std::is_same_v<T, bs::Int8> && bs::int8_cache_in_groups(kernels, shape.block_size, shape.head_dim);
+    if constexpr (std::is_same_v<T, bs::Int8>) {  // the same rows, in groups, as the kernel set keeps them
+      if (in_groups) {
+        Values again;
+        std::vector<float> keys(shape.kv_heads * shape.head_dim), values_of_slot(keys.size());
+        const std::vector<float> cos(shape.head_dim, 1.0f), sin(shape.head_dim, 0.0f);  // no rotation
+        for (int64_t slot = 0; slot < num_rows / shape.kv_heads; ++slot) {
+          for (int64_t h = 0; h < shape.kv_heads; ++h) {
+            for (int64_t d = 0; d < shape.head_dim; ++d) keys[h * shape.head_dim + d] = again.next();
+            for (int64_t d = 0; d < shape.head_dim; ++d) values_of_slot[h * shape.head_dim + d] = again.next();
+          }
+          kernels.write_int8_groups(keys.data(), values_of_slot.data(), cos.data(), sin.data(), slot, key_cache.data(),
+                                    value_cache.data(), shape.kv_heads, shape.head_dim);
+        }
+      }
+    }
     table.resize(num_blocks);
     for (int64_t b = 0; b < num_blocks; ++b) table[b] = b;
     out_floats = static_cast<int64_t>(shape.heads) * shape.head_dim;
@@ -99,6 +117,7 @@ struct TypedTiles : DtypeTiles {
                                       0, shape.keys, nullptr, 0, 0.0f};
     }
     for (int i = 0; i + 1 < shape.tiles; ++i) tiles[i].next = &tiles[i + 1];  // as a thread's next tile
+    for (auto& tile : tiles) tile.int8_groups = in_groups;
   }
   void attend() override {
     for (const auto& tile : tiles) cache_kernels.attend_tile(tile);

@@ -22,7 +22,13 @@ import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 
 from service.contract import wire  # noqa: E402
-from worker.attention.kv_rows import EIGHT_BIT, KV_ROW_FORMATS, encode_rows  # noqa: E402
+from worker.attention.kv_rows import (  # noqa: E402
+    EIGHT_BIT,
+    KV_ROW_FORMATS,
+    encode_rows,
+    int8_cache_in_groups,
+    rows_in_groups,
+)
 from worker.inputs.step_inputs import RequestState, build_step_inputs  # noqa: E402
 from worker.kernels.reference import PaddleKernels  # noqa: E402
 from worker.kernels.selection import select_kernels  # noqa: E402
@@ -71,15 +77,16 @@ def step_inputs(num_requests: int, num_cached: int, num_new: int):
     ) * blocks_each
 
 
-def random_caches(shape: list[int], cache_dtype: str, seed: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+def random_caches(
+    shape: list[int], cache_dtype: str, seed: int, in_groups: bool = False
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """A layer's K and V caches of random rows (an int8 cache in_groups: placed as the kernels keep it)."""
     rng = np.random.default_rng(seed)
     if cache_dtype in EIGHT_BIT:
-        return tuple(
-            paddle.to_tensor(encode_rows(rng.standard_normal(shape, dtype=np.float32), cache_dtype)).view(
-                KV_ROW_FORMATS[cache_dtype].paddle_dtype
-            )
-            for _ in range(2)
-        )
+        rows = [encode_rows(rng.standard_normal(shape, dtype=np.float32), cache_dtype) for _ in range(2)]
+        if in_groups:
+            rows = [rows_in_groups(rows[0], "key"), rows_in_groups(rows[1], "value")]
+        return tuple(paddle.to_tensor(r).view(KV_ROW_FORMATS[cache_dtype].paddle_dtype) for r in rows)
     return tuple(paddle.to_tensor(rng.standard_normal(shape, dtype=np.float32)).astype(cache_dtype) for _ in range(2))
 
 
@@ -89,7 +96,8 @@ def attention_step(kernels, case, cache_dtype: str = "float32"):
     inputs, num_blocks = step_inputs(*case)
     attention = kernels.attention(cfg, BLOCK_SIZE, RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings))
     shape = [num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim]
-    caches = [random_caches(shape, cache_dtype, layer) for layer in range(NUM_LAYERS)]
+    in_groups = cache_dtype == "int8" and int8_cache_in_groups(kernels.isa, BLOCK_SIZE, cfg.head_dim)
+    caches = [random_caches(shape, cache_dtype, layer, in_groups) for layer in range(NUM_LAYERS)]
     width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     qkv = paddle.to_tensor(np.random.default_rng(0).standard_normal((len(inputs.positions), width), dtype=np.float32))
 

@@ -200,18 +200,11 @@ static inline void lanes_transposed(const __m512i* s, __m512i* out) {
   out[2] = _mm512_shuffle_i32x4(x2, x3, _MM_SHUFFLE(2, 0, 2, 0)), out[3] = _mm512_shuffle_i32x4(x2, x3, _MM_SHUFFLE(3, 1, 3, 1));
 }
 
-// accumulate_values for an int8 cache, 8-bit weights times 8-bit values as FlashAttention-3 and SageAttention2
-// multiply probabilities and values on GPUs: each row's weights of the span (its probabilities, value scales folded
-// in) become unsigned 8-bit codes, the row's largest 255 (rounded to nearest even), and vpdpbusd adds four keys'
-// code products at once in int32 (value_groups), scaled back once per span. A weight's error is at most 1/510 of
-// the row's largest in the span (tests/support/numerics.py: int8_weights_error_bound). ahead() is called once per
-// 4 keys and 64 dims.
-template <int ROWS, class Ahead>
-static inline void accumulate_values_int8(float* acc, const float* probs, const Int8* const* values,
-                                          int64_t num_keys, int64_t head_dim, Ahead& ahead) {
+// ROWS rows' probabilities (kKeySpan apart) of num_keys keys as unsigned 8-bit weights, each row's largest 255
+// (rounded to nearest even; zero from num_keys to the next multiple of 4), and unit[r], the weight of code 1.
+template <int ROWS>
+static inline void int8_value_weights(const float* probs, int64_t num_keys, uint8_t (*weights)[kKeySpan], float* unit) {
   const int64_t groups = (num_keys + 3) / 4;
-  alignas(64) uint8_t weights[ROWS][kKeySpan];
-  float unit[ROWS];  // the weight of code 1
   for (int r = 0; r < ROWS; ++r) {
     const float* row = probs + r * kKeySpan;
     __m512 most = _mm512_setzero_ps();
@@ -228,6 +221,21 @@ static inline void accumulate_values_int8(float* acc, const float* probs, const 
       _mm_store_si128(reinterpret_cast<__m128i*>(weights[r] + j), _mm512_cvtusepi32_epi8(codes));
     }
   }
+}
+
+// accumulate_values for an int8 cache, 8-bit weights times 8-bit values as FlashAttention-3 and SageAttention2
+// multiply probabilities and values on GPUs: each row's weights of the span (its probabilities, value scales folded
+// in) become unsigned 8-bit codes, the row's largest 255 (rounded to nearest even), and vpdpbusd adds four keys'
+// code products at once in int32 (value_groups), scaled back once per span. A weight's error is at most 1/510 of
+// the row's largest in the span (tests/support/numerics.py: int8_weights_error_bound). ahead() is called once per
+// 4 keys and 64 dims.
+template <int ROWS, class Ahead>
+static inline void accumulate_values_int8(float* acc, const float* probs, const Int8* const* values,
+                                          int64_t num_keys, int64_t head_dim, Ahead& ahead) {
+  const int64_t groups = (num_keys + 3) / 4;
+  alignas(64) uint8_t weights[ROWS][kKeySpan];
+  float unit[ROWS];  // the weight of code 1
+  int8_value_weights<ROWS>(probs, num_keys, weights, unit);
   for (int64_t c = 0; c * 64 < head_dim; ++c) {
     const int64_t left = head_dim - c * 64;
     const __mmask64 lanes = left >= 64 ? ~0ull : ~0ull >> (64 - left);

@@ -135,7 +135,8 @@ void values_span_by_slot(const AttentionTile<Bf16>& t, const HeadRows* heads, co
 // each span's keys in lanes once and scores all its rows from them (score_span_in_lanes: no horizontal sums;
 // prefill 1x512, 30 layers, paired in one process: 0.80x the time of scoring 3 rows at a time by score_rows_dot,
 // and summing the values 6 rows at a time instead of 3 measured no faster, 0.82x).
-// kInt8Dot (an int8 cache with AVX512-VNNI): keys scored by score_rows_int8 (vpdpbusd on the query's codes), a
+// kInt8Dot (an int8 cache in rows with AVX512-VNNI, blocks of other than a multiple of 16 tokens; in groups the
+// tile is attend_tile_int8_groups'): keys scored by score_rows_int8 (vpdpbusd on the query's codes), a
 // prefill's from each span's keys regrouped once (score_rows_int8_grouped: no horizontal sums; prefill 1x512 on a
 // Zen 4, int8 / bf16 1.31-1.41 -> 1.00-1.08), values summed on 8-bit weights by accumulate_values_int8.
 // by_slot: the tile has several kv heads (an instance of its own, so that the one-head tiles' code stays as
@@ -294,8 +295,12 @@ static void attend_tile_of(const AttentionTile<Cache>& t) {
 
 // KernelSet's attend_tile for a cache of element type T: by vdpbf16ps where the kernel set has it (BS_BF16_DOT), the
 // elements are bf16 and head_dim a multiple of 32.
+// An int8 cache in groups (kv_types.h: Int8Groups, the kernel sets with AVX512-VNNI): attend_tile_int8_groups.
 template <class T>
 static void attend_tile(const AttentionTile<T>& tile) {
+  if constexpr (kInt8Dot<T>) {
+    if (tile.int8_groups) return attend_tile_int8_groups(tile);
+  }
 #ifdef BS_BF16_DOT
   if constexpr (KvElement<T>::kBf16Pairs) {
     if (tile.head_dim % 32 == 0) return attend_tile_of<T, true>(tile);

@@ -22,6 +22,7 @@ static inline float sexp(float x) { return __builtin_expf(x); }
 #include "attention_int8_dot.h"    // vpdpbusd scores, for an int8 cache (BS_INT8_DOT)
 #include "attention_span.h"        // scores, softmax and values of one span
 #include "attention_prefetch.h"    // what a tile asks for as it computes
+#include "attention_int8_groups.h" // a tile over an int8 cache in groups (BS_INT8_DOT)
 #include "attention_amx.h"         // a prefill span on AMX tiles, for a bf16 cache (BS_AMX_ATTENTION)
 #include "attention_tile.h"        // attend_tile
 
@@ -31,5 +32,10 @@ static constexpr KvKernelsOf<TypeList<Ts...>> kv_kernels(TypeList<Ts...>) {
   return {KvKernels<Ts>{rotate_head_to<Ts>, store_row<Ts>, attend_tile<Ts>}...};
 }
 
+#ifdef BS_INT8_DOT
 static const KernelSet kKernels = {rms_norm_row, silu_and_mul_row, rotate_head_to<float>, argmax_row, draw_masses,
-                                   kv_kernels(KvElementTypes{})};
+                                   kv_kernels(KvElementTypes{}), true, write_int8_groups};
+#else
+static const KernelSet kKernels = {rms_norm_row, silu_and_mul_row, rotate_head_to<float>, argmax_row, draw_masses,
+                                   kv_kernels(KvElementTypes{}), false, nullptr};
+#endif

@@ -23,7 +23,8 @@ constexpr int64_t kParallelFloats = 1 << 15;
 template <class Cache>
 struct AttentionTile {
   const float* query;        // [tokens, num_heads, head_dim]
-  const Cache* key_cache;    // [num_blocks, block_size, num_kv_heads, row]: rows of head_dim values (kv_types.h)
+  const Cache* key_cache;    // [num_blocks, block_size, num_kv_heads, row]: rows of head_dim values (kv_types.h),
+                             // or an int8 cache's groups (int8_groups: the same bytes)
   const Cache* value_cache;  // same layout
   const int64_t* block_ids;  // the request's block-table row
   float* out;                // [tokens, num_heads * head_dim]
@@ -50,6 +51,8 @@ struct AttentionTile {
   // kKeySpan - num_queries keys before the first query's window: each row sees a key of the tile's first span.
   int64_t window;
   float softcap;  // scores become softcap * tanh(score / softcap) before the softmax (0: not capped)
+  // An int8 cache in groups (kv_types.h: Int8Groups) rather than rows: KernelSet::int8_groups and the shape fits.
+  bool int8_groups = false;
 };
 
 // Scratch of a tile of `queries` queries over `tile_kv_heads` kv heads: each head's scores of a span, its rows' queries,
@@ -99,6 +102,13 @@ struct KernelSet {
   double (*draw_masses)(const float* x, int64_t width, float temperature, float min_p, float* masses,
                         float* group_sums);
   KvKernelsOf<KvElementTypes> kv;  // the cache kernels of every element type: for_cache<T>()
+  // An int8 cache whose shape fits (int8_groups_fit) is kept in groups (kv_types.h: Int8Groups), not rows: the
+  // kernel sets with AVX512-VNNI. The caches' layout follows the kernel set a worker runs (fixed at its start).
+  bool int8_groups;
+  // With int8_groups: a token's K [num_kv_heads, head_dim] (rotated here by cos/sin, the position's) and V encoded
+  // as rows are (kv_element.h) and placed in their groups at `slot`; null otherwise.
+  void (*write_int8_groups)(const float* key, const float* value, const float* cos, const float* sin, int64_t slot,
+                            Int8* k_cache, Int8* v_cache, int64_t num_kv_heads, int64_t head_dim);
 
   template <class T>
   const KvKernels<T>& for_cache() const {
@@ -111,6 +121,11 @@ const KernelSet& avx512_kernels();
 // AVX-512's, with a bf16 cache's attention by vdpbf16ps and an int8 cache's keys by vpdpbusd.
 const KernelSet& avx512_bf16_kernels();
 const KernelSet& amx_kernels();  // AVX512-BF16's, with a bf16 cache's prefill attention on AMX tiles
+
+// Whether an int8 cache of this shape is in groups for `kernels` (kv_types.h: Int8Groups).
+inline bool int8_cache_in_groups(const KernelSet& kernels, int64_t block_size, int64_t head_dim) {
+  return kernels.int8_groups && int8_groups_fit(block_size, head_dim);
+}
 
 // AMX implies AVX512-BF16 and AVX512-VNNI (isa.h); every CPU with AVX512-BF16 has VNNI.
 inline const KernelSet& kernels_for(const Isa& isa) {

@@ -47,6 +47,32 @@ constexpr int64_t kv_row_elements(int64_t head_dim) {
   return head_dim + KvRowLayout<T>::kScaleElements;
 }
 
+// An int8 cache in groups: the layout the kernel sets with AVX512-VNNI keep (KernelSet::int8_groups) where it fits
+// (int8_groups_fit: blocks of a multiple of 16 slots, head_dim a multiple of 16), so that vpdpbusd scores 16 keys and
+// sums 4 keys' values at once as stored (attention_int8_groups.h). The bytes a block holds are the same as its rows'
+// (the tensor's shape does not change), ordered per group of 16 consecutive slots and kv head: group
+// (slot / 16) * num_kv_heads + kv_head, 16 * (head_dim + 2) bytes each, in it slot `lane` = slot % 16:
+//   a key's codes:   byte (d / 4) * 64 + lane * 4 + d % 4 holds dim d (a vector of 64 bytes: 16 keys' dims 4m..4m+3)
+//   a value's codes: byte (lane / 4) * 4 * head_dim + d * 4 + lane % 4 holds dim d (4 keys' codes of a dim together)
+//   the scales:      at 16 * head_dim + 2 * lane, as bf16 (each the row's scale, as a row stores it)
+// The codes and scales are the rows' (KvElement<Int8>::store_scaled_row), bit for bit, only placed apart.
+// worker/attention/kv_rows.py (rows_in_groups) is the layout's NumPy reference.
+struct Int8Groups {
+  static constexpr int64_t kSlots = 16;
+  static constexpr int64_t bytes(int64_t head_dim) { return kSlots * (head_dim + 2); }
+  static constexpr int64_t index(int64_t slot, int64_t kv_head, int64_t num_kv_heads) {
+    return (slot / kSlots) * num_kv_heads + kv_head;
+  }
+  static constexpr int64_t key_code(int64_t lane, int64_t d) { return (d / 4) * 64 + lane * 4 + d % 4; }
+  static constexpr int64_t value_code(int64_t lane, int64_t d, int64_t head_dim) {
+    return (lane / 4) * 4 * head_dim + d * 4 + lane % 4;
+  }
+  static constexpr int64_t scale(int64_t lane, int64_t head_dim) { return kSlots * head_dim + 2 * lane; }
+};
+constexpr bool int8_groups_fit(int64_t block_size, int64_t head_dim) {
+  return block_size % Int8Groups::kSlots == 0 && head_dim % 16 == 0;
+}
+
 template <class... Ts>
 struct TypeList {};
 

@@ -60,11 +60,38 @@ inline void ask_to_write(const Cache* k_cache, const Cache* v_cache, int64_t slo
   }
 }
 
-// One token's rotary embedding and KV write: q_row [heads, head_dim], its K and V at `slot`.
+// The same for an int8 cache in groups (kv_types.h): the lines the slot's codes and scales lie in, of each kv head's
+// group (a key's codes are a 4-byte word in each of head_dim / 4 lines, a value's in 4 * head_dim bytes).
+inline void ask_to_write_groups(const Int8* k_cache, const Int8* v_cache, int64_t slot, int64_t num_kv_heads,
+                                int64_t head_dim) {
+  const int64_t lane = slot % Int8Groups::kSlots, bytes = Int8Groups::bytes(head_dim);
+  for (int64_t h = 0; h < num_kv_heads; ++h) {
+    const int64_t group = Int8Groups::index(slot, h, num_kv_heads) * bytes;
+    const char* key = reinterpret_cast<const char*>(k_cache + group);
+    const char* value = reinterpret_cast<const char*>(v_cache + group + Int8Groups::value_code(lane, 0, head_dim));
+    for (int64_t line = 0; line < 16 * head_dim; line += 64) __builtin_prefetch(key + line, 1, 3);
+    for (int64_t line = 0; line < 4 * head_dim; line += 64) __builtin_prefetch(value + line, 1, 3);
+    __builtin_prefetch(key + Int8Groups::scale(lane, head_dim), 1, 3);
+    __builtin_prefetch(value - Int8Groups::value_code(lane, 0, head_dim) + Int8Groups::scale(lane, head_dim), 1, 3);
+  }
+}
+
+template <class Cache>
+inline void ask_to_write(const Cache* k_cache, const Cache* v_cache, int64_t slot, int64_t num_kv_heads,
+                         int64_t head_dim, bool in_groups) {
+  if constexpr (std::is_same_v<Cache, Int8>) {
+    if (in_groups) return ask_to_write_groups(k_cache, v_cache, slot, num_kv_heads, head_dim);
+  }
+  ask_to_write(k_cache, v_cache, slot, num_kv_heads * kv_row_elements<Cache>(head_dim));
+}
+
+// One token's rotary embedding and KV write: q_row [heads, head_dim], its K and V at `slot` (an int8 cache
+// in_groups: in its groups, kv_types.h).
 template <class Cache>
 inline void rope_write_token(const KernelSet& kernels, const float* token, int64_t position, int64_t slot,
                              const float* cos_table, const float* sin_table, float* q_row, Cache* k_cache,
-                             Cache* v_cache, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+                             Cache* v_cache, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             bool in_groups) {
   const KvKernels<Cache>& cache_kernels = kernels.for_cache<Cache>();
   const int64_t kv_width = num_kv_heads * head_dim, row = kv_row_elements<Cache>(head_dim);
   const float *c = cos_table + position * head_dim, *s = sin_table + position * head_dim;
@@ -72,6 +99,11 @@ inline void rope_write_token(const KernelSet& kernels, const float* token, int64
     kernels.rotate_head(token + h * head_dim, c, s, q_row + h * head_dim, head_dim);
   }
   const float* key = token + num_heads * head_dim;
+  if constexpr (std::is_same_v<Cache, Int8>) {
+    if (in_groups) {
+      return kernels.write_int8_groups(key, key + kv_width, c, s, slot, k_cache, v_cache, num_kv_heads, head_dim);
+    }
+  }
   Cache* key_slot = k_cache + slot * num_kv_heads * row;
   for (int64_t h = 0; h < num_kv_heads; ++h) {
     cache_kernels.rotate_head(key + h * head_dim, c, s, key_slot + h * row, head_dim);
@@ -82,15 +114,19 @@ inline void rope_write_token(const KernelSet& kernels, const float* token, int64
 template <class Cache>
 void rope_write(const KernelSet& kernels, const float* src, const StepTokens& tokens, const float* cos_table,
                 const float* sin_table, float* q_out, Cache* k_cache, Cache* v_cache, int64_t num_heads,
-                int64_t num_kv_heads, int64_t head_dim) {
+                int64_t num_kv_heads, int64_t head_dim, bool in_groups) {
   const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
-  const int64_t slot_width = num_kv_heads * kv_row_elements<Cache>(head_dim);
   const int64_t *pos = tokens.positions, *slots = tokens.slots;
 #pragma omp parallel for schedule(static) if (tokens.count * row >= kParallelFloats)
   for (int64_t t = 0; t < tokens.count; ++t) {
-    if (t + kWriteAhead < tokens.count) ask_to_write(k_cache, v_cache, slots[t + kWriteAhead], slot_width);
+    // In groups, a slot's lines are those of the slot before it in its group (a prompt's): asked for already.
+    const int64_t ahead = t + kWriteAhead;
+    if (ahead < tokens.count &&
+        !(in_groups && slots[ahead] % Int8Groups::kSlots != 0 && slots[ahead] == slots[ahead - 1] + 1)) {
+      ask_to_write(k_cache, v_cache, slots[ahead], num_kv_heads, head_dim, in_groups);
+    }
     rope_write_token(kernels, src + t * row, pos[t], slots[t], cos_table, sin_table, q_out + t * num_heads * head_dim,
-                     k_cache, v_cache, num_heads, num_kv_heads, head_dim);
+                     k_cache, v_cache, num_heads, num_kv_heads, head_dim, in_groups);
   }
 }
 
@@ -163,7 +199,7 @@ void merge_splits(const std::vector<Split>& splits, const float* partials, const
 template <class Cache>
 void attend(void (*attend_tile)(const AttentionTile<Cache>&), const AttentionPlan& plan, const float* q,
             const KvStorage<Cache>& storage, const KvCaches& caches, const StepRequests& requests, float* out,
-            float* partials, const DecodeRope* rope) {
+            float* partials, const DecodeRope* rope, bool in_groups) {
   const std::vector<TileWork>& work = plan.work;
   const int64_t num_heads = plan.num_heads, scratch_floats = plan.scratch_floats;
   const int64_t num_items = static_cast<int64_t>(work.size());
@@ -177,23 +213,25 @@ void attend(void (*attend_tile)(const AttentionTile<Cache>&), const AttentionPla
       const int64_t following = next_item.fetch_add(1);
       AttentionTile<Cache> tile =
           tile_of<Cache>(work[current], plan, q, storage, caches, requests, scratch.data(), out, partials);
+      tile.int8_groups = in_groups;
       AttentionTile<Cache> next_tile{};
       if (following < num_items) {
         next_tile =
             tile_of<Cache>(work[following], plan, q, storage, caches, requests, scratch.data(), out, partials);
+        next_tile.int8_groups = in_groups;
         tile.next = &next_tile;
       }
       tile.first_span_prefetched = prefetched;
       if (rope != nullptr) {
         const int64_t t = tile.first_token, head_dim = caches.head_dim;
         if (following < num_items) {
-          ask_to_write(storage.key, storage.value, rope->tokens.slots[next_tile.first_token],
-                       caches.num_kv_heads * kv_row_elements<Cache>(head_dim));
+          ask_to_write(storage.key, storage.value, rope->tokens.slots[next_tile.first_token], caches.num_kv_heads,
+                       head_dim, in_groups);
         }
         rope_write_token(*rope->kernels, rope->qkv + t * (num_heads + 2 * caches.num_kv_heads) * head_dim,
                          rope->tokens.positions[t], rope->tokens.slots[t], rope->cos, rope->sin,
                          rope->query + t * num_heads * head_dim, storage.key, storage.value, num_heads,
-                         caches.num_kv_heads, head_dim);
+                         caches.num_kv_heads, head_dim, in_groups);
       }
       attend_tile(tile);
       prefetched = true;
@@ -261,7 +299,9 @@ void rope_write_checked_kv(const KernelSet& kernels, const float* qkv, const Ste
   std::visit(
       [&](const auto& storage) {
         rope_write(kernels, qkv, tokens, cos, sin, query, storage.key, storage.value, num_heads, caches.num_kv_heads,
-                   caches.head_dim);
+                   caches.head_dim,
+                   std::is_same_v<std::remove_pointer_t<decltype(storage.key)>, Int8> &&
+                       int8_cache_in_groups(kernels, caches.block_size, caches.head_dim));
       },
       caches.storage);
 }
@@ -371,8 +411,10 @@ void paged_attention(const KernelSet& kernels, const AttentionPlan& plan, const 
   std::visit(
       [&](const auto& storage) {
         using Cache = std::remove_pointer_t<decltype(storage.key)>;
+        const bool in_groups =
+            std::is_same_v<Cache, Int8> && int8_cache_in_groups(kernels, caches.block_size, caches.head_dim);
         attend(kernels.for_cache<Cache>().attend_tile, plan, query, storage, caches, requests, out, partials.data(),
-               rope);
+               rope, in_groups);
       },
       caches.storage);
   merge_splits(plan.splits, partials.data(), requests, num_heads, group, head_dim, out);

@@ -13,7 +13,7 @@
 namespace bs {
 
 // A layer's K and V caches of element type T: [num_blocks, block_size, num_kv_heads, kv_row_elements<T>(head_dim)]
-// each (a scaled type's rows end in their scales).
+// each (a scaled type's rows end in their scales; an int8 cache in groups holds the same bytes, kv_types.h).
 template <class T>
 struct KvStorage {
   T* key;

@@ -25,7 +25,15 @@ from tests.support.numerics import attention_config, bf16_rounded, int8_query_ro
 from tests.support.processes import ROOT, loopback_env, metric_samples, start, stop_all
 from worker.attention.backend import LayerAttention
 from worker.attention.custom_kernels import CustomPagedAttention
-from worker.attention.kv_rows import EIGHT_BIT, KV_ROW_FORMATS, decode_rows, encode_rows
+from worker.attention.kv_rows import (
+    EIGHT_BIT,
+    KV_ROW_FORMATS,
+    decode_rows,
+    encode_rows,
+    int8_cache_in_groups,
+    rows_in_groups,
+    rows_of_groups,
+)
 from worker.attention.reference import PagedAttentionBackend
 from worker.inputs.step_inputs import RequestState, build_step_inputs
 from worker.kernels.cpu_ops import load_ops
@@ -544,20 +552,27 @@ def eight_bit_tensor(rows: np.ndarray, kv_cache_dtype: str) -> paddle.Tensor:
     return tensor(rows).view(KV_ROW_FORMATS[kv_cache_dtype].paddle_dtype)
 
 
-def eight_bit_rows(cache: paddle.Tensor) -> np.ndarray:
-    return cache.view("uint8").numpy()
+def eight_bit_rows(cache: paddle.Tensor, in_groups: bool = False, kind: str = "key") -> np.ndarray:
+    """An 8-bit cache's rows, [num_blocks, block_size, kv_heads, head_dim + 2] (an int8 cache in groups: its bytes
+    as rows, kv_rows.rows_of_groups)."""
+    rows = cache.view("uint8").numpy()
+    return rows_of_groups(rows, kind) if in_groups else rows
 
 
 @pytest.mark.parametrize("kv_cache_dtype", EIGHT_BIT)
 @pytest.mark.parametrize("step", DECODE_AND_MIXED_STEPS)
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (8, 2, 32, 5)])
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (8, 2, 32, 5), (10, 2, 80, 32)]
+)
 def test_an_8bit_cache_holds_the_reference_encoding_of_each_row_and_attention_reads_its_decoded_rows(
     custom, num_heads, num_kv_heads, head_dim, block_size, step, kv_cache_dtype
 ):
     """The op writes each new key (rotated) and value row as kv_rows.encode_rows encodes the row a float32 cache
     gets, bit for bit, and touches no other row; the attention equals the float32 attention over the decoded rows,
     for an int8 cache with AVX512-VNNI of the query rows quantized to int8 as vpdpbusd multiplies them, and within
-    the bound of the values' weights rounded to 8 bits (int8_weights_error_bound)."""
+    the bound of the values' weights rounded to 8 bits (int8_weights_error_bound). With AVX512-VNNI an int8 cache
+    of blocks of 16 slots or more is in groups (kv_rows.rows_in_groups): the rows are placed there, and read back
+    from there."""
     rng = np.random.default_rng(head_dim + 2)
     num_blocks = 2 * (-(-320 // block_size)) * 8 + 1
     config = attention_config(num_heads, num_kv_heads, head_dim, MAX_POSITIONS)
@@ -569,7 +584,10 @@ def test_an_8bit_cache_holds_the_reference_encoding_of_each_row_and_attention_re
     qkv = rng.standard_normal((len(inputs.positions), (num_heads + 2 * num_kv_heads) * head_dim), dtype=np.float32)
     attention = custom.attention(config, block_size, rotary)
     metadata = attention.prepare(inputs)
-    caches = [eight_bit_tensor(before[0], kv_cache_dtype), eight_bit_tensor(before[1], kv_cache_dtype)]
+    in_groups = kv_cache_dtype == "int8" and int8_cache_in_groups(custom.isa, block_size, head_dim)
+    kinds = ("key", "value")
+    placed = [rows_in_groups(rows, kind) if in_groups else rows for rows, kind in zip(before, kinds)]
+    caches = [eight_bit_tensor(placed[0], kv_cache_dtype), eight_bit_tensor(placed[1], kv_cache_dtype)]
     float_caches = [tensor(decode_rows(before[0], kv_cache_dtype)), tensor(decode_rows(before[1], kv_cache_dtype))]
 
     output = attention.attend_qkv(tensor(qkv), *caches, metadata).numpy()
@@ -577,12 +595,13 @@ def test_an_8bit_cache_holds_the_reference_encoding_of_each_row_and_attention_re
     query = write_float_caches(custom, qkv, metadata, rotary, float_caches, num_heads, num_kv_heads)
     written = inputs.slot_mapping
     unwritten = np.setdiff1d(np.arange(num_blocks * block_size), written)
-    for cache, float_cache, old in zip(caches, float_caches, before):
-        rows = eight_bit_rows(cache).reshape(-1, num_kv_heads, head_dim + 2)
+    after = [eight_bit_rows(cache, in_groups, kind) for cache, kind in zip(caches, kinds)]
+    for rows, float_cache, old in zip(after, float_caches, before):
+        rows = rows.reshape(-1, num_kv_heads, head_dim + 2)
         np.testing.assert_array_equal(rows[unwritten], old.reshape(rows.shape)[unwritten])
         float_rows = float_cache.numpy().reshape(-1, num_kv_heads, head_dim)[written]
         np.testing.assert_array_equal(rows[written], encode_rows(float_rows, kv_cache_dtype))
-    decoded = [tensor(decode_rows(eight_bit_rows(cache), kv_cache_dtype)) for cache in caches]
+    decoded = [tensor(decode_rows(rows, kv_cache_dtype)) for rows in after]
     vnni_int8 = kv_cache_dtype == "int8" and custom.isa.bf16 and custom.isa.vnni
     if vnni_int8:
         scale = np.float32(1 / np.sqrt(head_dim))
@@ -594,7 +613,7 @@ def test_an_8bit_cache_holds_the_reference_encoding_of_each_row_and_attention_re
         bound = int8_weights_error_bound(
             query.numpy().reshape(len(output), num_heads, head_dim),
             decoded[0].numpy().reshape(-1, num_kv_heads, head_dim),
-            eight_bit_rows(caches[1]).reshape(-1, num_kv_heads, head_dim + 2),
+            after[1].reshape(-1, num_kv_heads, head_dim + 2),
             inputs,
             block_size,
             1 / np.sqrt(head_dim),
@@ -606,6 +625,65 @@ def test_an_8bit_cache_holds_the_reference_encoding_of_each_row_and_attention_re
 
 
 WINDOWS_AND_CAPS = [(1, None), (7, None), (64, None), (None, 30.0), (7, 2.0), (64, 50.0)]
+
+
+@pytest.mark.parametrize("step", DECODE_AND_MIXED_STEPS)
+@pytest.mark.parametrize("window, softcap", WINDOWS_AND_CAPS)
+def test_an_int8_cache_under_sliding_windows_and_soft_caps_reads_its_decoded_rows(custom, window, softcap, step):
+    """Windows and soft caps over an int8 cache (in groups with AVX512-VNNI: its tiles' spans begin at a multiple of
+    16 keys, and the keys of a first group before the tile's or a window's first are hidden): the float32 attention
+    over the decoded rows, with AVX512-VNNI of the query rows quantized and within the 8-bit weights' bound."""
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 16
+    rng = np.random.default_rng(29 if window is None else window)
+    num_blocks = 2 * (-(-320 // block_size)) * 8 + 1
+    config = dataclasses.replace(
+        attention_config(num_heads, num_kv_heads, head_dim, MAX_POSITIONS),
+        sliding_windows=() if window is None else (window,),
+        attention_softcap=softcap,
+    )
+    rotary = RotaryEmbedding(config.rope, head_dim, MAX_POSITIONS)
+    layer = LayerAttention(rotary, sliding_window=window, softcap=softcap)
+    inputs = step(rng, block_size, num_blocks)
+    rows = encode_rows(
+        rng.standard_normal((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=np.float32), "int8"
+    )
+    qkv = 3 * rng.standard_normal((len(inputs.positions), (num_heads + 2 * num_kv_heads) * head_dim), dtype=np.float32)
+    attention = custom.attention(config, block_size, rotary)
+    metadata = attention.prepare(inputs)
+    in_groups = int8_cache_in_groups(custom.isa, block_size, head_dim)
+    kinds = ("key", "value")
+    caches = [eight_bit_tensor(rows_in_groups(r, k) if in_groups else r, "int8") for r, k in zip(rows, kinds)]
+    output = attention.attend_qkv(tensor(qkv), *caches, metadata, layer).numpy()
+
+    float_caches = [tensor(decode_rows(rows[0], "int8")), tensor(decode_rows(rows[1], "int8"))]
+    query = write_float_caches(custom, qkv, metadata, rotary, float_caches, num_heads, num_kv_heads)
+    after = [eight_bit_rows(cache, in_groups, kind) for cache, kind in zip(caches, kinds)]
+    decoded = [tensor(decode_rows(r, "int8")) for r in after]
+    reference = PagedAttentionBackend(
+        num_heads, num_kv_heads, head_dim, block_size, sliding_windows=config.sliding_windows
+    )
+    batch = reference.prepare(inputs)
+    vnni = custom.isa.bf16 and custom.isa.vnni
+    if vnni:
+        scale = np.float32(1 / np.sqrt(head_dim))
+        scaled = query.numpy().reshape(-1, head_dim) * scale
+        query = tensor((int8_query_rows(scaled) / scale).reshape(query.shape))
+    expected = reference.attend(query, *decoded, batch, layer).numpy()
+    if not vnni:
+        np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
+        return
+    bound = int8_weights_error_bound(
+        query.numpy().reshape(len(output), num_heads, head_dim),
+        decoded[0].numpy().reshape(-1, num_kv_heads, head_dim),
+        after[1].reshape(-1, num_kv_heads, head_dim + 2),
+        inputs,
+        block_size,
+        1 / np.sqrt(head_dim),
+        window,
+        softcap,
+    ).reshape(output.shape)
+    error = np.abs(output - expected)
+    assert (error <= bound + 1e-4 * np.abs(expected) + 1e-5).all(), (error - bound).max()
 
 
 @pytest.mark.parametrize("step", DECODE_AND_MIXED_STEPS)

@@ -43,14 +43,24 @@ def attention_config(num_heads: int, num_kv_heads: int, head_dim: int, max_posit
     )
 
 
-def int8_weights_error_bound(query, keys, value_rows, inputs, block_size: int, scale: float) -> np.ndarray:
+def int8_weights_error_bound(
+    query,
+    keys,
+    value_rows,
+    inputs,
+    block_size: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> np.ndarray:
     """Per output [tokens, heads, head_dim], how far an int8 cache's attention may move from the exact attention
     over the decoded rows when it rounds each span's weights (probability times value scale) to 8-bit codes of
     the span's largest weight (attention_int8_dot.h's accumulate_values_int8): a weight by at most 1/510 of that
     largest, itself at most the largest over every key the query sees, times each key's |code|.
 
     query [tokens, heads, head_dim] as the kernel multiplies it (unscaled); keys [slots, kv_heads, head_dim]
-    decoded; value_rows [slots, kv_heads, head_dim + 2] the int8 cache's bytes; inputs: the step's StepInputs."""
+    decoded; value_rows [slots, kv_heads, head_dim + 2] the int8 cache's bytes; inputs: the step's StepInputs;
+    window and softcap: the layer's sliding window and soft cap, if any (the keys a query sees, its scores)."""
     tokens, num_heads, _ = query.shape
     group = num_heads // keys.shape[1]
     codes = np.abs(value_rows[..., :-2].view(np.int8).astype(np.float64))
@@ -58,11 +68,14 @@ def int8_weights_error_bound(query, keys, value_rows, inputs, block_size: int, s
     bound = np.zeros(query.shape, dtype=np.float64)
     request_of = np.searchsorted(inputs.query_start, np.arange(tokens), side="right") - 1
     for t in range(tokens):
-        seen = np.arange(int(inputs.positions[t]) + 1)
+        position = int(inputs.positions[t])
+        seen = np.arange(0 if window is None else max(0, position - window + 1), position + 1)
         slots = inputs.block_table[request_of[t], seen // block_size] * block_size + seen % block_size
         for h in range(num_heads):
             kv = h // group
             scores = keys[slots, kv].astype(np.float64) @ (query[t, h].astype(np.float64) * scale)
+            if softcap is not None:
+                scores = softcap * np.tanh(scores / softcap)
             probs = np.exp(scores - scores.max())
             probs /= probs.sum()
             largest = (probs * value_scales[slots, kv]).max()

@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from worker.attention.kv_cache import block_bytes
-from worker.attention.kv_rows import KV_ROW_FORMATS, decode_rows, e4m3_values, encode_rows
+from worker.attention.kv_rows import (
+    KV_ROW_FORMATS,
+    decode_rows,
+    e4m3_values,
+    encode_rows,
+    int8_cache_in_groups,
+    rows_in_groups,
+    rows_of_groups,
+)
+from worker.kernels.cpu_isa import IsaSet
 
 
 def rows(seed: int, shape=(7, 3, 64)) -> np.ndarray:
@@ -65,3 +74,40 @@ def test_an_8bit_cache_holds_more_than_1_9_times_the_blocks_of_bfloat16_in_the_s
     for kv_cache_dtype in ("int8", "fp8_e4m3"):
         assert bf16 / block_bytes(config, 16, kv_cache_dtype) >= 1.9
     assert block_bytes(config, 16, "float32") == 2 * bf16
+
+
+@pytest.mark.parametrize("kind", ["key", "value"])
+@pytest.mark.parametrize("block_size, kv_heads, head_dim", [(16, 3, 64), (32, 2, 80)])
+def test_an_int8_cache_in_groups_holds_each_byte_of_a_row_where_kv_types_h_places_it(
+    kind, block_size, kv_heads, head_dim
+):
+    """Every row's byte at the offset custom_ops/cpu/kv_types.h gives (Int8Groups), from element indices: group
+    (slot // 16) * kv_heads + head of 16 * (head_dim + 2) bytes; a key's dim d at (d // 4) * 64 + lane * 4 + d % 4, a
+    value's at (lane // 4) * 4 * head_dim + d * 4 + lane % 4, the scale's 2 bytes at 16 * head_dim + 2 * lane; and
+    rows_of_groups undoes it."""
+    num_blocks, row = 3, head_dim + 2
+    index = np.arange(num_blocks * block_size * kv_heads * row).reshape(num_blocks, block_size, kv_heads, row)
+    grouped = rows_in_groups(index, kind).reshape(-1)
+    for slot in range(num_blocks * block_size):
+        lane = slot % 16
+        for head in range(kv_heads):
+            base = ((slot // 16) * kv_heads + head) * 16 * row
+            of_row = index.reshape(-1, kv_heads, row)[slot, head]
+            for d in range(head_dim):
+                if kind == "key":
+                    at = (d // 4) * 64 + lane * 4 + d % 4
+                else:
+                    at = (lane // 4) * 4 * head_dim + d * 4 + lane % 4
+                assert grouped[base + at] == of_row[d]
+            assert grouped[base + 16 * head_dim + 2 * lane] == of_row[head_dim]
+            assert grouped[base + 16 * head_dim + 2 * lane + 1] == of_row[head_dim + 1]
+    np.testing.assert_array_equal(
+        rows_of_groups(grouped.reshape(index.shape).astype(np.uint8), kind), index.astype(np.uint8)
+    )
+
+
+def test_only_the_vnni_kernels_keep_int8_caches_in_groups_and_only_blocks_of_16_slots():
+    vnni = IsaSet(avx512=True, bf16=True, vnni=True)
+    assert int8_cache_in_groups(vnni, 16, 64) and int8_cache_in_groups(vnni, 32, 80)
+    assert not int8_cache_in_groups(vnni, 8, 64) and not int8_cache_in_groups(vnni, 24, 64)
+    assert not int8_cache_in_groups(IsaSet(avx512=True), 16, 64) and not int8_cache_in_groups(IsaSet(), 16, 64)

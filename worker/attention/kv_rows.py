@@ -5,7 +5,8 @@ custom_ops/gpu/kv_rows.cuh).
 An 8-bit row is head_dim codes and then the row's scale, a bf16 in 2 more bytes: value = decoded code * scale. The
 scale is the row's largest magnitude over the code's largest (127 for int8, 448 for fp8 e4m3), rounded up to a
 bf16 so that no code overflows. A scale per row (per token and kv head) is finer than per block: a block's rows
-are written a token at a time, and a row's scale never changes once written.
+are written a token at a time, and a row's scale never changes once written. The CPU kernels with AVX512-VNNI keep an
+int8 cache of blocks of a multiple of 16 tokens in groups: the same bytes, placed for vpdpbusd (rows_in_groups).
 """
 
 from __future__ import annotations
@@ -99,3 +100,53 @@ def decode_rows(rows: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
     else:
         decoded = e4m3_values(codes)
     return decoded * scale[..., None]
+
+
+# An int8 cache in groups (custom_ops/cpu/kv_types.h: Int8Groups): the CPU kernels with AVX512-VNNI keep an int8
+# cache of 16 consecutive slots per kv head together, laid out for vpdpbusd, where the shape fits. The same bytes as
+# the rows (the tensor's shape does not change), placed apart: per group (slot // 16, kv head), 16 * (head_dim + 2)
+# bytes: the keys' codes as [head_dim / 4][16 slots][4 dims], the values' as [4 quads][head_dim][4 slots], then the
+# 16 rows' scales.
+GROUP_SLOTS = 16
+
+
+def int8_cache_in_groups(isa, block_size: int, head_dim: int) -> bool:
+    """Whether the custom CPU kernels of `isa` (worker.kernels.cpu_isa.IsaSet) keep an int8 cache of this shape in
+    groups: the kernel sets with AVX512-VNNI (KernelSet::int8_groups), blocks of a multiple of 16 slots and a
+    head_dim of a multiple of 16 (int8_groups_fit)."""
+    return bool(isa.bf16 and isa.vnni) and block_size % GROUP_SLOTS == 0 and head_dim % 16 == 0
+
+
+def _grouped_codes(codes: np.ndarray, kind: str) -> np.ndarray:
+    """A group's codes [..., 16 slots, head_dim] in their order in the group (flattened)."""
+    *lead, slots, head_dim = codes.shape
+    if kind == "key":
+        order = codes.reshape(*lead, slots, head_dim // 4, 4).swapaxes(-3, -2)  # [head_dim / 4, 16, 4]
+    else:
+        order = codes.reshape(*lead, 4, 4, head_dim).swapaxes(-2, -1)  # [4 quads, head_dim, 4]
+    return order.reshape(*lead, slots * head_dim)
+
+
+def rows_in_groups(rows: np.ndarray, kind: str) -> np.ndarray:
+    """An int8 cache's rows uint8 [num_blocks, block_size, kv_heads, head_dim + 2] (encode_rows') as the cache holds
+    them in groups, the same shape; `kind` "key" or "value"."""
+    num_blocks, block_size, kv_heads, row = rows.shape
+    by_group = rows.reshape(-1, GROUP_SLOTS, kv_heads, row).swapaxes(1, 2)  # [groups, kv_heads, 16, row]
+    codes, scales = by_group[..., :-2], by_group[..., -2:]
+    grouped = np.concatenate([_grouped_codes(codes, kind), scales.reshape(*scales.shape[:2], -1)], axis=-1)
+    return np.ascontiguousarray(grouped).reshape(num_blocks, block_size, kv_heads, row)
+
+
+def rows_of_groups(cache: np.ndarray, kind: str) -> np.ndarray:
+    """rows_in_groups undone: a cache's bytes in groups as its rows, [num_blocks, block_size, kv_heads, row]."""
+    num_blocks, block_size, kv_heads, row = cache.shape
+    head_dim = row - 2
+    grouped = np.ascontiguousarray(cache).view(np.uint8).reshape(-1, kv_heads, GROUP_SLOTS * row)
+    codes, scales = grouped[..., : GROUP_SLOTS * head_dim], grouped[..., GROUP_SLOTS * head_dim :]
+    if kind == "key":
+        by_slot = codes.reshape(*codes.shape[:2], head_dim // 4, GROUP_SLOTS, 4).swapaxes(-3, -2)
+    else:
+        by_slot = codes.reshape(*codes.shape[:2], 4, head_dim, 4).swapaxes(-2, -1)
+    by_slot = by_slot.reshape(*codes.shape[:2], GROUP_SLOTS, head_dim)
+    rows = np.concatenate([by_slot, scales.reshape(*scales.shape[:2], GROUP_SLOTS, 2)], axis=-1)
+    return np.ascontiguousarray(rows.swapaxes(1, 2)).reshape(num_blocks, block_size, kv_heads, row)

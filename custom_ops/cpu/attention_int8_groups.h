@@ -157,10 +157,7 @@ __attribute__((noinline, cold)) static void hide_group_keys(const AttentionTile<
   const int64_t group = t.num_heads / t.num_kv_heads;
   for (int i = 0; i < count; ++i) {
     float* row = scores + (r + i) * kKeySpan;
-    if (t.softcap > 0.0f) {
-      const float inverse = 1.0f / t.softcap;
-      for (int64_t j = 0; j < visible[i]; ++j) row[j] = t.softcap * __builtin_tanhf(row[j] * inverse);
-    }
+    if (t.softcap > 0.0f) cap_scores(row, visible[i], t.softcap);
     int64_t first_key = t.key_begin;
     if (t.window > 0) {
       const int64_t window_begins = t.first_position + (r + i) / group - t.window + 1;
@@ -217,24 +214,7 @@ static void attend_tile_int8_groups(const AttentionTile<Int8>& t) {
   float* scores = t.scratch;                   // [num_tile_kv_heads, rows, kKeySpan]
   float* state = scores + t.num_tile_kv_heads * rows * kKeySpan;
   HeadRows heads[kMaxTileKvHeads];
-  for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
-    HeadRows& head = heads[h];
-    head.q = state + h * rows * (2 * dim + 2);
-    head.acc = head.q + rows * dim;
-    head.running_max = head.acc + rows * dim;
-    head.running_sum = head.running_max + rows;
-    const int64_t kv_head = t.kv_head + h;
-    for (int64_t qi = 0; qi < t.num_queries; ++qi) {
-      for (int64_t i = 0; i < group; ++i) {
-        const float* src = t.query + ((t.first_token + qi) * t.num_heads + kv_head * group + i) * dim;
-        float* row = head.q + (qi * group + i) * dim;
-        for (int64_t d = 0; d < dim; d += W) Vec::store(row + d, Vec::mul(Vec::load(src + d), Vec::set1(t.scale)));
-        quantize_query_row(row, dim);
-      }
-    }
-    for (int64_t i = 0; i < rows * dim; i += W) Vec::store(head.acc + i, Vec::zero());
-    for (int64_t r = 0; r < rows; ++r) head.running_max[r] = -__builtin_inff(), head.running_sum[r] = 0.0f;
-  }
+  lay_out_head_rows(t, state, heads, [dim](HeadRows&, float* row, int64_t) { quantize_query_row(row, dim); });
 
   const int64_t group_bytes = Int8Groups::bytes(dim);
   const int64_t first_span = t.key_begin - t.key_begin % Int8Groups::kSlots;
@@ -289,22 +269,7 @@ static void attend_tile_int8_groups(const AttentionTile<Int8>& t) {
     }
   }
   ahead.ask(GroupAsks::kAll);  // what the calls did not ask for (a tile of fewer keys than counted)
-  for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
-    for (int64_t qi = 0; qi < t.num_queries; ++qi) {
-      for (int64_t i = 0; i < group; ++i) {
-        const int64_t r = qi * group + i;
-        float* dst = t.out + (t.first_token + qi) * t.num_heads * dim + ((t.kv_head + h) * group + i) * dim;
-        float scale = 1.0f / heads[h].running_sum[r];
-        if (t.partial != nullptr) {  // a split: the sums as they are, and the softmax state to merge them by
-          dst = t.partial + (h * rows + r) * (dim + 2);
-          dst[dim] = heads[h].running_max[r], dst[dim + 1] = heads[h].running_sum[r];
-          scale = 1.0f;
-        }
-        const reg inv = Vec::set1(scale);
-        for (int64_t d = 0; d < dim; d += W) Vec::store(dst + d, Vec::mul(Vec::load(heads[h].acc + r * dim + d), inv));
-      }
-    }
-  }
+  store_head_rows(t, heads, [dim](const float* acc, float scale, float* dst) { store_scaled(acc, scale, dim, dst); });
 }
 
 // One row x [head_dim] encoded as KvElement<Int8>::store_scaled_row encodes it (its scale, then each code: x times

@@ -83,6 +83,12 @@ static inline void accumulate_values(float* acc, const float* probs, const Cache
   }
 }
 
+// row[0..visible) = softcap * tanh(row / softcap).
+static inline void cap_scores(float* row, int64_t visible, float softcap) {
+  const float inverse = 1.0f / softcap;
+  for (int64_t j = 0; j < visible; ++j) row[j] = softcap * __builtin_tanhf(row[j] * inverse);
+}
+
 // A tile's variations on rows r..r + count of a span's scores, before their softmax: each visible score capped
 // (softcap * tanh(score / softcap)), and the span's keys before a row's window hidden (-inf). A row's window
 // starts in the tile's first span (AttentionTile::window), so each row keeps a visible key there.
@@ -94,10 +100,7 @@ __attribute__((noinline, cold)) static void vary_scores(const AttentionTile<Cach
   const int64_t group = t.num_heads / t.num_kv_heads;
   for (int i = 0; i < count; ++i) {
     float* row = scores + (r + i) * kKeySpan;
-    if (t.softcap > 0.0f) {
-      const float inverse = 1.0f / t.softcap;
-      for (int64_t j = 0; j < visible[i]; ++j) row[j] = t.softcap * __builtin_tanhf(row[j] * inverse);
-    }
+    if (t.softcap > 0.0f) cap_scores(row, visible[i], t.softcap);
     if (t.window > 0) {
       const int64_t hidden = t.first_position + (r + i) / group - t.window + 1 - span;
       for (int64_t j = 0; j < hidden && j < visible[i]; ++j) row[j] = -__builtin_inff();
@@ -161,6 +164,60 @@ struct HeadRows {
   float* running_max;   // [rows]
   float* running_sum;   // [rows]
 };
+
+// A tile's kv heads' rows laid out in `state` (per head: rows queries, rows accumulators, each row's max and sum):
+// each row's query scaled by t.scale, then prepared in place by prepare(head, row, r) (row r's floats: rounded to
+// bf16 pairs, quantized to int8, or left), the accumulators zero and the softmax state empty.
+template <class Cache, class Prepare>
+static inline void lay_out_head_rows(const AttentionTile<Cache>& t, float* state, HeadRows* heads, Prepare&& prepare) {
+  const int64_t group = t.num_heads / t.num_kv_heads, dim = t.head_dim, rows = t.num_queries * group;
+  for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
+    HeadRows& head = heads[h];
+    head.q = state + h * rows * (2 * dim + 2);
+    head.acc = head.q + rows * dim;
+    head.running_max = head.acc + rows * dim;
+    head.running_sum = head.running_max + rows;
+    const int64_t kv_head = t.kv_head + h;
+    for (int64_t qi = 0; qi < t.num_queries; ++qi) {
+      for (int64_t i = 0; i < group; ++i) {
+        const float* src = t.query + ((t.first_token + qi) * t.num_heads + kv_head * group + i) * dim;
+        float* row = head.q + (qi * group + i) * dim;
+        for (int64_t d = 0; d < dim; d += W) Vec::store(row + d, Vec::mul(Vec::load(src + d), Vec::set1(t.scale)));
+        prepare(head, row, qi * group + i);
+      }
+    }
+    for (int64_t i = 0; i < rows * dim; i += W) Vec::store(head.acc + i, Vec::zero());
+    for (int64_t r = 0; r < rows; ++r) head.running_max[r] = -__builtin_inff(), head.running_sum[r] = 0.0f;
+  }
+}
+
+// A tile's results, row by row: store(acc, scale, dst) writes a row's sums times scale to dst: the output, scaled by
+// 1 / the row's softmax sum, or (a split) the partial results, as they are, with the row's max and sum after them.
+template <class Cache, class Store>
+static inline void store_head_rows(const AttentionTile<Cache>& t, const HeadRows* heads, Store&& store) {
+  const int64_t group = t.num_heads / t.num_kv_heads, dim = t.head_dim, rows = t.num_queries * group;
+  for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
+    for (int64_t qi = 0; qi < t.num_queries; ++qi) {
+      for (int64_t i = 0; i < group; ++i) {
+        const int64_t r = qi * group + i;
+        float* dst = t.out + (t.first_token + qi) * t.num_heads * dim + ((t.kv_head + h) * group + i) * dim;
+        float scale = 1.0f / heads[h].running_sum[r];
+        if (t.partial != nullptr) {  // a split: the sums as they are, and the softmax state to merge them by
+          dst = t.partial + (h * rows + r) * (dim + 2);
+          dst[dim] = heads[h].running_max[r], dst[dim + 1] = heads[h].running_sum[r];
+          scale = 1.0f;
+        }
+        store(heads[h].acc + r * dim, scale, dst);
+      }
+    }
+  }
+}
+
+// A row's sums times scale, as they are laid out.
+static inline void store_scaled(const float* acc, float scale, int64_t dim, float* dst) {
+  const reg inv = Vec::set1(scale);
+  for (int64_t d = 0; d < dim; d += W) Vec::store(dst + d, Vec::mul(Vec::load(acc + d), inv));
+}
 
 // How many of a span's keys rows r..r + count of a tile see: each row's (visible[i]), and the most.
 template <class Cache>

@@ -150,26 +150,11 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
   // [head_dim / 2, kKeySpan]: a prefill span's keys in lanes (keys_in_lanes)
   uint32_t* keys_by_lane = reinterpret_cast<uint32_t*>(state + t.num_tile_kv_heads * rows * (2 * dim + 2));
   HeadRows heads[kMaxTileKvHeads];
-  for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
-    HeadRows& head = heads[h];
-    head.q = state + h * rows * (2 * dim + 2);
-    head.acc = head.q + rows * dim;
-    head.running_max = head.acc + rows * dim;
-    head.running_sum = head.running_max + rows;
-    const int64_t kv_head = t.kv_head + h;
-    for (int64_t qi = 0; qi < t.num_queries; ++qi) {
-      for (int64_t i = 0; i < group; ++i) {
-        const float* src = t.query + ((t.first_token + qi) * t.num_heads + kv_head * group + i) * dim;
-        float* row = head.q + (qi * group + i) * dim;
-        for (int64_t d = 0; d < dim; d += W) Vec::store(row + d, Vec::mul(Vec::load(src + d), Vec::set1(t.scale)));
-        // In place: row i's words end before row i + 1's floats begin.
-        if constexpr (kDot) to_bf16_pairs(row, dim, reinterpret_cast<uint32_t*>(head.q) + (qi * group + i) * dim / 2);
-        if constexpr (kInt8Dot<Cache>) quantize_query_row(row, dim);  // in place, rows still dim floats apart
-      }
-    }
-    for (int64_t i = 0; i < rows * dim; i += W) Vec::store(head.acc + i, Vec::zero());
-    for (int64_t r = 0; r < rows; ++r) head.running_max[r] = -__builtin_inff(), head.running_sum[r] = 0.0f;
-  }
+  lay_out_head_rows(t, state, heads, [dim](HeadRows& head, float* row, int64_t r) {
+    // In place: row r's words end before row r + 1's floats begin.
+    if constexpr (kDot) to_bf16_pairs(row, dim, reinterpret_cast<uint32_t*>(head.q) + r * dim / 2);
+    if constexpr (kInt8Dot<Cache>) quantize_query_row(row, dim);  // in place, rows still dim floats apart
+  });
 
   const int64_t row = kv_row_elements<Cache>(dim);  // elements from one row of the cache to the next
   int64_t slot_offsets[kKeySpan];  // elements from the cache's start to the slot's first kv head of the tile
@@ -265,26 +250,13 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
     }
   }
   ahead.all();  // what the groups did not ask for (a tile of fewer keys than counted)
-  for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
-    for (int64_t qi = 0; qi < t.num_queries; ++qi) {
-      for (int64_t i = 0; i < group; ++i) {
-        const int64_t r = qi * group + i;
-        float* dst = t.out + (t.first_token + qi) * t.num_heads * dim + ((t.kv_head + h) * group + i) * dim;
-        float scale = 1.0f / heads[h].running_sum[r];
-        if (t.partial != nullptr) {  // a split: the sums as they are, and the softmax state to merge them by
-          dst = t.partial + (h * rows + r) * (dim + 2);
-          dst[dim] = heads[h].running_max[r], dst[dim + 1] = heads[h].running_sum[r];
-          scale = 1.0f;
-        }
-        if constexpr (kDot) {
-          store_unpermuted(heads[h].acc + r * dim, scale, dim, dst);
-        } else {
-          const reg inv = Vec::set1(scale);
-          for (int64_t d = 0; d < dim; d += W) Vec::store(dst + d, Vec::mul(Vec::load(heads[h].acc + r * dim + d), inv));
-        }
-      }
+  store_head_rows(t, heads, [dim](const float* acc, float scale, float* dst) {
+    if constexpr (kDot) {
+      store_unpermuted(acc, scale, dim, dst);
+    } else {
+      store_scaled(acc, scale, dim, dst);
     }
-  }
+  });
 }
 
 template <class Cache, bool kDot = false>

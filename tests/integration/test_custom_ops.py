@@ -559,6 +559,37 @@ def eight_bit_rows(cache: paddle.Tensor, in_groups: bool = False, kind: str = "k
     return rows_of_groups(rows, kind) if in_groups else rows
 
 
+def vnni_int8_query(query: paddle.Tensor, head_dim: int) -> paddle.Tensor:
+    """The query [tokens, heads, head_dim] as vpdpbusd multiplies it with an int8 cache's codes: its scaled rows
+    quantized to int8 (int8_query_rows), unscaled again."""
+    scale = np.float32(1 / np.sqrt(head_dim))
+    scaled = query.numpy().reshape(-1, head_dim) * scale
+    return tensor((int8_query_rows(scaled) / scale).reshape(query.shape))
+
+
+def assert_within_int8_weights_bound(
+    output, expected, query, decoded_keys, value_rows, inputs, block_size, window=None, softcap=None
+):
+    """An int8 cache's attention on AVX512-VNNI within the bound of its values' weights rounded to 8 bits
+    (int8_weights_error_bound) of the float attention over the decoded rows; decoded_keys a cache tensor,
+    value_rows the value cache's rows [..., head_dim + 2]."""
+    num_heads = query.shape[1]
+    head_dim = query.shape[-1]
+    num_kv_heads = value_rows.shape[-2]
+    bound = int8_weights_error_bound(
+        query.numpy().reshape(len(output), num_heads, head_dim),
+        decoded_keys.numpy().reshape(-1, num_kv_heads, head_dim),
+        value_rows.reshape(-1, num_kv_heads, head_dim + 2),
+        inputs,
+        block_size,
+        1 / np.sqrt(head_dim),
+        window,
+        softcap,
+    ).reshape(output.shape)
+    error = np.abs(output - expected)
+    assert (error <= bound + 1e-4 * np.abs(expected) + 1e-5).all(), (error - bound).max()
+
+
 @pytest.mark.parametrize("kv_cache_dtype", EIGHT_BIT)
 @pytest.mark.parametrize("step", DECODE_AND_MIXED_STEPS)
 @pytest.mark.parametrize(
@@ -604,27 +635,31 @@ def test_an_8bit_cache_holds_the_reference_encoding_of_each_row_and_attention_re
     decoded = [tensor(decode_rows(rows, kv_cache_dtype)) for rows in after]
     vnni_int8 = kv_cache_dtype == "int8" and custom.isa.bf16 and custom.isa.vnni
     if vnni_int8:
-        scale = np.float32(1 / np.sqrt(head_dim))
-        scaled = query.numpy().reshape(-1, head_dim) * scale
-        query = tensor((int8_query_rows(scaled) / scale).reshape(query.shape))
+        query = vnni_int8_query(query, head_dim)
     backend = PagedAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
     expected = backend.attend(query, *decoded, backend.prepare(inputs)).numpy()
     if vnni_int8:  # the weights of the values rounded to 8 bits as well: within their bound
-        bound = int8_weights_error_bound(
-            query.numpy().reshape(len(output), num_heads, head_dim),
-            decoded[0].numpy().reshape(-1, num_kv_heads, head_dim),
-            after[1].reshape(-1, num_kv_heads, head_dim + 2),
-            inputs,
-            block_size,
-            1 / np.sqrt(head_dim),
-        ).reshape(output.shape)
-        error = np.abs(output - expected)
-        assert (error <= bound + 1e-4 * np.abs(expected) + 1e-5).all(), (error - bound).max()
+        assert_within_int8_weights_bound(output, expected, query, decoded[0], after[1], inputs, block_size)
     else:
         np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
 
 
 WINDOWS_AND_CAPS = [(1, None), (7, None), (64, None), (None, 30.0), (7, 2.0), (64, 50.0)]
+WINDOWED_GEOMETRY = (8, 2, 32, 16)  # num_heads, num_kv_heads, head_dim, block_size
+
+
+def windowed_layer(window, softcap):
+    """The windows-and-caps tests' layer (WINDOWED_GEOMETRY): its config, rotary table and LayerAttention, and the
+    caches' block count."""
+    num_heads, num_kv_heads, head_dim, block_size = WINDOWED_GEOMETRY
+    config = dataclasses.replace(
+        attention_config(num_heads, num_kv_heads, head_dim, MAX_POSITIONS),
+        sliding_windows=() if window is None else (window,),
+        attention_softcap=softcap,
+    )
+    rotary = RotaryEmbedding(config.rope, head_dim, MAX_POSITIONS)
+    layer = LayerAttention(rotary, sliding_window=window, softcap=softcap)
+    return config, rotary, layer, 2 * (-(-320 // block_size)) * 8 + 1
 
 
 @pytest.mark.parametrize("step", DECODE_AND_MIXED_STEPS)
@@ -633,16 +668,9 @@ def test_an_int8_cache_under_sliding_windows_and_soft_caps_reads_its_decoded_row
     """Windows and soft caps over an int8 cache (in groups with AVX512-VNNI: its tiles' spans begin at a multiple of
     16 keys, and the keys of a first group before the tile's or a window's first are hidden): the float32 attention
     over the decoded rows, with AVX512-VNNI of the query rows quantized and within the 8-bit weights' bound."""
-    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 16
+    num_heads, num_kv_heads, head_dim, block_size = WINDOWED_GEOMETRY
     rng = np.random.default_rng(29 if window is None else window)
-    num_blocks = 2 * (-(-320 // block_size)) * 8 + 1
-    config = dataclasses.replace(
-        attention_config(num_heads, num_kv_heads, head_dim, MAX_POSITIONS),
-        sliding_windows=() if window is None else (window,),
-        attention_softcap=softcap,
-    )
-    rotary = RotaryEmbedding(config.rope, head_dim, MAX_POSITIONS)
-    layer = LayerAttention(rotary, sliding_window=window, softcap=softcap)
+    config, rotary, layer, num_blocks = windowed_layer(window, softcap)
     inputs = step(rng, block_size, num_blocks)
     rows = encode_rows(
         rng.standard_normal((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=np.float32), "int8"
@@ -665,25 +693,12 @@ def test_an_int8_cache_under_sliding_windows_and_soft_caps_reads_its_decoded_row
     batch = reference.prepare(inputs)
     vnni = custom.isa.bf16 and custom.isa.vnni
     if vnni:
-        scale = np.float32(1 / np.sqrt(head_dim))
-        scaled = query.numpy().reshape(-1, head_dim) * scale
-        query = tensor((int8_query_rows(scaled) / scale).reshape(query.shape))
+        query = vnni_int8_query(query, head_dim)
     expected = reference.attend(query, *decoded, batch, layer).numpy()
     if not vnni:
         np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
         return
-    bound = int8_weights_error_bound(
-        query.numpy().reshape(len(output), num_heads, head_dim),
-        decoded[0].numpy().reshape(-1, num_kv_heads, head_dim),
-        after[1].reshape(-1, num_kv_heads, head_dim + 2),
-        inputs,
-        block_size,
-        1 / np.sqrt(head_dim),
-        window,
-        softcap,
-    ).reshape(output.shape)
-    error = np.abs(output - expected)
-    assert (error <= bound + 1e-4 * np.abs(expected) + 1e-5).all(), (error - bound).max()
+    assert_within_int8_weights_bound(output, expected, query, decoded[0], after[1], inputs, block_size, window, softcap)
 
 
 @pytest.mark.parametrize("step", DECODE_AND_MIXED_STEPS)
@@ -694,16 +709,9 @@ def test_sliding_windows_and_soft_caps_match_the_paddle_backend(custom, window, 
     chunks whose first queries' windows begin inside their first key span, decodes whose contexts are shorter and
     longer than the window, split over the threads within the window. float32 caches exactly as the Paddle backend;
     bf16 caches within the bf16 dot's bound (test_a_bfloat16_cache_holds_the_rounded_keys...)."""
-    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 16
+    num_heads, num_kv_heads, head_dim, block_size = WINDOWED_GEOMETRY
     rng = np.random.default_rng(17 if window is None else window)
-    num_blocks = 2 * (-(-320 // block_size)) * 8 + 1
-    config = dataclasses.replace(
-        attention_config(num_heads, num_kv_heads, head_dim, MAX_POSITIONS),
-        sliding_windows=() if window is None else (window,),
-        attention_softcap=softcap,
-    )
-    rotary = RotaryEmbedding(config.rope, head_dim, MAX_POSITIONS)
-    layer = LayerAttention(rotary, sliding_window=window, softcap=softcap)
+    config, rotary, layer, num_blocks = windowed_layer(window, softcap)
     inputs = step(rng, block_size, num_blocks)
     cache = bf16_rounded(rng.standard_normal((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=np.float32))
     qkv = 3 * rng.standard_normal((len(inputs.positions), (num_heads + 2 * num_kv_heads) * head_dim), dtype=np.float32)

@@ -142,8 +142,7 @@ struct GroupAsks {
   // Everything of the tile's own keys before `key` (a span about to be scored) not yet asked for.
   inline void through(int64_t key_end) {
     while (part == 0 && (at < bytes || parts[0].key < key_end)) {
-      if (at >= bytes && !next_group()) return;
-      if (part != 0) return;
+      if (at >= bytes && (!next_group() || part != 0)) return;  // none left of the tile's own
       ask(bytes - at);
     }
   }
@@ -277,9 +276,9 @@ static void attend_tile_int8_groups(const AttentionTile<Int8>& t) {
 // (4-byte words 64 bytes apart) or a value's (a byte every 4: vpmovzxbd's dword lanes, shifted to the slot's byte,
 // stored under a byte mask).
 static inline void place_int8_row(const float* x, Int8* group, int64_t lane, int64_t head_dim, bool is_key) {
-  const uint16_t scale_bits = ScaledRow::bf16_at_least(ScaledRow::largest(x, head_dim) / 127.0f);  // write_scale's
-  __builtin_memcpy(group + Int8Groups::scale(lane, head_dim), &scale_bits, sizeof scale_bits);
-  const float scale = ScaledRow::bf16_value(scale_bits), to_code = scale > 0.0f ? 1.0f / scale : 0.0f;
+  // write_scale writes a row's scale after its head_dim codes: here the slot's scale in the group.
+  Int8* scale_at = group + Int8Groups::scale(lane, head_dim);
+  const float to_code = ScaledRow::write_scale(scale_at - head_dim, head_dim, ScaledRow::largest(x, head_dim), 127.0f);
   const __m512 factor = _mm512_set1_ps(to_code), top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
   const __mmask64 byte_of_slot = 0x1111111111111111ull << (lane % 4);
   for (int64_t d = 0; d < head_dim; d += 16) {

@@ -34,8 +34,8 @@ static constexpr KvKernelsOf<TypeList<Ts...>> kv_kernels(TypeList<Ts...>) {
 
 #ifdef BS_INT8_DOT
 static const KernelSet kKernels = {rms_norm_row, silu_and_mul_row, rotate_head_to<float>, argmax_row, draw_masses,
-                                   kv_kernels(KvElementTypes{}), true, write_int8_groups};
+                                   kv_kernels(KvElementTypes{}), write_int8_groups};
 #else
 static const KernelSet kKernels = {rms_norm_row, silu_and_mul_row, rotate_head_to<float>, argmax_row, draw_masses,
-                                   kv_kernels(KvElementTypes{}), false, nullptr};
+                                   kv_kernels(KvElementTypes{}), nullptr};
 #endif

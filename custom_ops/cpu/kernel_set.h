@@ -51,7 +51,7 @@ struct AttentionTile {
   // kKeySpan - num_queries keys before the first query's window: each row sees a key of the tile's first span.
   int64_t window;
   float softcap;  // scores become softcap * tanh(score / softcap) before the softmax (0: not capped)
-  // An int8 cache in groups (kv_types.h: Int8Groups) rather than rows: KernelSet::int8_groups and the shape fits.
+  // An int8 cache in groups (kv_types.h: Int8Groups) rather than rows: int8_cache_in_groups.
   bool int8_groups = false;
 };
 
@@ -102,11 +102,10 @@ struct KernelSet {
   double (*draw_masses)(const float* x, int64_t width, float temperature, float min_p, float* masses,
                         float* group_sums);
   KvKernelsOf<KvElementTypes> kv;  // the cache kernels of every element type: for_cache<T>()
-  // An int8 cache whose shape fits (int8_groups_fit) is kept in groups (kv_types.h: Int8Groups), not rows: the
-  // kernel sets with AVX512-VNNI. The caches' layout follows the kernel set a worker runs (fixed at its start).
-  bool int8_groups;
-  // With int8_groups: a token's K [num_kv_heads, head_dim] (rotated here by cos/sin, the position's) and V encoded
-  // as rows are (kv_element.h) and placed in their groups at `slot`; null otherwise.
+  // The kernel sets with AVX512-VNNI keep an int8 cache whose shape fits (int8_groups_fit) in groups (kv_types.h:
+  // Int8Groups), not rows, and write it by this (null in the others): a token's K [num_kv_heads, head_dim] (rotated
+  // here by cos/sin, the position's) and V encoded as rows are (kv_element.h) and placed in their groups at `slot`.
+  // The caches' layout follows the kernel set a worker runs (fixed at its start).
   void (*write_int8_groups)(const float* key, const float* value, const float* cos, const float* sin, int64_t slot,
                             Int8* k_cache, Int8* v_cache, int64_t num_kv_heads, int64_t head_dim);
 
@@ -124,7 +123,7 @@ const KernelSet& amx_kernels();  // AVX512-BF16's, with a bf16 cache's prefill a
 
 // Whether an int8 cache of this shape is in groups for `kernels` (kv_types.h: Int8Groups).
 inline bool int8_cache_in_groups(const KernelSet& kernels, int64_t block_size, int64_t head_dim) {
-  return kernels.int8_groups && int8_groups_fit(block_size, head_dim);
+  return kernels.write_int8_groups != nullptr && int8_groups_fit(block_size, head_dim);
 }
 
 // AMX implies AVX512-BF16 and AVX512-VNNI (isa.h); every CPU with AVX512-BF16 has VNNI.

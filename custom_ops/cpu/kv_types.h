@@ -47,10 +47,10 @@ constexpr int64_t kv_row_elements(int64_t head_dim) {
   return head_dim + KvRowLayout<T>::kScaleElements;
 }
 
-// An int8 cache in groups: the layout the kernel sets with AVX512-VNNI keep (KernelSet::int8_groups) where it fits
-// (int8_groups_fit: blocks of a multiple of 16 slots, head_dim a multiple of 16), so that vpdpbusd scores 16 keys and
-// sums 4 keys' values at once as stored (attention_int8_groups.h). The bytes a block holds are the same as its rows'
-// (the tensor's shape does not change), ordered per group of 16 consecutive slots and kv head: group
+// An int8 cache in groups: the layout the kernel sets with AVX512-VNNI keep (KernelSet::write_int8_groups) where it
+// fits (int8_groups_fit: blocks of a multiple of 16 slots, head_dim a multiple of 16), so that vpdpbusd scores 16
+// keys and sums 4 keys' values at once as stored (attention_int8_groups.h). The bytes a block holds are the same as
+// its rows' (the tensor's shape does not change), ordered per group of 16 consecutive slots and kv head: group
 // (slot / 16) * num_kv_heads + kv_head, 16 * (head_dim + 2) bytes each, in it slot `lane` = slot % 16:
 //   a key's codes:   byte (d / 4) * 64 + lane * 4 + d % 4 holds dim d (a vector of 64 bytes: 16 keys' dims 4m..4m+3)
 //   a value's codes: byte (lane / 4) * 4 * head_dim + d * 4 + lane % 4 holds dim d (4 keys' codes of a dim together)

@@ -112,7 +112,7 @@ GROUP_SLOTS = 16
 
 def int8_cache_in_groups(isa, block_size: int, head_dim: int) -> bool:
     """Whether the custom CPU kernels of `isa` (worker.kernels.cpu_isa.IsaSet) keep an int8 cache of this shape in
-    groups: the kernel sets with AVX512-VNNI (KernelSet::int8_groups), blocks of a multiple of 16 slots and a
+    groups: the kernel sets with AVX512-VNNI (KernelSet::write_int8_groups), blocks of a multiple of 16 slots and a
     head_dim of a multiple of 16 (int8_groups_fit)."""
     return bool(isa.bf16 and isa.vnni) and block_size % GROUP_SLOTS == 0 and head_dim % 16 == 0
 

@@ -362,11 +362,19 @@ AttentionPlan plan_attention(const StepRequests& requests, int64_t num_tokens, i
     const int64_t decode_begin = first_key(lens[r] - 1), decode_keys = lens[r] - decode_begin;
     const int64_t parts = num_queries == 1 ? std::min(parts_per_request, decode_keys / kMinSplitKeys) : 1;
     if (parts > 1) {
+      // Where part p begins: the parts about even, each one after the first at a multiple of 16 keys, so that over
+      // an int8 cache in groups (kv_types.h: Int8Groups) it reads no key of the part before and its spans are those
+      // of a cache in rows (the same output, bit for bit); rows do not mind where a part begins. Each part keeps
+      // more than kMinSplitKeys - 16 keys.
+      const auto part_begins = [&](int64_t p) {
+        if (p == 0 || p == parts) return p == 0 ? decode_begin : lens[r];
+        const int64_t even = decode_begin + decode_keys * p / parts;
+        return even - even % Int8Groups::kSlots;
+      };
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         splits.push_back({r, h, parts, num_partial_floats});
         for (int64_t part = 0; part < parts; ++part) {
-          const int64_t begin = decode_begin + decode_keys * part / parts;
-          const int64_t end = decode_begin + decode_keys * (part + 1) / parts;
+          const int64_t begin = part_begins(part), end = part_begins(part + 1);
           work.push_back({r, 0, 1, h, 1, end - begin, begin, end, num_partial_floats});
           num_partial_floats += group * (head_dim + 2);
         }

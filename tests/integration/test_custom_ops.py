@@ -701,6 +701,61 @@ def test_an_int8_cache_under_sliding_windows_and_soft_caps_reads_its_decoded_row
     assert_within_int8_weights_bound(output, expected, query, decoded[0], after[1], inputs, block_size, window, softcap)
 
 
+def steps_over_16_and_8_slot_blocks(rng, shapes: list[tuple[int, int]], num_blocks: int):
+    """The same requests ((cached, new) tokens each) over blocks of 16 slots and over blocks of 8, every token in the
+    same slot (block b of 16 is blocks 2b and 2b + 1 of 8), their block ids scattered (odd ones of 16 only)."""
+    free = [int(b) for b in rng.permutation(np.arange(1, num_blocks, 2))]
+    over_16, over_8 = [], []
+    for i, (num_cached, num_new) in enumerate(shapes):
+        length = num_cached + num_new
+        blocks = [free.pop() for _ in range(-(-length // 16))]
+        halves = [half for block in blocks for half in (2 * block, 2 * block + 1)]
+        for scheduled, ids in ((over_16, blocks), (over_8, halves)):
+            state = RequestState(f"r{i}", list(range(length)), length, wire.SamplingParams(), ids, num_cached)
+            scheduled.append((state, num_new))
+    return build_step_inputs(over_16, 16, num_blocks), build_step_inputs(over_8, 8, 2 * num_blocks)
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [[(300, 1)], [(1000, 1)], [(9, 1), (0, 40), (37, 7), (300, 1), (125, 6), (13, 3)]],
+    ids=["one decode of 301 keys", "one decode of 1001 keys", "decodes and prefill chunks"],
+)
+def test_an_int8_cache_in_groups_attends_as_the_same_rows_kept_as_rows_bit_for_bit(custom, shapes):
+    """With AVX512-VNNI an int8 cache in blocks of 16 slots is kept in groups, in blocks of 8 as rows: the same tokens
+    in the same slots are written to the same rows and attended to the same output, bit for bit. One decode (fewer
+    requests than threads) is split over the threads: its parts begin at multiples of 16 keys, so that a part over
+    groups reads no key of the part before and scores the spans that it scores over rows."""
+    if not int8_cache_in_groups(custom.isa, 16, 64):
+        pytest.skip("without AVX512-VNNI an int8 cache keeps rows in blocks of every size")
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    rng = np.random.default_rng(len(shapes))
+    num_blocks = 2 * (-(-1001 // 16)) * len(shapes) + 1
+    over_16, over_8 = steps_over_16_and_8_slot_blocks(rng, shapes, num_blocks)
+    rows = encode_rows(rng.standard_normal((2, num_blocks, 16, num_kv_heads, head_dim), dtype=np.float32), "int8")
+    qkv = tensor(rng.standard_normal((len(over_16.positions), (num_heads + 2 * num_kv_heads) * head_dim), np.float32))
+    config = attention_config(num_heads, num_kv_heads, head_dim, MAX_POSITIONS)
+    rotary = RotaryEmbedding(config.rope, head_dim, MAX_POSITIONS)
+    kinds = ("key", "value")
+    outputs, written = [], []
+    for block_size, inputs in ((16, over_16), (8, over_8)):
+        in_groups = int8_cache_in_groups(custom.isa, block_size, head_dim)
+        assert in_groups == (block_size == 16)
+        laid_out = [
+            rows_in_groups(r, k) if in_groups else r.reshape(2 * num_blocks, 8, *r.shape[2:])
+            for r, k in zip(rows, kinds)
+        ]
+        caches = [eight_bit_tensor(r, "int8") for r in laid_out]
+        attention = custom.attention(config, block_size, rotary)
+        outputs.append(attention.attend_qkv(qkv, *caches, attention.prepare(inputs)).numpy())
+        written.append(
+            [eight_bit_rows(c, in_groups, k).reshape(-1, num_kv_heads, head_dim + 2) for c, k in zip(caches, kinds)]
+        )
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+    for in_groups, in_rows in zip(*written):
+        np.testing.assert_array_equal(in_groups, in_rows)
+
+
 @pytest.mark.parametrize("step", DECODE_AND_MIXED_STEPS)
 @pytest.mark.parametrize("window, softcap", WINDOWS_AND_CAPS)
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])

@@ -195,15 +195,19 @@ def turns(count: int, rounds: int) -> list[list[int]]:
     return [[(start + i) % count for i in range(count)] for start in range(rounds)]
 
 
-def median_steps(count: int, rounds: int, timed_turn) -> list[tuple[float, dict[str, float]]]:
+def median_steps(count: int, rounds: int, timed_turn) -> list[tuple[float, dict[str, float], list[float]]]:
     """For each of `count` subjects, the (seconds, seconds per part) of its median step (the machine is shared
-    and noisy) over `rounds` rounds of turns; `timed_turn(index)` runs subject index's turn and returns the
-    record of its timed step."""
+    and noisy) over `rounds` rounds of turns, and the attention seconds of each round's step (round by round, so
+    that subjects can be compared in the steps that took turns); `timed_turn(index)` runs subject index's turn and
+    returns the record of its timed step."""
     records: list[list] = [[] for _ in range(count)]
     for order in turns(count, rounds):
         for index in order:
             records[index].append(timed_turn(index))
-    return [sorted(own, key=lambda record: record[0])[len(own) // 2] for own in records]
+    return [
+        (*sorted(own, key=lambda record: record[0])[len(own) // 2], [parts.get("attention", 0.0) for _, parts in own])
+        for own in records
+    ]
 
 
 @dataclasses.dataclass
@@ -303,7 +307,8 @@ class PrecisionRun:
     described: dict[str, str]  # what the worker reports it chose
     kv_cache_dtype: str  # what its KV cache holds
     weight_bytes: int
-    cases: list[tuple[str, int, float, dict[str, float]]]  # (case, tokens per step, median step s, s per part)
+    # (case, tokens per step, median step s, its s per part, attention s of each round's step)
+    cases: list[tuple[str, int, float, dict[str, float], list[float]]]
     read_bandwidths: list[float]  # bytes per second, read once before each timed decode B=1 step
 
 
@@ -449,12 +454,23 @@ def print_attention(runs: list[PrecisionRun], reference: PrecisionRun) -> None:
             ratio = f"{attention_s / reference_s:.2f}x" if reference_s > 0 else "-"
             cells.append(f"{attention_s * 1e3:.2f} ({ratio})")
         print(f"{case:<16}" + "".join(f"{cell:>34}" for cell in cells))
+    print(
+        f"attention paired by round: the median over rounds of each round's attention / {reference.name}'s"
+        " (the steps that took turns; steadier than the median steps' ratio on a host whose speed moves)"
+    )
+    for index, (case, *_) in enumerate(reference.cases):
+        reference_rounds = reference.cases[index][4]
+        cells = []
+        for run in runs:
+            pairs = [own / theirs for own, theirs in zip(run.cases[index][4], reference_rounds) if theirs > 0]
+            cells.append(f"{np.median(pairs):.3f}x" if pairs else "-")
+        print(f"{case:<16}" + "".join(f"{cell:>34}" for cell in cells))
 
 
 def print_breakdown(run: PrecisionRun) -> None:
     print(f"\n{run.name}: where the median step's time goes (ms; rest = embedding, the norms, the activation, python)")
     print(f"{'case':<16}" + "".join(f"{part:>16}" for part in PARTS) + f"{'rest':>9}{'attention %':>13}")
-    for case, _, step_s, seconds in run.cases:
+    for case, _, step_s, seconds, _ in run.cases:
         per_step = {part: seconds.get(part, 0.0) for part in PARTS}
         rest = step_s - sum(per_step.values())
         share = f"{100 * per_step['attention'] / step_s:>12.1f}%" if per_step["attention"] else f"{'-':>13}"

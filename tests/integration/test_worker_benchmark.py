@@ -8,6 +8,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from service.contract import wire
@@ -49,7 +50,7 @@ def test_bench_worker_times_each_case_on_the_capped_instruction_set(bench_worker
     assert [case[:2] for case in run.cases] == [("decode B=1", 1), ("decode B=2", 2), ("prefill 1x20", 20)]
     # The read bandwidth the B=1 step is held against: one read before each of its timed steps, no others.
     assert len(run.read_bandwidths) == 2 and all(bandwidth > 0 for bandwidth in run.read_bandwidths)
-    for _, _, seconds, parts in run.cases:
+    for _, _, seconds, parts, _ in run.cases:
         assert seconds > 0 and parts["sampling"] > 0
         # Fused, the stack's own stage clock times its matmuls and attention, as the timers do op by op.
         assert parts["attention"] > 0 and parts["linear matmuls"] > 0
@@ -69,7 +70,7 @@ def test_bench_worker_requests_sample_as_asked(bench_worker):
         ["custom:float32:none"], steps=2, op_by_op=False, probe=bench_worker.ReadProbe(), sampling=top_p
     )
 
-    for _, _, seconds, parts in run.cases:
+    for _, _, seconds, parts, _ in run.cases:
         assert 0 < parts["sampling"] < seconds
 
 
@@ -84,12 +85,20 @@ def test_bench_worker_compares_kv_caches_of_two_dtypes_in_one_run(bench_worker, 
     assert [run.kv_cache_dtype for run in runs] == ["bfloat16", "int8"]
     for run in runs:
         assert [case[0] for case in run.cases] == ["decode B=2", "prefill 1x20"]
-        assert all(parts["attention"] > 0 for _, _, _, parts in run.cases)
+        assert all(parts["attention"] > 0 for _, _, _, parts, _ in run.cases)
     bench_worker.print_attention(runs, runs[0])
     printed = capsys.readouterr().out
     assert "KV cache: bfloat16, int8" in printed
     int8_decode = runs[1].cases[0][3]["attention"] / runs[0].cases[0][3]["attention"]
     assert f"({int8_decode:.2f}x)" in printed.splitlines()[3]
+    # Each round's attention, the median step's among them; the paired table: the median of round-by-round ratios.
+    rounds = [run.cases[0][4] for run in runs]
+    for run, own in zip(runs, rounds):
+        assert len(own) == 2 and all(seconds > 0 for seconds in own) and run.cases[0][3]["attention"] in own
+    paired = float(np.median([int8 / bf16 for int8, bf16 in zip(rounds[1], rounds[0])]))
+    lines = printed.splitlines()
+    paired_decode = lines[lines.index(next(line for line in lines if line.startswith("attention paired"))) + 1]
+    assert paired_decode.startswith("decode B=2") and paired_decode.split()[-1] == f"{paired:.3f}x"
 
 
 def test_bench_worker_precisions_take_turns_step_by_step(bench_worker, monkeypatch):
@@ -136,7 +145,7 @@ def test_bench_worker_precisions_take_turns_step_by_step(bench_worker, monkeypat
     for run in runs:
         assert [case[:2] for case in run.cases] == [("decode B=1", 1), ("prefill 1x20", 20)]
         # Each precision's parts are timed by its own timers (the runners share the step-building module).
-        for _, _, seconds, parts in run.cases:
+        for _, _, seconds, parts, _ in run.cases:
             assert seconds > parts["input building"] >= 0.002 and parts["sampling"] > 0
 
 

@@ -367,7 +367,8 @@ AttentionPlan plan_attention(const StepRequests& requests, int64_t num_tokens, i
       // of a cache in rows (the same output, bit for bit); rows do not mind where a part begins. Each part keeps
       // more than kMinSplitKeys - 16 keys.
       const auto part_begins = [&](int64_t p) {
-        if (p == 0 || p == parts) return p == 0 ? decode_begin : lens[r];
+        if (p == 0) return decode_begin;
+        if (p == parts) return lens[r];
         const int64_t even = decode_begin + decode_keys * p / parts;
         return even - even % Int8Groups::kSlots;
       };

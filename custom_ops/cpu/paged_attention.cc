@@ -85,6 +85,12 @@ inline void ask_to_write(const Cache* k_cache, const Cache* v_cache, int64_t slo
   ask_to_write(k_cache, v_cache, slot, num_kv_heads * kv_row_elements<Cache>(head_dim));
 }
 
+// Whether caches of element type Cache are in groups for `kernels` (an int8 cache: int8_cache_in_groups).
+template <class Cache>
+inline bool caches_in_groups(const KernelSet& kernels, const KvCaches& caches) {
+  return std::is_same_v<Cache, Int8> && int8_cache_in_groups(kernels, caches.block_size, caches.head_dim);
+}
+
 // One token's rotary embedding and KV write: q_row [heads, head_dim], its K and V at `slot` (an int8 cache
 // in_groups: in its groups, kv_types.h).
 template <class Cache>
@@ -299,9 +305,7 @@ void rope_write_checked_kv(const KernelSet& kernels, const float* qkv, const Ste
   std::visit(
       [&](const auto& storage) {
         rope_write(kernels, qkv, tokens, cos, sin, query, storage.key, storage.value, num_heads, caches.num_kv_heads,
-                   caches.head_dim,
-                   std::is_same_v<std::remove_pointer_t<decltype(storage.key)>, Int8> &&
-                       int8_cache_in_groups(kernels, caches.block_size, caches.head_dim));
+                   caches.head_dim, caches_in_groups<std::remove_pointer_t<decltype(storage.key)>>(kernels, caches));
       },
       caches.storage);
 }
@@ -420,10 +424,8 @@ void paged_attention(const KernelSet& kernels, const AttentionPlan& plan, const 
   std::visit(
       [&](const auto& storage) {
         using Cache = std::remove_pointer_t<decltype(storage.key)>;
-        const bool in_groups =
-            std::is_same_v<Cache, Int8> && int8_cache_in_groups(kernels, caches.block_size, caches.head_dim);
         attend(kernels.for_cache<Cache>().attend_tile, plan, query, storage, caches, requests, out, partials.data(),
-               rope, in_groups);
+               rope, caches_in_groups<Cache>(kernels, caches));
       },
       caches.storage);
   merge_splits(plan.splits, partials.data(), requests, num_heads, group, head_dim, out);

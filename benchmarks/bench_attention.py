@@ -29,6 +29,7 @@ from worker.attention.kv_rows import (  # noqa: E402
     int8_cache_in_groups,
     rows_in_groups,
 )
+from worker.host.cpu_memory import keep_freed_memory  # noqa: E402
 from worker.inputs.step_inputs import RequestState, build_step_inputs  # noqa: E402
 from worker.kernels.reference import PaddleKernels  # noqa: E402
 from worker.kernels.selection import select_kernels  # noqa: E402
@@ -132,6 +133,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cache-dtype", action="append", choices=("float32", "bfloat16", *EIGHT_BIT))
     args = parser.parse_args()
+    keep_freed_memory()  # as the worker does: the step's outputs are not fresh pages each call (page faults timed)
     custom = select_kernels("custom").kernels
     print(f"attention of {NUM_LAYERS} layers, SmolLM2 shapes, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
     print(f"{'case':<20}{'cache':>10}{'paddle ms':>11}{'custom ms':>11}{'ratio':>8}{'/ bf16':>8}")

@@ -90,6 +90,10 @@ struct GroupAsks {
   struct Part {
     const AttentionTile<Int8>* tile = nullptr;
     int64_t key = 0, end = 0;  // the next group's first key, and where the part's keys end
+    int64_t block = 0, within = 0;  // key's block-table entry and slot in it (no division per group)
+    Part() = default;
+    Part(const AttentionTile<Int8>* of, int64_t from, int64_t to)
+        : tile(of), key(from), end(to), block(from / of->block_size), within(from % of->block_size) {}
   };
   static constexpr int64_t kAll = INT64_MAX / 2;  // ask(kAll): everything left
   Part parts[2];
@@ -99,10 +103,10 @@ struct GroupAsks {
 
   // Keys [from, to) of t (from a multiple of 16); then, if `next`, the next tile's first span; in `calls` calls.
   GroupAsks(const AttentionTile<Int8>& t, int64_t from, int64_t to, const AttentionTile<Int8>* next, int64_t calls) {
-    parts[0] = {&t, from, to};
+    parts[0] = Part(&t, from, to);
     if (next != nullptr) {
       const int64_t first = next->key_begin - next->key_begin % Int8Groups::kSlots;
-      parts[1] = {next, first, next->key_end - first < kKeySpan ? next->key_end : first + kKeySpan};
+      parts[1] = Part(next, first, next->key_end - first < kKeySpan ? next->key_end : first + kKeySpan);
     }
     int64_t total = 0;
     for (const Part& p : parts) {
@@ -119,13 +123,15 @@ struct GroupAsks {
       Part& p = parts[part];
       if (p.tile != nullptr && p.key < p.end) {
         const AttentionTile<Int8>& t = *p.tile;
-        const int64_t slot = t.block_ids[p.key / t.block_size] * t.block_size + p.key % t.block_size;
+        const int64_t slot = t.block_ids[p.block] * t.block_size + p.within;
         const int64_t group_bytes = Int8Groups::bytes(t.head_dim);
         const int64_t offset = Int8Groups::index(slot, t.kv_head, t.num_kv_heads) * group_bytes;
         key = reinterpret_cast<const char*>(t.key_cache + offset);
         value = reinterpret_cast<const char*>(t.value_cache + offset);
         bytes = t.num_tile_kv_heads * group_bytes, at = 0;
         p.key += Int8Groups::kSlots;
+        p.within += Int8Groups::kSlots;
+        if (p.within == t.block_size) p.within = 0, ++p.block;
         return true;
       }
       ++part;
@@ -136,10 +142,13 @@ struct GroupAsks {
   inline void ask(int64_t amount) {
     while (amount > 0) {
       if (at >= bytes && !next_group()) return;
-      for (; at < bytes && amount > 0; at += 64, amount -= 64) {
-        __builtin_prefetch(key + at, 0, 2);
-        __builtin_prefetch(value + at, 0, 2);
+      const int64_t stop = at + (amount < bytes - at ? amount : bytes - at);  // kept in registers, not in *this
+      for (int64_t line = at; line < stop; line += 64) {
+        __builtin_prefetch(key + line, 0, 2);
+        __builtin_prefetch(value + line, 0, 2);
       }
+      amount -= stop - at;
+      at = stop;
     }
   }
   inline void operator()() { ask(pace); }
@@ -210,6 +219,49 @@ static inline void attend_group_rows(const AttentionTile<Int8>& t, const HeadRow
   values_groups_int8<ROWS>(head.acc + r * dim, weights, unit, groups, most_visible, dim, ahead);
 }
 
+// lay_out_head_rows with quantize_query_row as `prepare`, for a head_dim of at most 128 (a multiple of 16): each
+// row's scaled query kept in registers while its largest magnitude is found and its codes made, instead of stored and
+// read back twice. The same codes, scale and bias, bit for bit.
+static inline void lay_out_query_codes(const AttentionTile<Int8>& t, float* state, HeadRows* heads) {
+  const int64_t group = t.num_heads / t.num_kv_heads, dim = t.head_dim, rows = t.num_queries * group;
+  const int64_t vectors = dim / 16;
+  const __m512 scale = _mm512_set1_ps(t.scale), zero = _mm512_setzero_ps();
+  for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
+    HeadRows& head = heads[h];
+    head.q = state + h * rows * (2 * dim + 2);
+    head.acc = head.q + rows * dim;
+    head.running_max = head.acc + rows * dim;
+    head.running_sum = head.running_max + rows;
+    const int64_t kv_head = t.kv_head + h;
+    for (int64_t qi = 0; qi < t.num_queries; ++qi) {
+      for (int64_t i = 0; i < group; ++i) {
+        const float* src = t.query + ((t.first_token + qi) * t.num_heads + kv_head * group + i) * dim;
+        float* row = head.q + (qi * group + i) * dim;
+        __m512 v[8];
+        __m512 most = zero;
+        for (int64_t k = 0; k < vectors; ++k) {
+          v[k] = _mm512_mul_ps(_mm512_loadu_ps(src + 16 * k), scale);
+          most = _mm512_max_ps(most, _mm512_max_ps(v[k], _mm512_sub_ps(zero, v[k])));
+        }
+        const float largest = _mm512_reduce_max_ps(most);
+        const __m512 factor = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+        __m512i sums = _mm512_setzero_si512();
+        for (int64_t k = 0; k < vectors; ++k) {
+          const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(v[k], factor));
+          sums = _mm512_add_epi32(sums, codes);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(reinterpret_cast<int8_t*>(row) + 16 * k),
+                           _mm512_cvtsepi32_epi8(codes));
+        }
+        const int32_t bias = 128 * _mm512_reduce_add_epi32(sums);
+        row[dim / 4] = largest / 127.0f;
+        __builtin_memcpy(row + dim / 4 + 1, &bias, sizeof bias);
+      }
+    }
+    for (int64_t k = 0; k < rows * dim; k += 16) _mm512_storeu_ps(head.acc + k, zero);
+    for (int64_t r = 0; r < rows; ++r) head.running_max[r] = -__builtin_inff(), head.running_sum[r] = 0.0f;
+  }
+}
+
 // attend_tile for an int8 cache in groups: a span's groups scored for each kv head of the tile (every row, 4 at a
 // time), then each row's softmax, and the values summed 4 rows at a time.
 static void attend_tile_int8_groups(const AttentionTile<Int8>& t) {
@@ -218,7 +270,11 @@ static void attend_tile_int8_groups(const AttentionTile<Int8>& t) {
   float* scores = t.scratch;                   // [num_tile_kv_heads, rows, kKeySpan]
   float* state = scores + t.num_tile_kv_heads * rows * kKeySpan;
   HeadRows heads[kMaxTileKvHeads];
-  lay_out_head_rows(t, state, heads, [dim](HeadRows&, float* row, int64_t) { quantize_query_row(row, dim); });
+  if (dim <= 128) {
+    lay_out_query_codes(t, state, heads);
+  } else {
+    lay_out_head_rows(t, state, heads, [dim](HeadRows&, float* row, int64_t) { quantize_query_row(row, dim); });
+  }
 
   const int64_t group_bytes = Int8Groups::bytes(dim);
   const int64_t first_span = t.key_begin - t.key_begin % Int8Groups::kSlots;
@@ -238,11 +294,12 @@ static void attend_tile_int8_groups(const AttentionTile<Int8>& t) {
   for (int64_t span = first_span; span < t.key_end; span += kKeySpan) {
     const int64_t span_keys = t.key_end - span < kKeySpan ? t.key_end - span : kKeySpan;
     const int64_t num_groups = (span_keys + Int8Groups::kSlots - 1) / Int8Groups::kSlots;
-    for (int64_t g = 0; g < num_groups; ++g) {
-      const int64_t first = span + g * Int8Groups::kSlots;
-      const int64_t slot = t.block_ids[first / t.block_size] * t.block_size + first % t.block_size;
+    for (int64_t g = 0, block = span / t.block_size, within = span % t.block_size; g < num_groups; ++g) {
+      const int64_t slot = t.block_ids[block] * t.block_size + within;
       const int64_t at = Int8Groups::index(slot, t.kv_head, t.num_kv_heads) * group_bytes;
       key_groups[g] = t.key_cache + at, value_groups[g] = t.value_cache + at;
+      within += Int8Groups::kSlots;
+      if (within == t.block_size) within = 0, ++block;  // no division per group
     }
     if (span > first_span) ahead.through(span + span_keys);  // what the asks left of this span
     // Queries before the span see none of it; a tile that begins inside its first group, a window and a cap

@@ -222,47 +222,29 @@ __attribute__((flatten)) static inline void attend_group_rows(const AttentionTil
   values_groups_int8<ROWS>(head.acc + r * dim, weights, unit, groups, most_visible, dim, ahead);
 }
 
-// lay_out_head_rows with quantize_query_row as `prepare`, for a head_dim of at most 128 (a multiple of 16): each
-// row's scaled query kept in registers while its largest magnitude is found and its codes made, instead of stored and
-// read back twice. The same codes, scale and bias, bit for bit.
-static inline void lay_out_query_codes(const AttentionTile<Int8>& t, float* state, HeadRows* heads) {
-  const int64_t group = t.num_heads / t.num_kv_heads, dim = t.head_dim, rows = t.num_queries * group;
-  const int64_t vectors = dim / 16;
-  const __m512 scale = _mm512_set1_ps(t.scale), zero = _mm512_setzero_ps();
-  for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
-    HeadRows& head = heads[h];
-    head.q = state + h * rows * (2 * dim + 2);
-    head.acc = head.q + rows * dim;
-    head.running_max = head.acc + rows * dim;
-    head.running_sum = head.running_max + rows;
-    const int64_t kv_head = t.kv_head + h;
-    for (int64_t qi = 0; qi < t.num_queries; ++qi) {
-      for (int64_t i = 0; i < group; ++i) {
-        const float* src = t.query + ((t.first_token + qi) * t.num_heads + kv_head * group + i) * dim;
-        float* row = head.q + (qi * group + i) * dim;
-        __m512 v[8];
-        __m512 most = zero;
-        for (int64_t k = 0; k < vectors; ++k) {
-          v[k] = _mm512_mul_ps(_mm512_loadu_ps(src + 16 * k), scale);
-          most = _mm512_max_ps(most, _mm512_max_ps(v[k], _mm512_sub_ps(zero, v[k])));
-        }
-        const float largest = _mm512_reduce_max_ps(most);
-        const __m512 factor = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
-        __m512i sums = _mm512_setzero_si512();
-        for (int64_t k = 0; k < vectors; ++k) {
-          const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(v[k], factor));
-          sums = _mm512_add_epi32(sums, codes);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(reinterpret_cast<int8_t*>(row) + 16 * k),
-                           _mm512_cvtsepi32_epi8(codes));
-        }
-        const int32_t bias = 128 * _mm512_reduce_add_epi32(sums);
-        row[dim / 4] = largest / 127.0f;
-        __builtin_memcpy(row + dim / 4 + 1, &bias, sizeof bias);
-      }
-    }
-    for (int64_t k = 0; k < rows * dim; k += 16) _mm512_storeu_ps(head.acc + k, zero);
-    for (int64_t r = 0; r < rows; ++r) head.running_max[r] = -__builtin_inff(), head.running_sum[r] = 0.0f;
+// A row's query (src, head_dim floats) scaled by `scale` and quantized as quantize_query_row quantizes it, for a
+// head_dim of at most 128 (a multiple of 16): kept in registers while its largest magnitude is found and its codes
+// made, instead of stored and read back twice. The same codes, scale and bias, bit for bit.
+static inline void quantize_scaled_query(const float* src, float scale, float* row, int64_t head_dim) {
+  const int64_t vectors = head_dim / 16;
+  const __m512 tile_scale = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
+  __m512 v[8];
+  __m512 most = zero;
+  for (int64_t k = 0; k < vectors; ++k) {
+    v[k] = _mm512_mul_ps(_mm512_loadu_ps(src + 16 * k), tile_scale);
+    most = _mm512_max_ps(most, _mm512_max_ps(v[k], _mm512_sub_ps(zero, v[k])));
   }
+  const float largest = _mm512_reduce_max_ps(most);
+  const __m512 factor = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+  __m512i sums = _mm512_setzero_si512();
+  for (int64_t k = 0; k < vectors; ++k) {
+    const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(v[k], factor));
+    sums = _mm512_add_epi32(sums, codes);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(reinterpret_cast<int8_t*>(row) + 16 * k), _mm512_cvtsepi32_epi8(codes));
+  }
+  const int32_t bias = 128 * _mm512_reduce_add_epi32(sums);
+  row[head_dim / 4] = largest / 127.0f;
+  __builtin_memcpy(row + head_dim / 4 + 1, &bias, sizeof bias);
 }
 
 // attend_tile for an int8 cache in groups: a span's groups scored for each kv head of the tile (every row, 4 at a
@@ -274,7 +256,9 @@ static void attend_tile_int8_groups(const AttentionTile<Int8>& t) {
   float* state = scores + t.num_tile_kv_heads * rows * kKeySpan;
   HeadRows heads[kMaxTileKvHeads];
   if (dim <= 128) {
-    lay_out_query_codes(t, state, heads);
+    lay_out_rows_with(t, state, heads, [&](HeadRows&, const float* src, float* row, int64_t) {
+      quantize_scaled_query(src, t.scale, row, dim);
+    });
   } else {
     lay_out_head_rows(t, state, heads, [dim](HeadRows&, float* row, int64_t) { quantize_query_row(row, dim); });
   }

@@ -166,10 +166,11 @@ struct HeadRows {
 };
 
 // A tile's kv heads' rows laid out in `state` (per head: rows queries, rows accumulators, each row's max and sum):
-// each row's query scaled by t.scale, then prepared in place by prepare(head, row, r) (row r's floats: rounded to
-// bf16 pairs, quantized to int8, or left), the accumulators zero and the softmax state empty.
-template <class Cache, class Prepare>
-static inline void lay_out_head_rows(const AttentionTile<Cache>& t, float* state, HeadRows* heads, Prepare&& prepare) {
+// each row's query written by write_row(head, src, row, r) from its floats in t.query (src) to row r (row), the
+// accumulators zero and the softmax state empty.
+template <class Cache, class WriteRow>
+static inline void lay_out_rows_with(const AttentionTile<Cache>& t, float* state, HeadRows* heads,
+                                     WriteRow&& write_row) {
   const int64_t group = t.num_heads / t.num_kv_heads, dim = t.head_dim, rows = t.num_queries * group;
   for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
     HeadRows& head = heads[h];
@@ -181,14 +182,23 @@ static inline void lay_out_head_rows(const AttentionTile<Cache>& t, float* state
     for (int64_t qi = 0; qi < t.num_queries; ++qi) {
       for (int64_t i = 0; i < group; ++i) {
         const float* src = t.query + ((t.first_token + qi) * t.num_heads + kv_head * group + i) * dim;
-        float* row = head.q + (qi * group + i) * dim;
-        for (int64_t d = 0; d < dim; d += W) Vec::store(row + d, Vec::mul(Vec::load(src + d), Vec::set1(t.scale)));
-        prepare(head, row, qi * group + i);
+        write_row(head, src, head.q + (qi * group + i) * dim, qi * group + i);
       }
     }
     for (int64_t i = 0; i < rows * dim; i += W) Vec::store(head.acc + i, Vec::zero());
     for (int64_t r = 0; r < rows; ++r) head.running_max[r] = -__builtin_inff(), head.running_sum[r] = 0.0f;
   }
+}
+
+// lay_out_rows_with, each row's query scaled by t.scale, then prepared in place by prepare(head, row, r) (row r's
+// floats: rounded to bf16 pairs, quantized to int8, or left).
+template <class Cache, class Prepare>
+static inline void lay_out_head_rows(const AttentionTile<Cache>& t, float* state, HeadRows* heads, Prepare&& prepare) {
+  const int64_t dim = t.head_dim;
+  lay_out_rows_with(t, state, heads, [&](HeadRows& head, const float* src, float* row, int64_t r) {
+    for (int64_t d = 0; d < dim; d += W) Vec::store(row + d, Vec::mul(Vec::load(src + d), Vec::set1(t.scale)));
+    prepare(head, row, r);
+  });
 }
 
 // A tile's results, row by row: store(acc, scale, dst) writes a row's sums times scale to dst: the output, scaled by

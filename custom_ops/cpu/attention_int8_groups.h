@@ -143,10 +143,10 @@ struct GroupAsks {
     while (amount > 0) {
       if (at >= bytes && !next_group()) return;
       const int64_t stop = at + (amount < bytes - at ? amount : bytes - at);  // kept in registers, not in *this
-      for (int64_t line = at; line < stop; line += 64) {
-        __builtin_prefetch(key + line, 0, 2);
-        __builtin_prefetch(value + line, 0, 2);
-      }
+      // The keys' lines, then the values' (rather than taking turns: the stage paired in one process 0.972-0.980
+      // of the old order's time, keys and values alike).
+      for (int64_t line = at; line < stop; line += 64) __builtin_prefetch(key + line, 0, 2);
+      for (int64_t line = at; line < stop; line += 64) __builtin_prefetch(value + line, 0, 2);
       amount -= stop - at;
       at = stop;
     }

@@ -28,24 +28,34 @@ struct SpanPrefetch {
     return SpanPrefetch(of, span, end - span < kKeySpan ? end : span + kKeySpan, asks, into_l1);
   }
 
+  // The next `step` slots: their keys' lines, then their values' (two runs, one per cache, rather than the two
+  // caches' lines taking turns: the decode attention stage at 64 sequences of 128 keys, paired step by step in one
+  // process, bf16 0.958, 0.969, 0.961 of the old order's time).
   inline void operator()() {
     const int64_t stop = cursor + step < end_key ? cursor + step : end_key;
-    for (; cursor < stop; ++cursor) {
-      const AttentionTile<Cache>& t = *tile;
-      const int64_t slot = t.block_ids[block] * t.block_size + within;
-      if (++within == t.block_size) within = 0, ++block;
-      const int64_t offset = (slot * t.num_kv_heads + t.kv_head) * kv_row_elements<Cache>(t.head_dim);
-      const char* key_rows = reinterpret_cast<const char*>(t.key_cache + offset);
-      const char* value_rows = reinterpret_cast<const char*>(t.value_cache + offset);
-      for (int64_t line = 0; line < bytes; line += 64) {
-        if (key_locality == 3) {
-          __builtin_prefetch(key_rows + line, 0, 3);
-        } else {
-          __builtin_prefetch(key_rows + line, 0, 2);
+    if (cursor >= stop) return;
+    const AttentionTile<Cache>& t = *tile;
+    int64_t slot_block = block, slot_within = within;
+    const Cache* const caches[2] = {t.key_cache, t.value_cache};
+    for (int pass = 0; pass < 2; ++pass) {
+      const Cache* cache = caches[pass];
+      const int locality = pass == 0 ? key_locality : 2;
+      slot_block = block, slot_within = within;
+      for (int64_t key = cursor; key < stop; ++key) {
+        const int64_t slot = t.block_ids[slot_block] * t.block_size + slot_within;
+        if (++slot_within == t.block_size) slot_within = 0, ++slot_block;
+        const char* rows = reinterpret_cast<const char*>(
+            cache + (slot * t.num_kv_heads + t.kv_head) * kv_row_elements<Cache>(t.head_dim));
+        for (int64_t line = 0; line < bytes; line += 64) {
+          if (locality == 3) {
+            __builtin_prefetch(rows + line, 0, 3);
+          } else {
+            __builtin_prefetch(rows + line, 0, 2);
+          }
         }
-        __builtin_prefetch(value_rows + line, 0, 2);
       }
     }
+    cursor = stop, block = slot_block, within = slot_within;
   }
 
   // Every slot not yet asked for.

@@ -11,23 +11,44 @@
 template <class Cache>
 constexpr bool kInt8Dot = __is_same(Cache, Int8);
 
-// A query row quantized in place of its floats: its head_dim codes (value / scale rounded to nearest even, within
-// +-127), then, at float head_dim / 4, the scale (the row's largest magnitude / 127), and at head_dim / 4 + 1 the
-// int32 128 * the codes' sum (what biased key codes add to a dot product, score_rows_int8). head_dim is a multiple
-// of 16 (a chunk of 16 floats is read before its 16 codes overwrite 4 of the floats already read).
-static inline void quantize_query_row(float* row, int64_t head_dim) {
-  const float largest = ScaledRow::largest(row, head_dim);
+// A query row's codes written over row (the layout below) from its largest magnitude and its floats, 16 at a time:
+// vector(d) gives floats d..d + 15 (read before the codes of that chunk are written).
+template <class Vectors>
+static inline void write_query_codes(Vectors&& vector, float largest, float* row, int64_t head_dim) {
   const float to_code = largest > 0.0f ? 127.0f / largest : 0.0f;
   const __m512 factor = _mm512_set1_ps(to_code);
   __m512i sums = _mm512_setzero_si512();
   for (int64_t d = 0; d < head_dim; d += 16) {
-    const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + d), factor));
+    const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(vector(d), factor));
     sums = _mm512_add_epi32(sums, codes);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(reinterpret_cast<int8_t*>(row) + d), _mm512_cvtsepi32_epi8(codes));
   }
   const int32_t bias = 128 * _mm512_reduce_add_epi32(sums);
   row[head_dim / 4] = largest / 127.0f;
   __builtin_memcpy(row + head_dim / 4 + 1, &bias, sizeof bias);
+}
+
+// A query row quantized in place of its floats: its head_dim codes (value / scale rounded to nearest even, within
+// +-127), then, at float head_dim / 4, the scale (the row's largest magnitude / 127), and at head_dim / 4 + 1 the
+// int32 128 * the codes' sum (what biased key codes add to a dot product, score_rows_int8). head_dim is a multiple
+// of 16 (a chunk of 16 floats is read before its 16 codes overwrite 4 of the floats already read).
+static inline void quantize_query_row(float* row, int64_t head_dim) {
+  write_query_codes([row](int64_t d) { return _mm512_loadu_ps(row + d); }, ScaledRow::largest(row, head_dim), row,
+                    head_dim);
+}
+
+// A row's query (src, head_dim floats) scaled by `scale` and quantized into row as quantize_query_row quantizes
+// it, for a head_dim of at most 128 (a multiple of 16): kept in registers while its largest magnitude is found and
+// its codes made, instead of stored and read back twice. The same codes, scale and bias, bit for bit.
+static inline void quantize_scaled_query(const float* src, float scale, float* row, int64_t head_dim) {
+  const __m512 by = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
+  __m512 v[8];
+  __m512 most = zero;
+  for (int64_t k = 0; k < head_dim / 16; ++k) {
+    v[k] = _mm512_mul_ps(_mm512_loadu_ps(src + 16 * k), by);
+    most = _mm512_max_ps(most, _mm512_max_ps(v[k], _mm512_sub_ps(zero, v[k])));
+  }
+  write_query_codes([&v](int64_t d) { return v[d / 16]; }, _mm512_reduce_max_ps(most), row, head_dim);
 }
 
 // What quantize_query_row left after a row's codes: its scale and 128 * the codes' sum.

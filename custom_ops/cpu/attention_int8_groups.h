@@ -222,31 +222,6 @@ __attribute__((flatten)) static inline void attend_group_rows(const AttentionTil
   values_groups_int8<ROWS>(head.acc + r * dim, weights, unit, groups, most_visible, dim, ahead);
 }
 
-// A row's query (src, head_dim floats) scaled by `scale` and quantized as quantize_query_row quantizes it, for a
-// head_dim of at most 128 (a multiple of 16): kept in registers while its largest magnitude is found and its codes
-// made, instead of stored and read back twice. The same codes, scale and bias, bit for bit.
-static inline void quantize_scaled_query(const float* src, float scale, float* row, int64_t head_dim) {
-  const int64_t vectors = head_dim / 16;
-  const __m512 tile_scale = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
-  __m512 v[8];
-  __m512 most = zero;
-  for (int64_t k = 0; k < vectors; ++k) {
-    v[k] = _mm512_mul_ps(_mm512_loadu_ps(src + 16 * k), tile_scale);
-    most = _mm512_max_ps(most, _mm512_max_ps(v[k], _mm512_sub_ps(zero, v[k])));
-  }
-  const float largest = _mm512_reduce_max_ps(most);
-  const __m512 factor = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
-  __m512i sums = _mm512_setzero_si512();
-  for (int64_t k = 0; k < vectors; ++k) {
-    const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(v[k], factor));
-    sums = _mm512_add_epi32(sums, codes);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(reinterpret_cast<int8_t*>(row) + 16 * k), _mm512_cvtsepi32_epi8(codes));
-  }
-  const int32_t bias = 128 * _mm512_reduce_add_epi32(sums);
-  row[head_dim / 4] = largest / 127.0f;
-  __builtin_memcpy(row + head_dim / 4 + 1, &bias, sizeof bias);
-}
-
 // attend_tile for an int8 cache in groups: a span's groups scored for each kv head of the tile (every row, 4 at a
 // time), then each row's softmax, and the values summed 4 rows at a time.
 static void attend_tile_int8_groups(const AttentionTile<Int8>& t) {

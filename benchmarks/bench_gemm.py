@@ -1,6 +1,6 @@
 """fp32 GEMM rate (GFLOP/s) of the libraries the worker could use, on SmolLM2-135M's linear layers.
 
-Run: OMP_NUM_THREADS=2 python benchmarks/bench_gemm.py [--trials N] [--amx]
+Run: OMP_NUM_THREADS=2 python benchmarks/bench_gemm.py [--trials N] [--amx | --onednn] [--rows M ...]
 
 y[M, N] = x[M, K] @ W[K, N] for M tokens (decode batches 1-64, a 512-token prefill) against the
 fused q|k|v, o, gate|up, down and lm_head weights. Weights are constant, so every candidate that can
@@ -22,6 +22,10 @@ what a GGUF Q4_K is regrouped into) on AVX512-BF16/VNNI (BLOCKSERVE_CPU_ISA=avx5
 (torch.nn.functional.linear on bf16 tensors, torch.set_num_threads(OMP_NUM_THREADS): `brg_matmul` on AMX where the
 CPU has it, as ONEDNN_VERBOSE=1 shows), which a route to oneDNN for bf16 weights would reach, and AMX / oneDNN.
 --rows sets the row counts (default: 1, 8, 16, 32, 64, 512).
+
+--onednn (on a CPU with AVX512-BF16): bs_linear's bf16 weights on its own kernels and routed to oneDNN's matmul (the
+route the worker measures at start, layers/gemm_route.py: custom_ops/cpu/linear_onednn.h, the library in Paddle's
+wheel, one part of the GEMM on each thread), the two taking turns, and oneDNN / own rate; --rows as for --amx.
 """
 
 from __future__ import annotations
@@ -179,17 +183,52 @@ def amx_table(trials: int, formats: list[str], rows: tuple[int, ...]) -> None:
                 )
 
 
+def onednn_table(trials: int, rows: tuple[int, ...]) -> None:
+    """GFLOP/s of bs_linear's bf16 weights on its kernels and on oneDNN's matmul (the worker's route), and the ratio."""
+    from worker.layers.gemm_route import onednn_version, routed
+
+    kernels = select_kernels("custom").kernels
+    if not kernels.isa.bf16:
+        raise SystemExit("--onednn: this CPU has no AVX512-BF16")
+    version = onednn_version(kernels)
+    if version == (0, 0, 0):
+        raise SystemExit("--onednn: the custom ops were built without oneDNN (Paddle's wheel has no libdnnl.so.3)")
+    paths = {"own": routed(kernels, 0), "onednn": routed(kernels, 1)}
+    rng = np.random.default_rng(0)
+    print(
+        f"bs_linear bf16 GFLOP/s on {kernels.isa.name}, oneDNN {'.'.join(map(str, version))}, "
+        f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, best of {trials}"
+    )
+    print(f"{'weight':<9}{'M x K x N':>18}{'own':>10}{'onednn':>10}{'onednn / own':>14}")
+    for weight_name, (k, n) in WEIGHTS.items():
+        weight = rng.standard_normal((k, n), dtype=np.float32)
+        layers = {name: format_layer(path, "bf16", weight) for name, path in paths.items()}
+        for m in rows:
+            x = paddle.to_tensor(rng.standard_normal((m, k), dtype=np.float32))
+            seconds = best_seconds({name: (lambda layer=layer: layer(x)) for name, layer in layers.items()}, trials)
+            rates = {name: 2 * m * k * n / seconds[name] / 1e9 for name in layers}
+            print(
+                f"{weight_name:<9}{f'{m} x {k} x {n}':>18}{rates['own']:>10.1f}{rates['onednn']:>10.1f}"
+                f"{rates['onednn'] / rates['own']:>13.2f}x",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--amx", action="store_true", help="bs_linear's formats without and with AMX's tiles")
     parser.add_argument("--formats", nargs="*", choices=list(AMX_FORMATS), default=list(AMX_FORMATS), help="of --amx")
-    parser.add_argument("--rows", nargs="*", type=int, default=list(ROWS), help="of --amx: M, the rows of x")
+    parser.add_argument("--onednn", action="store_true", help="bf16 weights on bs_linear's kernels and on oneDNN's")
+    parser.add_argument("--rows", nargs="*", type=int, default=list(ROWS), help="of --amx, --onednn: the rows of x")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     keep_freed_memory()  # as the worker does: a large output is not fresh pages each call (page faults timed)
     if args.amx:
         amx_table(args.trials, args.formats, tuple(args.rows))
+        return
+    if args.onednn:
+        onednn_table(args.trials, tuple(args.rows))
         return
     custom = select_kernels("custom", isa_cap="avx2").kernels
     mklml = PaddleMklml()

@@ -12,13 +12,38 @@ from pathlib import Path
 EXTENSION_NAME = "blockserve_ops"
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 
+# oneDNN's C API headers (third_party/onednn: Paddle's wheel ships the library, not them).
+ONEDNN_INCLUDE_DIR = Path(__file__).resolve().parent / "third_party" / "onednn" / "include"
+
+
+def paddle_onednn_library() -> Path | None:
+    """The oneDNN library inside Paddle's wheel (paddle/libs/libdnnl.so.3), or None where the wheel lacks it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("paddle")
+    if spec is None or spec.origin is None:
+        return None
+    library = Path(spec.origin).parent / "libs" / "libdnnl.so.3"
+    return library if library.is_file() else None
+
+
+def onednn_flags() -> tuple[list[str], list[str], list[str]]:
+    """(cxx flags, include dirs, link flags) that build linear_onednn.cc against Paddle's oneDNN (BS_ONEDNN: the
+    bf16 GEMMs of many rows may run on its matmul), or nothing where the wheel has no oneDNN."""
+    library = paddle_onednn_library()
+    if library is None or not (ONEDNN_INCLUDE_DIR / "oneapi" / "dnnl" / "dnnl.h").is_file():
+        return [], [], []
+    libs = str(library.parent)
+    return ["-DBS_ONEDNN"], [str(ONEDNN_INCLUDE_DIR)], [f"-L{libs}", "-l:libdnnl.so.3", f"-Wl,-rpath,{libs}"]
+
+
+_ONEDNN_CXX, _ONEDNN_INCLUDE, _ONEDNN_LD = onednn_flags()
 # Baseline x86-64 code only: AVX2/FMA and AVX-512 live in functions with target attributes
 # (see cpu/cpu_isa.h) chosen at run time, so no "build for this machine" arch flag and no global -mavx*.
-CXX_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
-# Extra headers and libraries (e.g. oneDNN's under paddle/include/third_party/install/onednn/include
-# and -L<paddle/libs> -l:libdnnl.so.3): add them here, every build path reads these lists.
-EXTRA_INCLUDE_DIRS: list[str] = [str(SOURCE_DIR)]
-EXTRA_LDFLAGS: list[str] = ["-fopenmp"]
+CXX_FLAGS = ["-O3", "-fopenmp", "-std=c++17", *_ONEDNN_CXX]
+# Extra headers and libraries: every build path reads these lists.
+EXTRA_INCLUDE_DIRS: list[str] = [str(SOURCE_DIR), *_ONEDNN_INCLUDE]
+EXTRA_LDFLAGS: list[str] = ["-fopenmp", *_ONEDNN_LD]
 
 
 def sources(source_dir: Path = SOURCE_DIR) -> list[str]:

@@ -22,8 +22,10 @@ from worker.host.model_to_device import move_model, on_host
 from worker.host.placement import activation_bytes, choose_device, kv_cache_budget
 from worker.inputs.device_inputs import DeviceInputs
 from worker.inputs.model_inputs import HostInputs
+from worker.kernels.cpu import CustomKernels
 from worker.kernels.selection import CPU_ISA_CAPS, select_kernels
 from worker.layers.dtype_probe import measured_dtype
+from worker.layers.gemm_route import measured_route, routed
 from worker.layers.precision import resolve_kv_cache, resolve_precision, resolve_quantization
 from worker.loading.checkpoint import open_checkpoint
 from worker.loading.gguf_checkpoint import GGUFCheckpoint
@@ -93,6 +95,12 @@ def assemble_worker(settings: Settings) -> WorkerParts:
         precision.kv_cache_dtype,
         precision.reason,
     )
+    gemm_route = None
+    if isinstance(kernels, CustomKernels) and precision.dtype == "bfloat16" and precision.quantization == "none":
+        # bf16 weights: their GEMMs of many rows on oneDNN's matmul where it measured faster on this CPU
+        gemm_route = measured_route(kernels, config)
+        log.info("%s", gemm_route.reason)
+        kernels = routed(kernels, gemm_route.rows)
     with on_host():  # on a GPU the weights are read in host memory and moved once, cast to the dtype
         # On a CPU with huge pages, the weights in one buffer, so that all of them move into 2 MiB pages.
         loaded = load_model(
@@ -107,6 +115,7 @@ def assemble_worker(settings: Settings) -> WorkerParts:
         "dtype": precision.dtype,
         "quantization": precision.quantization,
         "weights_mib": f"{model.weight_bytes() / 2**20:.1f}",  # after the move: on a GPU in the precision's dtype
+        "onednn_gemm_rows": str(gemm_route.rows) if gemm_route is not None else "-",  # 0: never
     }
     block_size = settings.block_size
     budget = kv_cache_budget(

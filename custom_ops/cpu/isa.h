@@ -9,14 +9,18 @@
 
 namespace bs {
 
-// Bits of the `isa` attribute of every op (0 forces AVX2); worker/kernels/cpu_isa.py names the same bits.
+// Bits of the `isa` attribute of every op (0 forces AVX2); worker/kernels/cpu_isa.py names the same bits. Above
+// kOneDnnRowsShift: the fewest rows of x from which a GEMM of bf16 weights runs on oneDNN's matmul (0: never; see
+// linear_onednn.h), which the worker measures at its start.
 enum IsaBits : int { kAllowAvx512 = 1, kAllowAvx512Bf16 = 2, kAllowAvx512Vnni = 4, kAllowAmx = 8 };
+constexpr int kOneDnnRowsShift = 8;
 
 struct Isa {
   bool avx512 = false;  // AVX-512F
   bool bf16 = false;    // AVX512-BF16 (vdpbf16ps)
   bool vnni = false;    // AVX512-VNNI (vpdpbusd)
   bool amx = false;     // AMX-TILE, AMX-BF16 and AMX-INT8 (tdpbf16ps, tdpbsud), granted by the OS
+  long onednn_rows = 0;  // with bf16: GEMMs of bf16 weights from this many rows on oneDNN's matmul (0: never)
 };
 
 inline bool cpu_has_avx2_fma_f16c() {
@@ -47,6 +51,7 @@ inline Isa allowed_isa(int allowed) {
   isa.bf16 = isa.avx512 && (allowed & kAllowAvx512Bf16) && __builtin_cpu_supports("avx512bf16");
   isa.vnni = isa.avx512 && (allowed & kAllowAvx512Vnni) && __builtin_cpu_supports("avx512vnni");
   isa.amx = isa.bf16 && isa.vnni && (allowed & kAllowAmx) && __builtin_cpu_supports("avx512vbmi") && cpu_has_amx();
+  isa.onednn_rows = isa.bf16 ? static_cast<unsigned>(allowed) >> kOneDnnRowsShift : 0;
   return isa;
 }
 

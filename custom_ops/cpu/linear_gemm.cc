@@ -1,5 +1,7 @@
 #include "linear_gemm.h"
 
+#include "linear_onednn.h"
+
 #include <immintrin.h>
 #include <omp.h>
 
@@ -227,12 +229,14 @@ bool gemm_silu_and_mul(const Isa& isa, Format format, const float* x, int64_t m,
                        int64_t n, const float* bias, float* out) {
   const MicroKernelEntries& kernel = micro_kernel(isa, format, m);
   if (bias != nullptr || n % (2 * kPanelWidth) != 0 || !kernel.fuses_silu_and_mul(format, m)) return false;
+  if (onednn_routes(isa, format, m, k)) return false;  // gemm takes it to oneDNN's matmul (no fused SiLU there)
   kernel.gemm_silu_and_mul(format, {x, m, k, packed, n, nullptr, out}, thread_scratch(kernel.scratch(format, m, k)));
   return true;
 }
 
 void gemm(const Isa& isa, Format format, const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n,
           const float* bias, float* y) {
+  if (onednn_gemm(isa, format, x, m, k, packed, n, bias, y)) return;
   const MicroKernelEntries& kernel = micro_kernel(isa, format, m);
   kernel.gemm(format, {x, m, k, packed, n, bias, y}, thread_scratch(kernel.scratch(format, m, k)));
 }

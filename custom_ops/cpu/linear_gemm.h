@@ -12,7 +12,8 @@ namespace bs::linear {
 // fastest kernel `isa` has for m rows: AMX tiles where the rows are many enough (tdpbf16ps, tdpbsud: the same
 // operands as below; from more rows, tdpbf16ps on INT8 and GGUF panels dequantized to bf16, x rounded to bf16),
 // vdpbf16ps for BF16 (x rounded to bf16), vpdpbusd for INT8 and the GGUF blocks (x quantized per 32 inputs to
-// int8), else the weights widened to fp32 (x as it is).
+// int8), else the weights widened to fp32 (x as it is); BF16 from isa.onednn_rows rows on oneDNN's matmul
+// (linear_onednn.h), where the worker measured it faster.
 void gemm(const Isa& isa, Format format, const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n,
           const float* bias, float* y);
 

@@ -4,6 +4,7 @@
 
 #include "cpu_isa.h"
 #include "linear_gemm.h"
+#include "linear_onednn.h"
 #include "paddle/extension.h"
 #include "weight_pack.h"
 
@@ -102,7 +103,22 @@ std::vector<paddle::Tensor> LinearColumns(const paddle::Tensor& packed, const pa
   return {out};
 }
 
+// [major, minor, patch] of the oneDNN that GEMMs of bf16 weights may run on (linear_onednn.h); zeros where this build
+// has none. `any`: an input Paddle's op registry asks for, not read.
+std::vector<paddle::Tensor> LinearOneDnnVersion(const paddle::Tensor& any) {
+  const int version = bs::linear::onednn_available() ? bs::linear::onednn_version() : 0;
+  auto out = paddle::empty({3}, paddle::DataType::INT32, paddle::CPUPlace());
+  int32_t* parts = out.data<int32_t>();
+  parts[0] = version / 10000, parts[1] = version / 100 % 100, parts[2] = version % 100;
+  return {out};
+}
+
 }  // namespace
+
+PD_BUILD_OP(bs_linear_onednn_version)
+    .Inputs({"Any"})
+    .Outputs({"Version"})
+    .SetKernelFn(PD_KERNEL(LinearOneDnnVersion));
 
 PD_BUILD_OP(bs_linear_pack)
     .Inputs({"Weight"})

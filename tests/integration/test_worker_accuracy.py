@@ -10,7 +10,9 @@ import pytest
 
 from tests.support.accuracy import Float32Reference, load_runner
 from tests.support.gguf_q4_k import write_with_q4_k
+from worker import startup
 from worker.kernels.cpu_isa import cpu_features
+from worker.layers.gemm_route import GemmRoute
 from worker.layers.weight_format import WeightFormat
 
 # precision (DTYPE:QUANTIZATION) -> (largest mean KL in nats, smallest greedy agreement). Where VNNI multiplies
@@ -45,6 +47,26 @@ def test_precision_stays_within_its_documented_distance_from_float32(reference, 
     accuracy = reference.accuracy_of(runner)
 
     print(f"{precision} on {runner.kernels['kernels_isa']}: {accuracy}")
+    assert accuracy.mean_kl_nats <= max_kl
+    assert accuracy.greedy_agreement >= min_agreement
+    # bf16 weights: where their GEMMs run was measured (a row count, 0: never on oneDNN); other weights: not measured
+    measured_route = precision == "bfloat16:none"
+    assert runner.kernels["onednn_gemm_rows"].isdigit() == measured_route, runner.kernels["onednn_gemm_rows"]
+
+
+def test_bf16_weights_on_onednns_matmul_stay_within_the_bf16_distance_of_float32(reference, smollm_path, monkeypatch):
+    """Every GEMM of bf16 weights (a prompt's, a decode's, the lm_head's) on oneDNN's matmul, as a CPU whose
+    measurement routes them from one row would run them (custom_ops/cpu/linear_onednn.h)."""
+    if "avx512_bf16" not in cpu_features():
+        pytest.skip("this CPU has no AVX512-BF16: oneDNN's route is for bf16 weights multiplied there")
+    monkeypatch.setattr(startup, "measured_route", lambda kernels, config: GemmRoute(1, {}, "from 1 row (the test)"))
+    runner = load_runner(smollm_path, "bfloat16:none")
+    assert runner.kernels["onednn_gemm_rows"] == "1"
+
+    accuracy = reference.accuracy_of(runner)
+
+    print(f"bfloat16:none on oneDNN's matmul, {runner.kernels['kernels_isa']}: {accuracy}")
+    max_kl, min_agreement = THRESHOLDS["bfloat16:none"]
     assert accuracy.mean_kl_nats <= max_kl
     assert accuracy.greedy_agreement >= min_agreement
 

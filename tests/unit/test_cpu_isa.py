@@ -3,6 +3,7 @@ only where Linux grants the process its tiles."""
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 
 import pytest
@@ -60,3 +61,12 @@ def test_every_cpu_isa_setting_names_a_cap():
 
     assert set(settings_values) == set(CPU_ISA_CAPS)
     assert set(CPU_ISA_CAPS.values()) == set(ISA_CAPS)
+
+
+def test_onednns_rows_travel_above_the_instruction_set_bits_and_leave_the_name_alone():
+    """custom_ops/cpu/isa.h reads the rows from kOneDnnRowsShift up: GEMMs of bf16 weights from that many rows on
+    oneDNN's matmul (0: never)."""
+    isa = IsaSet(avx512=True, bf16=True, vnni=True, amx=True)
+    routed = dataclasses.replace(isa, onednn_rows=512)
+    assert routed.bits == isa.bits | 512 << cpu_isa.ONEDNN_ROWS_SHIFT and isa.bits < 1 << cpu_isa.ONEDNN_ROWS_SHIFT
+    assert routed.bits >> cpu_isa.ONEDNN_ROWS_SHIFT == 512 and routed.name == isa.name

@@ -47,6 +47,11 @@ def test_isa_bits_are_the_headers():
     )
 
 
+def test_onednn_rows_shift_is_the_headers():
+    (shift,) = re.findall(r"constexpr int kOneDnnRowsShift = (\d+);", (CUSTOM_OPS / "cpu" / "isa.h").read_text())
+    assert int(shift) == cpu_isa.ONEDNN_ROWS_SHIFT
+
+
 def test_cuda_dtype_codes_are_the_headers():
     dtypes = header_enum(CUSTOM_OPS / "gpu" / "numeric.cuh", "enum class Dtype : int")
     # kBFloat16 -> bfloat16, kFp8E4M3 -> fp8_e4m3 (BLOCKSERVE_KV_CACHE_DTYPE's name)

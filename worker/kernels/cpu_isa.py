@@ -11,6 +11,8 @@ REQUIRED_CPU_FEATURES = ("avx2", "fma", "f16c")
 AMX_CPU_FEATURES = ("amx_tile", "amx_bf16", "amx_int8", "avx512vbmi")
 # The ops' `isa` attribute bits (custom_ops/cpu/isa.h): extensions allowed beyond AVX2 + FMA + F16C.
 ISA_AVX512, ISA_AVX512_BF16, ISA_AVX512_VNNI, ISA_AMX = 1, 2, 4, 8
+# Above these bits: from how many rows of x a GEMM of bf16 weights runs on oneDNN's matmul (0: never).
+ONEDNN_ROWS_SHIFT = 8
 # The most the ops may use (BLOCKSERVE_CPU_ISA): avx2 forces AVX2; avx512 allows AVX-512F only; avx512+bf16+vnni its
 # dot products too, not AMX (what a CPU without AMX runs); all = what the CPU has.
 ISA_CAPS = ("avx2", "avx512", "avx512+bf16+vnni", "all")
@@ -27,10 +29,14 @@ class IsaSet:
     bf16: bool = False  # AVX512-BF16: bf16 weights multiplied with vdpbf16ps
     vnni: bool = False  # AVX512-VNNI: int8 weights multiplied with vpdpbusd
     amx: bool = False  # AMX-BF16 and AMX-INT8: the same weights multiplied in tiles from 16 rows of x
+    # With bf16: GEMMs of bf16 weights from this many rows of x on oneDNN's matmul (0: never; layers/gemm_route.py
+    # measures where it is faster)
+    onednn_rows: int = 0
 
     @property
     def bits(self) -> int:
-        return ISA_AVX512 * self.avx512 | ISA_AVX512_BF16 * self.bf16 | ISA_AVX512_VNNI * self.vnni | ISA_AMX * self.amx
+        extensions = ISA_AVX512 * self.avx512 | ISA_AVX512_BF16 * self.bf16 | ISA_AVX512_VNNI * self.vnni
+        return extensions | ISA_AMX * self.amx | self.onednn_rows << ONEDNN_ROWS_SHIFT
 
     @property
     def name(self) -> str:

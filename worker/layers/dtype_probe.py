@@ -12,9 +12,7 @@ so that only the first start on a kind of machine pays for it (a fraction of a s
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -26,6 +24,7 @@ import paddle
 
 from worker.kernels.protocol import Kernels
 from worker.layers.linear import linear
+from worker.layers.measurement_cache import cpu_model_name, default_cache_path, read_cache, threads, write_cache
 from worker.layers.precision import Precision
 from worker.models.config import ModelConfig
 
@@ -34,7 +33,6 @@ log = logging.getLogger(__name__)
 CANDIDATES = ("bfloat16", "float32")  # the dtypes the custom CPU kernels serve, both within the accuracy thresholds
 PROBE_ROWS = (16, 256)  # a decode step of 16 sequences; a prompt chunk
 ROUNDS = 5  # each dtype timed this many times, taking turns; the median counts
-CACHE_FILE = "blockserve_dtype_choices.json"
 
 # (dtype, rows, (in_features, out_features)) -> seconds of one call
 TimeLinear = Callable[[str, int, tuple[int, int]], float]
@@ -86,20 +84,8 @@ def measure(time_linear: TimeLinear, shapes: list[tuple[int, int]], rounds: int 
 
 
 def cache_key(kernels: Kernels, shapes: list[tuple[int, int]]) -> str:
-    threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count())
     build = Path(getattr(kernels.ops, "__file__", "") or "prebuilt").parent.name
-    return f"{cpu_model_name()}|{kernels.isa.name}|threads={threads}|{shapes}|ops={build}"
-
-
-def cpu_model_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
+    return f"{cpu_model_name()}|{kernels.isa.name}|threads={threads()}|{shapes}|ops={build}"
 
 
 def measured_dtype(
@@ -112,40 +98,13 @@ def measured_dtype(
     shapes = layer_shapes(config)
     cache_path = cache_path or default_cache_path()
     key = cache_key(kernels, shapes)
-    cached = _read_cache(cache_path).get(key)
+    cached = read_cache(cache_path).get(key)
     if isinstance(cached, dict) and set(cached) == set(CANDIDATES):
         seconds = {dtype: float(cached[dtype]) for dtype in CANDIDATES}
         return DtypeMeasurement(seconds, choose(seconds), cached=True)
     seconds = measure(time_linear or LinearTimer(kernels), shapes)
-    _write_cache(cache_path, key, seconds)
+    write_cache(cache_path, key, seconds)
     return DtypeMeasurement(seconds, choose(seconds), cached=False)
-
-
-def default_cache_path() -> Path:
-    from paddle.utils.cpp_extension import get_build_directory
-
-    return Path(get_build_directory()) / CACHE_FILE
-
-
-def _read_cache(path: Path) -> dict:
-    try:
-        content = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return content if isinstance(content, dict) else {}
-
-
-def _write_cache(path: Path, key: str, seconds: dict[str, float]) -> None:
-    """Add one entry; a cache that cannot be written only costs the next start another measurement."""
-    content = _read_cache(path)
-    content[key] = seconds
-    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary.write_text(json.dumps(content, indent=1, sort_keys=True))
-        temporary.replace(path)  # atomic: workers starting together never read half a file
-    except OSError as exc:
-        log.info("the dtype measurement is not cached (%s): the next start measures again", exc)
 
 
 class LinearTimer:

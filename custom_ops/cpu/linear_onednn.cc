@@ -67,9 +67,10 @@ class OneDnn {
   // The first call caps oneDNN's instructions, before its first primitive: with AMX only where that call's isa
   // allows it (BLOCKSERVE_CPU_ISA caps oneDNN as it caps these kernels). Paddle's own oneDNN calls, if made before,
   // keep the setting they found; a later call whose isa has no AMX is then not taken by a oneDNN that has it.
+  // Never destroyed: at exit, oneDNN's own statics may already be gone when this library's destructors run.
   static OneDnn& instance(const Isa& first) {
-    static OneDnn one(first);
-    return one;
+    static OneDnn* const one = new OneDnn(first);
+    return *one;
   }
   bool ready() const { return ready_; }
   bool has_amx() const { return has_amx_; }

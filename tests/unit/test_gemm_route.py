@@ -11,25 +11,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from tests.unit.test_dtype_probe import CONFIG
 from worker.layers import gemm_route
 from worker.layers.dtype_probe import layer_shapes
 from worker.layers.gemm_route import PATHS, ROUTE_ROWS, choose_rows, measure, measured_route
-from worker.models.config import ModelConfig, RopeConfig
-
-CONFIG = ModelConfig(
-    architecture="llama",
-    vocab_size=100,
-    hidden_size=64,
-    intermediate_size=160,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=128,
-    tie_word_embeddings=True,
-    rope=RopeConfig(),
-)
 
 
 def kernels(version=(3, 6, 2), bf16=True):

@@ -108,7 +108,8 @@ def measured_dtype(
 
 
 class LinearTimer:
-    """Seconds of one call of a custom linear layer of a shape, in a dtype's weight format, on random values."""
+    """Seconds of one call of a custom linear layer of a shape, in a dtype's weight format, on random values.
+    `variant` names what differs between the timed layers: here the dtype (gemm_route.py's: the GEMM's path)."""
 
     CALLS = 3  # per timing: the fastest counts (the first may find cold caches)
 
@@ -118,8 +119,12 @@ class LinearTimer:
         self._inputs: dict[tuple[int, int], paddle.Tensor] = {}
         self._random = np.random.default_rng(0)
 
-    def __call__(self, dtype: str, rows: int, shape: tuple[int, int]) -> float:
-        layer = self._layer(dtype, shape)
+    def __call__(self, variant: str, rows: int, shape: tuple[int, int]) -> float:
+        if (variant, shape) not in self._layers:
+            in_features, out_features = shape
+            weight = self._random.standard_normal((out_features, in_features), dtype=np.float32) * 0.02
+            self._layers[variant, shape] = self.layer(variant, weight)
+        layer = self._layers[variant, shape]
         x = self._input(rows, shape[0])
         best = float("inf")
         for _ in range(self.CALLS):
@@ -128,12 +133,9 @@ class LinearTimer:
             best = min(best, time.perf_counter() - start)
         return best
 
-    def _layer(self, dtype: str, shape: tuple[int, int]):
-        if (dtype, shape) not in self._layers:
-            in_features, out_features = shape
-            weight = self._random.standard_normal((out_features, in_features), dtype=np.float32) * 0.02
-            self._layers[dtype, shape] = linear(self.kernels, weight, None, Precision(dtype, "none", "dtype probe"))
-        return self._layers[dtype, shape]
+    def layer(self, dtype: str, weight: np.ndarray):
+        """The layer timed for `dtype`, of an [out_features, in_features] weight."""
+        return linear(self.kernels, weight, None, Precision(dtype, "none", "dtype probe"))
 
     def _input(self, rows: int, in_features: int) -> paddle.Tensor:
         if (rows, in_features) not in self._inputs:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,7 +22,7 @@ import numpy as np
 import paddle
 
 from worker.kernels.cpu import CustomKernels
-from worker.layers.dtype_probe import layer_shapes
+from worker.layers.dtype_probe import LinearTimer, layer_shapes
 from worker.layers.linear import linear
 from worker.layers.measurement_cache import cpu_model_name, default_cache_path, read_cache, threads, write_cache
 from worker.layers.precision import Precision
@@ -121,37 +120,12 @@ def routed(kernels: CustomKernels, rows: int) -> CustomKernels:
     return CustomKernels(kernels.ops, replace(kernels.isa, onednn_rows=rows), kernels.fuse_layers)
 
 
-class GemmTimer:
+class GemmTimer(LinearTimer):
     """Seconds of one call of a bf16 linear layer of a shape, on blockserve's kernels or on oneDNN's matmul."""
 
-    CALLS = 3  # per timing: the fastest counts (the first may find cold caches)
-
     def __init__(self, kernels: CustomKernels):
-        self.kernels = {"blockserve": routed(kernels, 0), "onednn": routed(kernels, 1)}
-        self._layers: dict[tuple[str, tuple[int, int]], object] = {}
-        self._inputs: dict[tuple[int, int], paddle.Tensor] = {}
-        self._random = np.random.default_rng(0)
+        super().__init__(kernels)
+        self.paths = {"blockserve": routed(kernels, 0), "onednn": routed(kernels, 1)}
 
-    def __call__(self, path: str, rows: int, shape: tuple[int, int]) -> float:
-        layer = self._layer(path, shape)
-        x = self._input(rows, shape[0])
-        best = float("inf")
-        for _ in range(self.CALLS):
-            start = time.perf_counter()
-            layer(x)
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    def _layer(self, path: str, shape: tuple[int, int]):
-        if (path, shape) not in self._layers:
-            in_features, out_features = shape
-            weight = self._random.standard_normal((out_features, in_features), dtype=np.float32) * 0.02
-            precision = Precision("bfloat16", "none", "gemm route probe")
-            self._layers[path, shape] = linear(self.kernels[path], weight, None, precision)
-        return self._layers[path, shape]
-
-    def _input(self, rows: int, in_features: int) -> paddle.Tensor:
-        if (rows, in_features) not in self._inputs:
-            values = self._random.standard_normal((rows, in_features), dtype=np.float32)
-            self._inputs[rows, in_features] = paddle.to_tensor(values)
-        return self._inputs[rows, in_features]
+    def layer(self, path: str, weight: np.ndarray):
+        return linear(self.paths[path], weight, None, Precision("bfloat16", "none", "gemm route probe"))

@@ -18,8 +18,9 @@ import pytest
 from tests.support.isa_kernels import custom_kernels_on
 from tests.support.numerics import bf16_rounded
 from worker.kernels.cpu import CustomKernels
+from worker.kernels.cpu_isa import ONEDNN_ROWS_SHIFT
 from worker.layers.gemm_route import onednn_version, routed
-from worker.layers.linear import linear
+from worker.layers.linear import embedding_and_lm_head, linear
 from worker.layers.precision import Precision
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,13 +88,25 @@ def test_onednn_bf16_route_leaves_depths_not_of_16_rows_to_the_kernels(bf16_kern
     )
 
 
+def test_onednn_bf16_route_leaves_the_lm_head_to_the_kernels(bf16_kernels):
+    """The lm_head's shape is not among those the worker's measurement times (layers/gemm_route.py)."""
+    rng = np.random.default_rng(5)
+    table, lm_head = (rng.standard_normal((100, 64), dtype=np.float32) for _ in range(2))
+    _, tied = embedding_and_lm_head(bf16_kernels, table, None, BF16)
+    _, separate = embedding_and_lm_head(bf16_kernels, table, lm_head, BF16)
+    layer = linear(bf16_kernels, lm_head, None, BF16)
+    assert layer.isa >> ONEDNN_ROWS_SHIFT == 1  # a layer's GEMMs routed from 1 row
+    assert tied.isa >> ONEDNN_ROWS_SHIFT == 0 and separate.isa >> ONEDNN_ROWS_SHIFT == 0
+    assert tied.isa == separate.isa == layer.isa & ((1 << ONEDNN_ROWS_SHIFT) - 1)
+
+
 ROUTE_SCRIPT = textwrap.dedent(
     """
     import ctypes, sys
     import numpy as np, paddle
     from worker.kernels.selection import select_kernels
     from worker.layers.gemm_route import routed
-    from worker.layers.linear import linear
+    from worker.layers.linear import embedding_and_lm_head, linear
     from worker.layers.precision import Precision
 
     libc = ctypes.CDLL(None)

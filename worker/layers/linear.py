@@ -11,7 +11,7 @@ one weight (q|k|v, gate|up) on every path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -144,12 +144,18 @@ def embedding_and_lm_head(
         table = paddle.to_tensor(dense(embedding))
         head = TiedLmHead(table) if lm_head is None else linear(kernels, lm_head, None, precision)
         return PaddleEmbedding(table), head
-    packed_table = _packed(kernels, embedding, None, precision)
-    head = packed_table if lm_head is None else _packed(kernels, lm_head, None, precision)
+    # The lm_head stays on the kernels' own GEMMs (no oneDNN route: its 49152-column shape is not among the ones
+    # layers/gemm_route.py times, and on the Zen 4 oneDNN multiplied it at 0.61-0.87x the kernels' rate).
+    own_gemms = replace(kernels.isa, onednn_rows=0).bits
+    packed_table = _packed(kernels, embedding, None, precision, own_gemms)
+    head = packed_table if lm_head is None else _packed(kernels, lm_head, None, precision, own_gemms)
     return PackedEmbedding(packed_table), head
 
 
-def _packed(kernels: CustomKernels, weight: Weight, bias: paddle.Tensor | None, precision: Precision) -> PackedLinear:
+def _packed(
+    kernels: CustomKernels, weight: Weight, bias: paddle.Tensor | None, precision: Precision, isa: int | None = None
+) -> PackedLinear:
+    """The packed layer, on the ops' `isa` bits (the kernels' own by default)."""
     weight_format = precision.weight_format(weight)
     ops = kernels.ops
     if weight_format.is_gguf_block:
@@ -160,7 +166,9 @@ def _packed(kernels: CustomKernels, weight: Weight, bias: paddle.Tensor | None, 
     else:
         packed = ops.bs_linear_pack(paddle.to_tensor(np.ascontiguousarray(dense(weight).T)), int(weight_format))
     out_features, in_features = _out_features(weight), _in_features(weight)
-    return PackedLinear(ops, packed, bias, in_features, out_features, weight_format, kernels.isa.bits)
+    return PackedLinear(
+        ops, packed, bias, in_features, out_features, weight_format, kernels.isa.bits if isa is None else isa
+    )
 
 
 def _out_features(weight: Weight) -> int:

@@ -61,6 +61,8 @@ def test_service_on_custom_kernels_generates_the_greedy_text_of_pure_paddle(tmp_
     assert (custom_info["worker_kernels"], custom_info["worker_kernels_isa"]) == ("custom", "avx2")
     assert (custom_info["worker_dtype"], custom_info["worker_quantization"]) == ("float32", "none")
     assert paddle_info["worker_kernels"] == "paddle" and paddle_info["worker_dtype"] == "float32"
+    # no bf16 weights: where their GEMMs would run was not measured (layers/gemm_route.py)
+    assert custom_info["worker_onednn_gemm_rows"] == paddle_info["worker_onednn_gemm_rows"] == "-"
     assert "avx2" in custom_info["worker_cpu_features"]
     # Huge pages by default (tests/integration/test_huge_pages.py checks them in smaps); off when set to 0.
     assert float(custom_info["worker_huge_pages_mib"]) > 0.5 * float(custom_info["worker_weights_mib"])

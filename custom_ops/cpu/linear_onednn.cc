@@ -21,7 +21,7 @@ namespace bs::linear {
 #ifdef BS_ONEDNN
 namespace {
 
-namespace bf16 {
+namespace avx512_bf16 {  // the namespace names the instruction set (test_custom_ops.py reads the disassembly)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bf16")
 #include "bf16_pairs.h"
@@ -31,7 +31,7 @@ static void row_to_bf16(const float* x, int64_t k, uint16_t* out) {
   to_bf16_pairs(x, k, reinterpret_cast<uint32_t*>(out));
 }
 #pragma GCC pop_options
-}  // namespace bf16
+}  // namespace avx512_bf16
 
 // One GEMM shape's matmul: its primitive and its operands' descriptions (dst's rows `ld` floats apart). It runs
 // from several threads at once, each with its own scratch (user scratchpad) and stream.
@@ -234,7 +234,7 @@ bool onednn_gemm(const Isa& isa, Format format, const float* x, int64_t m, int64
 #pragma omp parallel reduction(|| : failed)
   {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < m; ++r) bf16::row_to_bf16(x + r * k, k, src + r * k);
+    for (int64_t r = 0; r < m; ++r) avx512_bf16::row_to_bf16(x + r * k, k, src + r * k);
     // The panels split evenly over the threads, each thread's on a matmul of its own (oneDNN one-threaded in it).
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t first = panels * t / threads, end = panels * (t + 1) / threads;

@@ -25,7 +25,7 @@ from worker.inputs.model_inputs import HostInputs
 from worker.kernels.cpu import CustomKernels
 from worker.kernels.selection import CPU_ISA_CAPS, select_kernels
 from worker.layers.dtype_probe import measured_dtype
-from worker.layers.gemm_route import measured_route, routed
+from worker.layers.gemm_route import GemmRoute, measured_route, routed
 from worker.layers.precision import resolve_kv_cache, resolve_precision, resolve_quantization
 from worker.loading.checkpoint import open_checkpoint
 from worker.loading.gguf_checkpoint import GGUFCheckpoint
@@ -34,6 +34,8 @@ from worker.models.decoder import CausalDecoder
 from worker.sample.sampler import Sampler
 
 log = logging.getLogger(__name__)
+
+OFF_REASON = "GEMMs of bf16 weights on blockserve's kernels at every size (BLOCKSERVE_ONEDNN=off)"
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ def assemble_worker(settings: Settings) -> WorkerParts:
     gemm_route = None
     if isinstance(kernels, CustomKernels) and precision.dtype == "bfloat16" and precision.quantization == "none":
         # bf16 weights: their GEMMs of many rows on oneDNN's matmul where it measured faster on this CPU
-        gemm_route = measured_route(kernels, config)
+        gemm_route = measured_route(kernels, config) if settings.onednn == "auto" else GemmRoute(0, {}, OFF_REASON)
         log.info("%s", gemm_route.reason)
         kernels = routed(kernels, gemm_route.rows)
     with on_host():  # on a GPU the weights are read in host memory and moved once, cast to the dtype

@@ -87,6 +87,12 @@ class Settings(BaseSettings):
         "and on a CPU with the custom kernels the faster of bfloat16 and float32 as measured on that CPU (cached); "
         "float16 on a GPU only",
     )
+    onednn: Literal["auto", "off"] = Field(
+        default="auto",
+        description="Worker on a CPU with bf16 weights: auto = their GEMMs of many rows on oneDNN's matmul (the one in "
+        "Paddle's wheel) from the row count where it measured faster at the first start (cached), else on the custom "
+        "kernels; off = always on the custom kernels",
+    )
     quantization: Literal["auto", "none", "int8", "gguf"] = Field(
         default="auto",
         description="Worker weights: int8 per output channel (quantized at load), gguf = a GGUF file's own blocks "

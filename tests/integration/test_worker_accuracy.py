@@ -71,6 +71,15 @@ def test_bf16_weights_on_onednns_matmul_stay_within_the_bf16_distance_of_float32
     assert accuracy.greedy_agreement >= min_agreement
 
 
+def test_onednn_off_keeps_bf16_gemms_on_the_kernels_without_measuring(smollm_path, monkeypatch):
+    def measured_route(kernels, config):
+        raise AssertionError("BLOCKSERVE_ONEDNN=off measured where the GEMMs run")
+
+    monkeypatch.setattr(startup, "measured_route", measured_route)
+    runner = load_runner(smollm_path, "bfloat16:none", onednn="off")
+    assert runner.kernels["onednn_gemm_rows"] == "0"
+
+
 def test_a_q4_k_file_is_served_from_its_blocks_within_the_gguf_distance_of_float32(smollm_path, tmp_path):
     """SmolLM2 with every down projection (the matrices whose rows are whole 256-weight super-blocks) stored as
     Q4_K, as a llama.cpp Q4_K_M file stores most matrices: BLOCKSERVE_QUANTIZATION=gguf serves them as Q4_1

@@ -32,9 +32,11 @@ NUM_GREEDY_TOKENS = 32
 NUM_KV_BLOCKS = 128
 
 
-def load_runner(model_path: Path, precision: str, kernels: str = "custom", cpu_isa: str = "auto") -> ModelRunner:
+def load_runner(
+    model_path: Path, precision: str, kernels: str = "custom", cpu_isa: str = "auto", onednn: str = "auto"
+) -> ModelRunner:
     """A runner for `precision` = DTYPE:QUANTIZATION[:KV_CACHE_DTYPE] (e.g. bfloat16:none, auto:int8,
-    bfloat16:none:int8), its custom CPU kernels capped at `cpu_isa` (BLOCKSERVE_CPU_ISA)."""
+    bfloat16:none:int8), its custom CPU kernels capped at `cpu_isa` (BLOCKSERVE_CPU_ISA), BLOCKSERVE_ONEDNN=`onednn`."""
     dtype, quantization, kv_cache_dtype = (precision.split(":") + ["auto"])[:3]
     settings = load_settings(
         model=os.fspath(model_path),
@@ -44,6 +46,7 @@ def load_runner(model_path: Path, precision: str, kernels: str = "custom", cpu_i
         dtype=dtype,
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
+        onednn=onednn,
     )
     return ModelRunner(settings)
 

@@ -100,7 +100,7 @@ def assemble_worker(settings: Settings) -> WorkerParts:
     gemm_route = None
     if isinstance(kernels, CustomKernels) and precision.dtype == "bfloat16" and precision.quantization == "none":
         # bf16 weights: their GEMMs of many rows on oneDNN's matmul where it measured faster on this CPU
-        gemm_route = measured_route(kernels, config) if settings.onednn == "auto" else GemmRoute(0, {}, OFF_REASON)
+        gemm_route = measured_route(kernels, config) if settings.onednn == "auto" else GemmRoute(0, OFF_REASON)
         log.info("%s", gemm_route.reason)
         kernels = routed(kernels, gemm_route.rows)
     with on_host():  # on a GPU the weights are read in host memory and moved once, cast to the dtype

@@ -59,7 +59,7 @@ def test_bf16_weights_on_onednns_matmul_stay_within_the_bf16_distance_of_float32
     measurement routes them from one row would run them (custom_ops/cpu/linear_onednn.h)."""
     if "avx512_bf16" not in cpu_features():
         pytest.skip("this CPU has no AVX512-BF16: oneDNN's route is for bf16 weights multiplied there")
-    monkeypatch.setattr(startup, "measured_route", lambda kernels, config: GemmRoute(1, {}, "from 1 row (the test)"))
+    monkeypatch.setattr(startup, "measured_route", lambda kernels, config: GemmRoute(1, "from 1 row (the test)"))
     runner = load_runner(smollm_path, "bfloat16:none")
     assert runner.kernels["onednn_gemm_rows"] == "1"
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from worker.layers import dtype_probe
+from worker.layers import measurement_cache
 from worker.layers.dtype_probe import CANDIDATES, PROBE_ROWS, choose, layer_shapes, measure, measured_dtype
 from worker.models.config import ModelConfig, RopeConfig
 
@@ -80,7 +80,7 @@ def test_the_median_round_counts_so_one_slow_round_changes_nothing():
 def test_a_measurement_is_cached_per_cpu_and_measured_again_for_another(tmp_path: Path, monkeypatch):
     cache = tmp_path / "choices.json"
     clock = FakeClock({"bfloat16": 3e-6, "float32": 2e-6})
-    monkeypatch.setattr(dtype_probe, "cpu_model_name", lambda: "Intel(R) Xeon(R) Processor")
+    monkeypatch.setattr(measurement_cache, "cpu_model_name", lambda: "Intel(R) Xeon(R) Processor")
 
     first = measured_dtype(KERNELS, CONFIG, cache, clock)
     assert first.chosen == "float32" and not first.cached and "measured on this CPU at start-up" in first.reason
@@ -90,7 +90,7 @@ def test_a_measurement_is_cached_per_cpu_and_measured_again_for_another(tmp_path
     again = measured_dtype(KERNELS, CONFIG, cache, clock)
     assert again.chosen == "float32" and again.cached and len(clock.calls) == calls  # not measured again
 
-    monkeypatch.setattr(dtype_probe, "cpu_model_name", lambda: "AMD EPYC 9R14")
+    monkeypatch.setattr(measurement_cache, "cpu_model_name", lambda: "AMD EPYC 9R14")
     other = measured_dtype(KERNELS, CONFIG, cache, FakeClock({"bfloat16": 1e-6, "float32": 2e-6}))
     assert other.chosen == "bfloat16" and not other.cached
     assert len(json.loads(cache.read_text())) == 2  # both machines' results kept

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.unit.test_dtype_probe import CONFIG
-from worker.layers import gemm_route
+from worker.layers import gemm_route, measurement_cache
 from worker.layers.dtype_probe import layer_shapes
 from worker.layers.gemm_route import PATHS, ROUTE_ROWS, choose_rows, measure, measured_route
 
@@ -70,7 +70,7 @@ def test_every_shape_and_row_count_is_timed_and_the_paths_take_turns_in_alternat
 def test_a_route_is_cached_per_cpu_and_measured_again_for_another(tmp_path: Path, monkeypatch):
     cache = tmp_path / "choices.json"
     clock = FakeClock({64: 1.5, 128: 1.2, 256: 0.8, 512: 0.6})
-    monkeypatch.setattr(gemm_route, "cpu_model_name", lambda: "Intel(R) Xeon(R) Platinum 8580")
+    monkeypatch.setattr(measurement_cache, "cpu_model_name", lambda: "Intel(R) Xeon(R) Platinum 8580")
 
     first = measured_route(kernels(), CONFIG, cache, clock)
     assert first.rows == 256 and "measured on this CPU at start-up" in first.reason
@@ -81,7 +81,7 @@ def test_a_route_is_cached_per_cpu_and_measured_again_for_another(tmp_path: Path
     assert again.rows == 256 and "as measured on this CPU before" in again.reason
     assert len(clock.calls) == calls  # not measured again
 
-    monkeypatch.setattr(gemm_route, "cpu_model_name", lambda: "AMD EPYC 9R14")
+    monkeypatch.setattr(measurement_cache, "cpu_model_name", lambda: "AMD EPYC 9R14")
     other = measured_route(kernels(), CONFIG, cache, FakeClock({64: 1.5, 128: 1.2, 256: 1.1, 512: 1.1}))
     assert other.rows == 0 and "on blockserve's kernels at every size" in other.reason
     assert len(json.loads(cache.read_text())) == 2  # both machines' results kept
@@ -89,7 +89,7 @@ def test_a_route_is_cached_per_cpu_and_measured_again_for_another(tmp_path: Path
 
 def test_a_corrupt_cache_entry_is_measured_over(tmp_path: Path, monkeypatch):
     cache = tmp_path / "choices.json"
-    monkeypatch.setattr(gemm_route, "cpu_model_name", lambda: "Intel(R) Xeon(R) Platinum 8580")
+    monkeypatch.setattr(measurement_cache, "cpu_model_name", lambda: "Intel(R) Xeon(R) Platinum 8580")
     key = gemm_route.cache_key(kernels(), layer_shapes(CONFIG))
     cache.write_text(json.dumps({key: {"blockserve": {"64": "fast"}, "onednn": 3}}))
     clock = FakeClock({64: 0.5, 128: 0.5, 256: 0.5, 512: 0.5})

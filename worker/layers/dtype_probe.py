@@ -24,7 +24,7 @@ import paddle
 
 from worker.kernels.protocol import Kernels
 from worker.layers.linear import linear
-from worker.layers.measurement_cache import cpu_model_name, default_cache_path, read_cache, threads, write_cache
+from worker.layers.measurement_cache import default_cache_path, machine_key, read_cache, write_cache
 from worker.layers.precision import Precision
 from worker.models.config import ModelConfig
 
@@ -84,8 +84,7 @@ def measure(time_linear: TimeLinear, shapes: list[tuple[int, int]], rounds: int 
 
 
 def cache_key(kernels: Kernels, shapes: list[tuple[int, int]]) -> str:
-    build = Path(getattr(kernels.ops, "__file__", "") or "prebuilt").parent.name
-    return f"{cpu_model_name()}|{kernels.isa.name}|threads={threads()}|{shapes}|ops={build}"
+    return machine_key(kernels, shapes)
 
 
 def measured_dtype(

@@ -12,7 +12,6 @@ Cached beside the dtype measurement (layers/measurement_cache.py), keyed by what
 
 from __future__ import annotations
 
-import logging
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -24,11 +23,9 @@ import paddle
 from worker.kernels.cpu import CustomKernels
 from worker.layers.dtype_probe import LinearTimer, layer_shapes
 from worker.layers.linear import linear
-from worker.layers.measurement_cache import cpu_model_name, default_cache_path, read_cache, threads, write_cache
+from worker.layers.measurement_cache import default_cache_path, machine_key, read_cache, write_cache
 from worker.layers.precision import Precision
 from worker.models.config import ModelConfig
-
-log = logging.getLogger(__name__)
 
 ROUTE_ROWS = (64, 128, 256, 512)  # a large decode batch up to a prompt chunk
 PATHS = ("blockserve", "onednn")
@@ -41,8 +38,7 @@ TimeGemm = Callable[[str, int, tuple[int, int]], float]
 @dataclass(frozen=True)
 class GemmRoute:
     rows: int  # GEMMs of bf16 weights from this many rows on oneDNN's matmul; 0: never
-    seconds: dict[str, dict[int, float]]  # path -> rows -> one layer's GEMMs (median); empty if not measured
-    reason: str
+    reason: str  # why, with the measured ratios
 
 
 def onednn_version(kernels: CustomKernels) -> tuple[int, int, int]:
@@ -85,8 +81,7 @@ def describe(rows: int, seconds: dict[str, dict[int, float]], cached: bool) -> s
 
 
 def cache_key(kernels: CustomKernels, shapes: list[tuple[int, int]]) -> str:
-    build = Path(getattr(kernels.ops, "__file__", "") or "prebuilt").parent.name
-    return f"gemm route|{cpu_model_name()}|{kernels.isa.name}|threads={threads()}|{shapes}|ops={build}"
+    return f"gemm route|{machine_key(kernels, shapes)}"
 
 
 def measured_route(
@@ -94,9 +89,9 @@ def measured_route(
 ) -> GemmRoute:
     """Where `config`'s bf16 GEMMs run on these kernels, from the cache or measured now (and cached)."""
     if not kernels.isa.bf16:
-        return GemmRoute(0, {}, "GEMMs of bf16 weights on blockserve's kernels (oneDNN's route needs AVX512-BF16)")
+        return GemmRoute(0, "GEMMs of bf16 weights on blockserve's kernels (oneDNN's route needs AVX512-BF16)")
     if onednn_version(kernels) == (0, 0, 0):
-        return GemmRoute(0, {}, "GEMMs of bf16 weights on blockserve's kernels (the ops were built without oneDNN)")
+        return GemmRoute(0, "GEMMs of bf16 weights on blockserve's kernels (the ops were built without oneDNN)")
     shapes = layer_shapes(config)
     cache_path = cache_path or default_cache_path()
     key = cache_key(kernels, shapes)
@@ -108,11 +103,11 @@ def measured_route(
             seconds = None
         if seconds is not None and all(set(seconds[path]) == set(ROUTE_ROWS) for path in PATHS):
             rows = choose_rows(seconds)
-            return GemmRoute(rows, seconds, describe(rows, seconds, cached=True))
+            return GemmRoute(rows, describe(rows, seconds, cached=True))
     seconds = measure(time_gemm or GemmTimer(kernels), shapes)
     write_cache(cache_path, key, {path: {str(r): s for r, s in by_rows.items()} for path, by_rows in seconds.items()})
     rows = choose_rows(seconds)
-    return GemmRoute(rows, seconds, describe(rows, seconds, cached=False))
+    return GemmRoute(rows, describe(rows, seconds, cached=False))
 
 
 def routed(kernels: CustomKernels, rows: int) -> CustomKernels:

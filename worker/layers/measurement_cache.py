@@ -35,6 +35,12 @@ def threads() -> str:
     return os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count())
 
 
+def machine_key(kernels, shapes: list[tuple[int, int]]) -> str:
+    """What decides a measurement of `shapes` on `kernels` (custom kernels: their ops and isa)."""
+    build = Path(getattr(kernels.ops, "__file__", "") or "prebuilt").parent.name
+    return f"{cpu_model_name()}|{kernels.isa.name}|threads={threads()}|{shapes}|ops={build}"
+
+
 def read_cache(path: Path) -> dict:
     try:
         content = json.loads(path.read_text())

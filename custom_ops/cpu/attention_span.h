@@ -31,12 +31,13 @@ static inline void score_rows(const float* q, int64_t head_dim, const Cache* con
   }
 }
 
-// A scaled cache's probabilities probs_r[j] (ROWS rows, kKeySpan apart) times value j's row scale, so that they
-// weigh its loaded codes: each scale read once for all rows.
+// A scaled cache's probabilities probs_r[j] (ROWS rows, kKeySpan apart) times value j's row scale (and `factor`), so
+// that they weigh its loaded codes: each scale read once for all rows.
 template <int ROWS, class Cache>
-static inline void fold_value_scales(float* probs, const Cache* const* values, int64_t num_keys, int64_t head_dim) {
+static inline void fold_value_scales(float* probs, const Cache* const* values, int64_t num_keys, int64_t head_dim,
+                                     float factor = 1.0f) {
   float scales[kKeySpan];
-  for (int64_t j = 0; j < num_keys; ++j) scales[j] = KvElement<Cache>::scale(values[j], head_dim);
+  for (int64_t j = 0; j < num_keys; ++j) scales[j] = KvElement<Cache>::scale(values[j], head_dim) * factor;
   const int64_t full = num_keys - num_keys % W;
   for (int r = 0; r < ROWS; ++r) {
     float* row = probs + r * kKeySpan;

@@ -4,8 +4,8 @@
 // include guard, only builtins and own code (see kernel_impl.h).
 
 // scores[(r + i) * kKeySpan + j] = the scores of ROWS rows (from row r) of one kv head for num_keys keys (a
-// multiple of 4); kDot: the rows' queries are bf16 words (score_rows_dot); kInt8Dot<Cache>: int8 codes and their
-// scale (score_rows_int8); else floats.
+// multiple of 4); kDot: the rows' queries are bf16 words (score_rows_dot, a cache DotCache reads); kInt8Dot<Cache>:
+// int8 codes and their scale (score_rows_int8); else floats.
 template <int ROWS, bool kDot, class Cache, class Ahead>
 static inline void score_head_rows(const HeadRows& head, int64_t r, int64_t dim, const Cache* const* keys,
                                    int64_t num_keys, float* scores, Ahead& ahead) {
@@ -47,7 +47,10 @@ static inline void attend_rows(const AttentionTile<Cache>& t, const HeadRows& he
         return no_asks;
       }
     }();
-    if constexpr (KvElement<Cache>::kScaled) fold_value_scales<ROWS>(scores + r * kKeySpan, values, most_visible, dim);
+    if constexpr (KvElement<Cache>::kScaled) {
+      const float factor = kDot ? DotCache<Cache>::kWeight : 1.0f;
+      fold_value_scales<ROWS>(scores + r * kKeySpan, values, most_visible, dim, factor);
+    }
     if constexpr (kDot) {
       accumulate_values_dot<ROWS>(head.acc + r * dim, scores + r * kKeySpan, values, most_visible, dim, value_asks);
     } else if constexpr (kInt8Dot<Cache>) {
@@ -78,23 +81,52 @@ static inline void score_span_by_slot(const AttentionTile<Cache>& t, const HeadR
   }
 }
 
+// A scaled cache's scores (or probabilities) of rows [first_row, rows) for a span's keys times each key's row scale()
+// (of `of`: the keys' rows, or the values') and `factor`: each scale read once for all rows.
+template <class Cache>
+static inline void scale_by_rows(const Cache* const* of, int64_t num_keys, int64_t dim, float factor,
+                                 int64_t first_row, int64_t rows, float* scores) {
+  alignas(64) float scales[kKeySpan];
+  for (int64_t j = 0; j < num_keys; ++j) scales[j] = KvElement<Cache>::scale(of[j], dim) * factor;
+  const int64_t full = num_keys - num_keys % W;
+  for (int64_t r = first_row; r < rows; ++r) {
+    float* row = scores + r * kKeySpan;
+    for (int64_t j = 0; j < full; j += W) Vec::store(row + j, Vec::mul(Vec::load(row + j), Vec::load(scales + j)));
+    for (int64_t j = full; j < num_keys; ++j) row[j] *= scales[j];
+  }
+}
+
 #ifdef BS_BF16_DOT
-template <int ROWS, class Ahead>
+template <int ROWS, class Cache, class Ahead>
 static inline void values_of_heads(int64_t num_heads, float* const* accs, const float* const* probs,
-                                   const Bf16* head_values, const int64_t* slot_offsets, int64_t num_keys,
-                                   int64_t head_dim, Ahead& ahead) {
-  if (num_heads == 3) accumulate_values_by_slot<ROWS, 3>(accs, probs, head_values, slot_offsets, num_keys, head_dim, ahead);
-  if (num_heads == 2) accumulate_values_by_slot<ROWS, 2>(accs, probs, head_values, slot_offsets, num_keys, head_dim, ahead);
-  if (num_heads == 1) accumulate_values_by_slot<ROWS, 1>(accs, probs, head_values, slot_offsets, num_keys, head_dim, ahead);
+                                   const Cache* head_values, const int64_t* slot_offsets, int64_t num_keys,
+                                   int64_t head_dim, int64_t row, Ahead& ahead) {
+  if (num_heads == 3) {
+    accumulate_values_by_slot<ROWS, 3>(accs, probs, head_values, slot_offsets, num_keys, head_dim, row, ahead);
+  }
+  if (num_heads == 2) {
+    accumulate_values_by_slot<ROWS, 2>(accs, probs, head_values, slot_offsets, num_keys, head_dim, row, ahead);
+  }
+  if (num_heads == 1) {
+    accumulate_values_by_slot<ROWS, 1>(accs, probs, head_values, slot_offsets, num_keys, head_dim, row, ahead);
+  }
 }
 
 // The values of a span (its probabilities in `scores`, as score_span_by_slot lays them out) for every kv head
-// of the tile, 3 rows of 3 heads at a time: each pair of keys' heads read together.
-template <class Ahead>
-static inline void values_span_by_slot(const AttentionTile<Bf16>& t, const HeadRows* heads,
+// of the tile, 3 rows of 3 heads at a time: each pair of keys' heads read together. A scaled cache's probabilities
+// are folded with the value rows' scale() * kWeight first (in place: the scores are not read again).
+template <class Cache, class Ahead>
+static inline void values_span_by_slot(const AttentionTile<Cache>& t, const HeadRows* heads,
                                        const int64_t* slot_offsets, int64_t span, int64_t span_keys,
-                                       int64_t first_row, int64_t rows, const float* scores, Ahead& ahead) {
-  const int64_t dim = t.head_dim;
+                                       int64_t first_row, int64_t rows, float* scores, Ahead& ahead) {
+  const int64_t dim = t.head_dim, row = kv_row_elements<Cache>(dim);
+  if constexpr (KvElement<Cache>::kScaled) {
+    for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
+      const Cache* values[kKeySpan];
+      for (int64_t j = 0; j < span_keys; ++j) values[j] = t.value_cache + slot_offsets[j] + h * row;
+      scale_by_rows(values, span_keys, dim, DotCache<Cache>::kWeight, first_row, rows, scores + h * rows * kKeySpan);
+    }
+  }
   for (int64_t r = first_row; r < rows; r += 3) {
     const int count = rows - r < 3 ? static_cast<int>(rows - r) : 3;
     int64_t visible[3];
@@ -107,17 +139,17 @@ static inline void values_span_by_slot(const AttentionTile<Bf16>& t, const HeadR
         accs[i] = heads[h0 + i].acc + r * dim;
         probs[i] = scores + (h0 + i) * rows * kKeySpan + r * kKeySpan;
       }
-      const Bf16* head_values = t.value_cache + h0 * dim;
-      if (count == 3) values_of_heads<3>(num_heads, accs, probs, head_values, slot_offsets, num_keys, dim, ahead);
-      if (count == 2) values_of_heads<2>(num_heads, accs, probs, head_values, slot_offsets, num_keys, dim, ahead);
-      if (count == 1) values_of_heads<1>(num_heads, accs, probs, head_values, slot_offsets, num_keys, dim, ahead);
+      const Cache* head_values = t.value_cache + h0 * row;
+      if (count == 3) values_of_heads<3>(num_heads, accs, probs, head_values, slot_offsets, num_keys, dim, row, ahead);
+      if (count == 2) values_of_heads<2>(num_heads, accs, probs, head_values, slot_offsets, num_keys, dim, row, ahead);
+      if (count == 1) values_of_heads<1>(num_heads, accs, probs, head_values, slot_offsets, num_keys, dim, row, ahead);
     }
   }
 }
 #else
-template <class Ahead>
-void values_span_by_slot(const AttentionTile<Bf16>& t, const HeadRows* heads, const int64_t* slot_offsets,
-                         int64_t span, int64_t span_keys, int64_t first_row, int64_t rows, const float* scores,
+template <class Cache, class Ahead>
+void values_span_by_slot(const AttentionTile<Cache>& t, const HeadRows* heads, const int64_t* slot_offsets,
+                         int64_t span, int64_t span_keys, int64_t first_row, int64_t rows, float* scores,
                          Ahead& ahead);
 #endif
 
@@ -130,7 +162,8 @@ void values_span_by_slot(const AttentionTile<Bf16>& t, const HeadRows* heads, co
 // A tile of several kv heads (a decode's) also asks while it sums values, and goes through each span
 // slot by slot: each group of 4 keys is scored for every head, and (kDot) each pair of keys' values summed
 // for 3 heads at once, so that a slot's heads, adjacent in the cache, are read together.
-// kDot (a bf16 cache with AVX512-BF16, head_dim a multiple of 32): keys scored by score_rows_dot, values summed
+// kDot (a bf16 or fp8 e4m3 cache with AVX512-BF16, head_dim a multiple of 32: DotCache; fp8's prefill spans stay
+// off the AMX tiles): keys scored by score_rows_dot, values summed
 // by accumulate_values_dot (accumulate_values_by_slot); a one-head tile of several queries (a prefill's) rewrites
 // each span's keys in lanes once and scores all its rows from them (score_span_in_lanes: no horizontal sums;
 // prefill 1x512, 30 layers, paired in one process: 0.80x the time of scoring 3 rows at a time by score_rows_dot,
@@ -152,7 +185,13 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
   HeadRows heads[kMaxTileKvHeads];
   lay_out_head_rows(t, state, heads, [dim](HeadRows& head, float* row, int64_t r) {
     // In place: row r's words end before row r + 1's floats begin.
-    if constexpr (kDot) to_bf16_pairs(row, dim, reinterpret_cast<uint32_t*>(head.q) + r * dim / 2);
+    if constexpr (kDot) {
+      if constexpr (DotCache<Cache>::kQuery != 1.0f) {  // exact: a power of two
+        const reg factor = Vec::set1(DotCache<Cache>::kQuery);
+        for (int64_t d = 0; d < dim; d += W) Vec::store(row + d, Vec::mul(Vec::load(row + d), factor));
+      }
+      to_bf16_pairs(row, dim, reinterpret_cast<uint32_t*>(head.q) + r * dim / 2);
+    }
     if constexpr (kInt8Dot<Cache>) quantize_query_row(row, dim);  // in place, rows still dim floats apart
   });
 
@@ -198,15 +237,19 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
           const int64_t lane_keys = (span_keys + 15) / 16 * 16;
           for (int64_t j = padded_keys; j < lane_keys; ++j) keys[j] = keys[0];
           keys_in_lanes(keys, lane_keys, dim, keys_by_lane);
-#ifdef BS_AMX_ATTENTION  // scores, softmax and values of the span on AMX tiles (attention_amx.h)
-          attend_span_on_tiles(t, heads[h], span, span_keys, first_row, rows, lane_keys, values, keys_by_lane,
-                               head_scores, ahead);
-          continue;
-#else
+#ifdef BS_AMX_ATTENTION  // a bf16 cache's scores, softmax and values of the span on AMX tiles (attention_amx.h)
+          if constexpr (__is_same(Cache, Bf16)) {
+            attend_span_on_tiles(t, heads[h], span, span_keys, first_row, rows, lane_keys, values, keys_by_lane,
+                                 head_scores, ahead);
+            continue;
+          }
+#endif
           score_span_in_lanes(reinterpret_cast<const uint32_t*>(heads[h].q), first_row, rows, dim, keys_by_lane,
                               lane_keys, head_scores, ahead);
+          if constexpr (KvElement<Cache>::kScaled) {  // the products of the codes summed: times the keys' scales
+            scale_by_rows(keys, span_keys, dim, 1.0f / DotCache<Cache>::kQuery, first_row, rows, head_scores);
+          }
           scored = true;
-#endif
         }
       }
       if constexpr (kInt8Dot<Cache> && !by_slot) {
@@ -252,7 +295,7 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
   ahead.all();  // what the groups did not ask for (a tile of fewer keys than counted)
   store_head_rows(t, heads, [dim](const float* acc, float scale, float* dst) {
     if constexpr (kDot) {
-      store_unpermuted(acc, scale, dim, dst);
+      store_unpermuted(acc, scale / DotCache<Cache>::kWeight, dim, dst);
     } else {
       store_scaled(acc, scale, dim, dst);
     }
@@ -266,7 +309,7 @@ static void attend_tile_of(const AttentionTile<Cache>& t) {
 }
 
 // KernelSet's attend_tile for a cache of element type T: by vdpbf16ps where the kernel set has it (BS_BF16_DOT), the
-// elements are bf16 and head_dim a multiple of 32.
+// elements are bf16 or fp8 e4m3 (DotCache) and head_dim a multiple of 32.
 // An int8 cache in groups (kv_types.h: Int8Groups, the kernel sets with AVX512-VNNI): attend_tile_int8_groups.
 template <class T>
 static void attend_tile(const AttentionTile<T>& tile) {
@@ -274,7 +317,7 @@ static void attend_tile(const AttentionTile<T>& tile) {
     if (tile.int8_groups) return attend_tile_int8_groups(tile);
   }
 #ifdef BS_BF16_DOT
-  if constexpr (KvElement<T>::kBf16Pairs) {
+  if constexpr (DotCache<T>::kReads) {
     if (tile.head_dim % 32 == 0) return attend_tile_of<T, true>(tile);
   }
 #endif

@@ -346,8 +346,7 @@ def test_a_bfloat16_cache_holds_the_rounded_keys_and_attention_reads_them_as_flo
         return
     # vdpbf16ps: the scaled query is rounded to bf16, and so is each probability (relative error <= 2^-8)
     # before it multiplies its value: the output is off by at most 2^-8 of the probability-weighted |values|.
-    scale = np.float32(1 / np.sqrt(head_dim))
-    query = tensor(bf16_rounded(query.numpy() * scale) / scale)
+    query = bf16_dot_query(query, head_dim)
     expected = backend.attend(query, *widened, backend.prepare(inputs)).numpy()
     weighted_magnitude = backend.attend(query, widened[0], widened[1].abs(), backend.prepare(inputs)).numpy()
     bound = 2.0**-8 * weighted_magnitude + 1e-4 * np.abs(expected) + 1e-5
@@ -567,6 +566,22 @@ def vnni_int8_query(query: paddle.Tensor, head_dim: int) -> paddle.Tensor:
     return tensor((int8_query_rows(scaled) / scale).reshape(query.shape))
 
 
+def bf16_dot_query(query: paddle.Tensor, head_dim: int) -> paddle.Tensor:
+    """The query [tokens, heads, head_dim] as vdpbf16ps multiplies it with a bf16 or fp8 cache: its scaled rows
+    rounded to bf16, unscaled again."""
+    scale = np.float32(1 / np.sqrt(head_dim))
+    return tensor(bf16_rounded(query.numpy() * scale) / scale)
+
+
+def dot_fp8_decoded(rows: np.ndarray) -> np.ndarray:
+    """fp8 e4m3 rows decoded as vdpbf16ps reads them (attention_bf16_dot.h: DotCache<Fp8E4M3>): a subnormal code
+    (exponent 0) decodes to a bf16 denormal, which it reads as zero."""
+    rows = np.ascontiguousarray(rows).view(np.uint8).copy()
+    codes = rows[..., :-2]
+    codes[(codes & 0x78) == 0] &= 0x80
+    return decode_rows(rows, "fp8_e4m3")
+
+
 def assert_within_int8_weights_bound(
     output, expected, query, decoded_keys, value_rows, inputs, block_size, window=None, softcap=None
 ):
@@ -632,14 +647,22 @@ def test_an_8bit_cache_holds_the_reference_encoding_of_each_row_and_attention_re
         np.testing.assert_array_equal(rows[unwritten], old.reshape(rows.shape)[unwritten])
         float_rows = float_cache.numpy().reshape(-1, num_kv_heads, head_dim)[written]
         np.testing.assert_array_equal(rows[written], encode_rows(float_rows, kv_cache_dtype))
-    decoded = [tensor(decode_rows(rows, kv_cache_dtype)) for rows in after]
     vnni_int8 = kv_cache_dtype == "int8" and custom.isa.bf16 and custom.isa.vnni
+    dot_fp8 = kv_cache_dtype == "fp8_e4m3" and custom.isa.bf16 and head_dim % 32 == 0
+    decoded = [tensor(dot_fp8_decoded(rows) if dot_fp8 else decode_rows(rows, kv_cache_dtype)) for rows in after]
     if vnni_int8:
         query = vnni_int8_query(query, head_dim)
+    if dot_fp8:
+        query = bf16_dot_query(query, head_dim)
     backend = PagedAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
-    expected = backend.attend(query, *decoded, backend.prepare(inputs)).numpy()
+    batch = backend.prepare(inputs)
+    expected = backend.attend(query, *decoded, batch).numpy()
     if vnni_int8:  # the weights of the values rounded to 8 bits as well: within their bound
         assert_within_int8_weights_bound(output, expected, query, decoded[0], after[1], inputs, block_size)
+    elif dot_fp8:  # the values' weights rounded to bf16 as well
+        weighted_magnitude = backend.attend(query, decoded[0], decoded[1].abs(), batch).numpy()
+        bound = 2.0**-8 * weighted_magnitude + 1e-4 * np.abs(expected) + 1e-5
+        assert np.all(np.abs(output - expected) <= bound), np.max(np.abs(output - expected) / bound)
     else:
         np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
 
@@ -785,8 +808,7 @@ def test_sliding_windows_and_soft_caps_match_the_paddle_backend(custom, window, 
     batch = reference.prepare(inputs)
     dot = cache_dtype == "bfloat16" and custom.isa.bf16
     if dot:  # vdpbf16ps multiplies the scaled query rounded to bf16
-        scale = np.float32(1 / np.sqrt(head_dim))
-        query = tensor(bf16_rounded(query.numpy() * scale) / scale)
+        query = bf16_dot_query(query, head_dim)
     expected = reference.attend(query, *widened, batch, layer).numpy()
     if not dot:
         np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)

@@ -349,8 +349,7 @@ def test_a_bfloat16_cache_holds_the_rounded_keys_and_attention_reads_them_as_flo
     query = bf16_dot_query(query, head_dim)
     expected = backend.attend(query, *widened, backend.prepare(inputs)).numpy()
     weighted_magnitude = backend.attend(query, widened[0], widened[1].abs(), backend.prepare(inputs)).numpy()
-    bound = 2.0**-8 * weighted_magnitude + 1e-4 * np.abs(expected) + 1e-5
-    assert np.all(np.abs(output - expected) <= bound), np.max(np.abs(output - expected) / bound)
+    assert_within_bf16_dot_bound(output, expected, weighted_magnitude)
 
 
 def test_vector_instructions_appear_only_in_functions_built_for_their_instruction_set():
@@ -573,6 +572,14 @@ def bf16_dot_query(query: paddle.Tensor, head_dim: int) -> paddle.Tensor:
     return tensor(bf16_rounded(query.numpy() * scale) / scale)
 
 
+def assert_within_bf16_dot_bound(output, expected, weighted_magnitude):
+    """vdpbf16ps' attention (the query rounded to bf16 in `expected` already): each probability is rounded to bf16
+    too (relative error <= 2^-8) before it multiplies its value, so the output is off by at most 2^-8 of the
+    probability-weighted |values| (weighted_magnitude: the attention over them)."""
+    bound = 2.0**-8 * weighted_magnitude + 1e-4 * np.abs(expected) + 1e-5
+    assert np.all(np.abs(output - expected) <= bound), np.max(np.abs(output - expected) / bound)
+
+
 def dot_fp8_decoded(rows: np.ndarray) -> np.ndarray:
     """fp8 e4m3 rows decoded as vdpbf16ps reads them (attention_bf16_dot.h: DotCache<Fp8E4M3>): a subnormal code
     (exponent 0) decodes to a bf16 denormal, which it reads as zero."""
@@ -660,9 +667,9 @@ def test_an_8bit_cache_holds_the_reference_encoding_of_each_row_and_attention_re
     if vnni_int8:  # the weights of the values rounded to 8 bits as well: within their bound
         assert_within_int8_weights_bound(output, expected, query, decoded[0], after[1], inputs, block_size)
     elif dot_fp8:  # the values' weights rounded to bf16 as well
-        weighted_magnitude = backend.attend(query, decoded[0], decoded[1].abs(), batch).numpy()
-        bound = 2.0**-8 * weighted_magnitude + 1e-4 * np.abs(expected) + 1e-5
-        assert np.all(np.abs(output - expected) <= bound), np.max(np.abs(output - expected) / bound)
+        assert_within_bf16_dot_bound(
+            output, expected, backend.attend(query, decoded[0], decoded[1].abs(), batch).numpy()
+        )
     else:
         np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
 
@@ -685,43 +692,57 @@ def windowed_layer(window, softcap):
     return config, rotary, layer, 2 * (-(-320 // block_size)) * 8 + 1
 
 
+@pytest.mark.parametrize("kv_cache_dtype", EIGHT_BIT)
 @pytest.mark.parametrize("step", DECODE_AND_MIXED_STEPS)
 @pytest.mark.parametrize("window, softcap", WINDOWS_AND_CAPS)
-def test_an_int8_cache_under_sliding_windows_and_soft_caps_reads_its_decoded_rows(custom, window, softcap, step):
-    """Windows and soft caps over an int8 cache (in groups with AVX512-VNNI: its tiles' spans begin at a multiple of
-    16 keys, and the keys of a first group before the tile's or a window's first are hidden): the float32 attention
-    over the decoded rows, with AVX512-VNNI of the query rows quantized and within the 8-bit weights' bound."""
+def test_an_8bit_cache_under_sliding_windows_and_soft_caps_reads_its_decoded_rows(
+    custom, window, softcap, step, kv_cache_dtype
+):
+    """Windows and soft caps over an 8-bit cache: the float32 attention over the decoded rows. An int8 cache with
+    AVX512-VNNI is in groups (its tiles' spans begin at a multiple of 16 keys, and the keys of a first group before
+    the tile's or a window's first are hidden), its query rows quantized and within the 8-bit weights' bound; an fp8
+    cache with AVX512-BF16 is read by vdpbf16ps (its scores scaled before they are capped), within the bf16 dot's
+    bound over its rows decoded with the subnormal codes at zero."""
     num_heads, num_kv_heads, head_dim, block_size = WINDOWED_GEOMETRY
     rng = np.random.default_rng(29 if window is None else window)
     config, rotary, layer, num_blocks = windowed_layer(window, softcap)
     inputs = step(rng, block_size, num_blocks)
     rows = encode_rows(
-        rng.standard_normal((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=np.float32), "int8"
+        rng.standard_normal((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=np.float32), kv_cache_dtype
     )
     qkv = 3 * rng.standard_normal((len(inputs.positions), (num_heads + 2 * num_kv_heads) * head_dim), dtype=np.float32)
     attention = custom.attention(config, block_size, rotary)
     metadata = attention.prepare(inputs)
-    in_groups = int8_cache_in_groups(custom.isa, block_size, head_dim)
+    in_groups = kv_cache_dtype == "int8" and int8_cache_in_groups(custom.isa, block_size, head_dim)
     kinds = ("key", "value")
-    caches = [eight_bit_tensor(rows_in_groups(r, k) if in_groups else r, "int8") for r, k in zip(rows, kinds)]
+    caches = [eight_bit_tensor(rows_in_groups(r, k) if in_groups else r, kv_cache_dtype) for r, k in zip(rows, kinds)]
     output = attention.attend_qkv(tensor(qkv), *caches, metadata, layer).numpy()
 
-    float_caches = [tensor(decode_rows(rows[0], "int8")), tensor(decode_rows(rows[1], "int8"))]
+    float_caches = [tensor(decode_rows(rows[0], kv_cache_dtype)), tensor(decode_rows(rows[1], kv_cache_dtype))]
     query = write_float_caches(custom, qkv, metadata, rotary, float_caches, num_heads, num_kv_heads)
     after = [eight_bit_rows(cache, in_groups, kind) for cache, kind in zip(caches, kinds)]
-    decoded = [tensor(decode_rows(r, "int8")) for r in after]
+    vnni_int8 = kv_cache_dtype == "int8" and custom.isa.bf16 and custom.isa.vnni
+    dot_fp8 = kv_cache_dtype == "fp8_e4m3" and custom.isa.bf16 and head_dim % 32 == 0
+    decoded = [tensor(dot_fp8_decoded(r) if dot_fp8 else decode_rows(r, kv_cache_dtype)) for r in after]
     reference = PagedAttentionBackend(
         num_heads, num_kv_heads, head_dim, block_size, sliding_windows=config.sliding_windows
     )
     batch = reference.prepare(inputs)
-    vnni = custom.isa.bf16 and custom.isa.vnni
-    if vnni:
+    if vnni_int8:
         query = vnni_int8_query(query, head_dim)
+    if dot_fp8:
+        query = bf16_dot_query(query, head_dim)
     expected = reference.attend(query, *decoded, batch, layer).numpy()
-    if not vnni:
-        np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
-        return
-    assert_within_int8_weights_bound(output, expected, query, decoded[0], after[1], inputs, block_size, window, softcap)
+    if vnni_int8:
+        assert_within_int8_weights_bound(
+            output, expected, query, decoded[0], after[1], inputs, block_size, window, softcap
+        )
+    elif dot_fp8:
+        assert_within_bf16_dot_bound(
+            output, expected, reference.attend(query, decoded[0], decoded[1].abs(), batch, layer).numpy()
+        )
+    else:  # fp32 sums whose terms reach 3-5 here (qkv x 3): an fp8 cache's sums in another order differed by 1.4e-5
+        np.testing.assert_allclose(output, expected, rtol=1e-4, atol=4e-5)
 
 
 def steps_over_16_and_8_slot_blocks(rng, shapes: list[tuple[int, int]], num_blocks: int):
@@ -813,6 +834,6 @@ def test_sliding_windows_and_soft_caps_match_the_paddle_backend(custom, window, 
     if not dot:
         np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
         return
-    weighted_magnitude = reference.attend(query, widened[0], widened[1].abs(), batch, layer).numpy()
-    bound = 2.0**-8 * weighted_magnitude + 1e-4 * np.abs(expected) + 1e-5
-    assert np.all(np.abs(output - expected) <= bound), np.max(np.abs(output - expected) / bound)
+    assert_within_bf16_dot_bound(
+        output, expected, reference.attend(query, widened[0], widened[1].abs(), batch, layer).numpy()
+    )

@@ -40,7 +40,8 @@ struct DotCache<Fp8E4M3> {
 
 // score_rows for a cache vdpbf16ps reads, the query rows given as bf16 pairs (`words`: head_dim / 2 per row; head_dim
 // a multiple of 32): vdpbf16ps multiplies a key's bf16 pairs with them and sums in fp32, so a key is not widened
-// to fp32 first. A scaled cache's scores are multiplied by each key's scale() / kQuery.
+// to fp32 first. A scaled cache's scores are the codes' products summed: the caller multiplies them by each key's
+// scale() / kQuery (scale_by_rows).
 template <int ROWS, class Cache, class Ahead>
 static inline void score_rows_dot(const uint32_t* words, int64_t head_dim, const Cache* const* keys, int64_t num_keys,
                                   float* scores, Ahead& ahead) {
@@ -59,12 +60,6 @@ static inline void score_rows_dot(const uint32_t* words, int64_t head_dim, const
       }
     }
     for (int r = 0; r < ROWS; ++r) Vec::hsum4_store(acc[r][0], acc[r][1], acc[r][2], acc[r][3], scores + r * kKeySpan + j);
-    if constexpr (KvElement<Cache>::kScaled) {
-      for (int c = 0; c < 4; ++c) {
-        const float scale = KvElement<Cache>::scale(keys[j + c], head_dim) / DotCache<Cache>::kQuery;
-        for (int r = 0; r < ROWS; ++r) scores[r * kKeySpan + j + c] *= scale;
-      }
-    }
   }
 }
 

@@ -19,6 +19,21 @@ static inline void score_head_rows(const HeadRows& head, int64_t r, int64_t dim,
   }
 }
 
+// A scaled cache's scores (or probabilities) of rows [first_row, rows) for a span's keys times each key's row scale()
+// (of `of`: the keys' rows, or the values') and `factor`: each scale read once for all rows.
+template <class Cache>
+static inline void scale_by_rows(const Cache* const* of, int64_t num_keys, int64_t dim, float factor,
+                                 int64_t first_row, int64_t rows, float* scores) {
+  alignas(64) float scales[kKeySpan];
+  for (int64_t j = 0; j < num_keys; ++j) scales[j] = KvElement<Cache>::scale(of[j], dim) * factor;
+  const int64_t full = num_keys - num_keys % W;
+  for (int64_t r = first_row; r < rows; ++r) {
+    float* row = scores + r * kKeySpan;
+    for (int64_t j = 0; j < full; j += W) Vec::store(row + j, Vec::mul(Vec::load(row + j), Vec::load(scales + j)));
+    for (int64_t j = full; j < num_keys; ++j) row[j] *= scales[j];
+  }
+}
+
 // Softmax and values of one span for ROWS consecutive rows (from row r) of one kv head, and their scores
 // unless by_slot (score_span_by_slot scored them) or `scored` (score_span_in_lanes did). Values: with kDot &&
 // by_slot, values_span_by_slot sums them; other by_slot tiles ask while summing, one-head tiles (prefills, long
@@ -29,7 +44,12 @@ static inline void attend_rows(const AttentionTile<Cache>& t, const HeadRows& he
                                const Cache* const* values, float* scores, Ahead& ahead, bool scored = false) {
   const int64_t dim = t.head_dim;
   if constexpr (!by_slot) {
-    if (!scored) score_head_rows<ROWS, kDot>(head, r, dim, keys, padded_keys, scores, ahead);
+    if (!scored) {
+      score_head_rows<ROWS, kDot>(head, r, dim, keys, padded_keys, scores, ahead);
+      if constexpr (kDot && KvElement<Cache>::kScaled) {
+        scale_by_rows(keys, span_keys, dim, 1.0f / DotCache<Cache>::kQuery, r, r + ROWS, scores);
+      }
+    }
   }
   int64_t visible[ROWS];
   const int64_t most_visible = visible_keys(t, r, ROWS, span, span_keys, visible);
@@ -78,21 +98,6 @@ static inline void score_span_by_slot(const AttentionTile<Cache>& t, const HeadR
       if (rows - r == 2) score_head_rows<2, kDot>(heads[h], r, dim, keys, 4, head_scores, ahead);
       if (rows - r == 1) score_head_rows<1, kDot>(heads[h], r, dim, keys, 4, head_scores, ahead);
     }
-  }
-}
-
-// A scaled cache's scores (or probabilities) of rows [first_row, rows) for a span's keys times each key's row scale()
-// (of `of`: the keys' rows, or the values') and `factor`: each scale read once for all rows.
-template <class Cache>
-static inline void scale_by_rows(const Cache* const* of, int64_t num_keys, int64_t dim, float factor,
-                                 int64_t first_row, int64_t rows, float* scores) {
-  alignas(64) float scales[kKeySpan];
-  for (int64_t j = 0; j < num_keys; ++j) scales[j] = KvElement<Cache>::scale(of[j], dim) * factor;
-  const int64_t full = num_keys - num_keys % W;
-  for (int64_t r = first_row; r < rows; ++r) {
-    float* row = scores + r * kKeySpan;
-    for (int64_t j = 0; j < full; j += W) Vec::store(row + j, Vec::mul(Vec::load(row + j), Vec::load(scales + j)));
-    for (int64_t j = full; j < num_keys; ++j) row[j] *= scales[j];
   }
 }
 
@@ -221,6 +226,13 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
     if constexpr (by_slot) {
       for (int64_t j = span_keys; j < padded_keys; ++j) slot_offsets[j] = slot_offsets[0];
       score_span_by_slot<kDot>(t, heads, slot_offsets, padded_keys, first_row, rows, scores, ahead);
+      if constexpr (kDot && KvElement<Cache>::kScaled) {  // the codes' products summed: times the keys' scales
+        for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
+          for (int64_t j = 0; j < span_keys; ++j) keys[j] = t.key_cache + slot_offsets[j] + h * row;
+          scale_by_rows(keys, span_keys, dim, 1.0f / DotCache<Cache>::kQuery, first_row, rows,
+                        scores + h * rows * kKeySpan);
+        }
+      }
     }
     for (int64_t h = 0; h < t.num_tile_kv_heads; ++h) {
       float* head_scores = by_slot ? scores + h * rows * kKeySpan : scores;

@@ -168,6 +168,17 @@ static inline void transpose_16x16(__m512i r[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
+// rows[0..num_keys) (of a cache DotCache reads; head_dim a multiple of 32) as bf16 words, head_dim apart from `out`:
+// a prompt's span of values decoded once for all its rows.
+template <class Cache>
+static inline void rows_as_words(const Cache* const* rows, int64_t num_keys, int64_t head_dim, Bf16* out) {
+  for (int64_t j = 0; j < num_keys; ++j) {
+    for (int64_t d = 0; d < head_dim; d += 32) {
+      _mm512_storeu_si512(out + j * head_dim + d, DotCache<Cache>::words(rows[j] + d));
+    }
+  }
+}
+
 // Keys in lanes: kt[w * kKeySpan + j] = word w (the bf16 pair of dims 2w, 2w + 1) of key j, for num_keys keys (a
 // multiple of 16; head_dim a multiple of 32), so that one vdpbf16ps scores 16 keys for a row against its
 // broadcast query word, with no horizontal sum. Rewritten once per span, shared by all the rows of a prefill tile.
@@ -184,10 +195,11 @@ static inline void keys_in_lanes(const Cache* const* keys, int64_t num_keys, int
 }
 
 // scores[r * kKeySpan + j0 + j] = q_r . k_(j0 + j) for ROWS rows (bf16 words, row_words each) and 16 * VECS keys in
-// lanes (kt); ahead() is called as often as score_rows_dot calls it for as many rows and keys.
+// lanes (kt), times key_scales[j0 + j] where given (a scaled cache's: its codes' products summed); ahead() is called
+// as often as score_rows_dot calls it for as many rows and keys.
 template <int ROWS, int VECS, class Ahead>
 static inline void score_rows_in_lanes(const uint32_t* words, int64_t row_words, const uint32_t* kt, int64_t j0,
-                                       float* scores, Ahead& ahead) {
+                                       const float* key_scales, float* scores, Ahead& ahead) {
   for (int i = 0; i < (ROWS + 2) / 3 * 4 * VECS; ++i) ahead();
   __m512 acc[ROWS][VECS];
 #pragma GCC unroll 16
@@ -204,6 +216,14 @@ static inline void score_rows_in_lanes(const uint32_t* words, int64_t row_words,
       for (int c = 0; c < VECS; ++c) acc[r][c] = dot_broadcast(acc[r][c], k[c], &words[r * row_words + w]);
     }
   }
+  if (key_scales != nullptr) {
+#pragma GCC unroll 4
+    for (int c = 0; c < VECS; ++c) {
+      const reg scale = Vec::load(key_scales + j0 + 16 * c);
+#pragma GCC unroll 16
+      for (int r = 0; r < ROWS; ++r) acc[r][c] = Vec::mul(acc[r][c], scale);
+    }
+  }
 #pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r)
 #pragma GCC unroll 4
@@ -212,22 +232,24 @@ static inline void score_rows_in_lanes(const uint32_t* words, int64_t row_words,
 
 template <int ROWS, class Ahead>
 static inline void score_block_in_lanes(const uint32_t* words, int64_t row_words, const uint32_t* kt, int64_t num_keys,
-                                        float* scores, Ahead& ahead) {
+                                        const float* key_scales, float* scores, Ahead& ahead) {
   int64_t j = 0;
-  for (; j + 64 <= num_keys; j += 64) score_rows_in_lanes<ROWS, 4>(words, row_words, kt, j, scores, ahead);
-  if (num_keys - j >= 32) score_rows_in_lanes<ROWS, 2>(words, row_words, kt, j, scores, ahead), j += 32;
-  if (num_keys - j >= 16) score_rows_in_lanes<ROWS, 1>(words, row_words, kt, j, scores, ahead);
+  for (; j + 64 <= num_keys; j += 64) score_rows_in_lanes<ROWS, 4>(words, row_words, kt, j, key_scales, scores, ahead);
+  if (num_keys - j >= 32) score_rows_in_lanes<ROWS, 2>(words, row_words, kt, j, key_scales, scores, ahead), j += 32;
+  if (num_keys - j >= 16) score_rows_in_lanes<ROWS, 1>(words, row_words, kt, j, key_scales, scores, ahead);
 }
 
 // The scores of rows [first_row, rows) of one kv head (its queries as bf16 words, dim / 2 per row) for num_keys
-// keys in lanes (a multiple of 16), 6 rows at a time: 24 accumulators, each 16-key load of kt feeding 6 vdpbf16ps.
+// keys in lanes (a multiple of 16), 6 rows at a time: 24 accumulators, each 16-key load of kt feeding 6 vdpbf16ps;
+// times key_scales[j] where given (a scaled cache's).
 template <class Ahead>
 static inline void score_span_in_lanes(const uint32_t* words, int64_t first_row, int64_t rows, int64_t dim,
-                                       const uint32_t* kt, int64_t num_keys, float* scores, Ahead& ahead) {
+                                       const uint32_t* kt, int64_t num_keys, float* scores, Ahead& ahead,
+                                       const float* key_scales = nullptr) {
   const int64_t row_words = dim / 2;
   for (int64_t r = first_row; r < rows; r += 6) {
     with_rows<6>(static_cast<int>(rows - r < 6 ? rows - r : 6), [&](auto count) {
-      score_block_in_lanes<decltype(count)::value>(words + r * row_words, row_words, kt, num_keys,
+      score_block_in_lanes<decltype(count)::value>(words + r * row_words, row_words, kt, num_keys, key_scales,
                                                    scores + r * kKeySpan, ahead);
     });
   }
@@ -266,7 +288,9 @@ void accumulate_values_by_slot(float* const* accs, const float* const* probs, co
 void store_unpermuted(const float* acc, float scale, int64_t head_dim, float* dst);
 template <class Cache>
 void keys_in_lanes(const Cache* const* keys, int64_t num_keys, int64_t head_dim, uint32_t* kt);
+template <class Cache>
+void rows_as_words(const Cache* const* rows, int64_t num_keys, int64_t head_dim, Bf16* out);
 template <class Ahead>
 void score_span_in_lanes(const uint32_t* words, int64_t first_row, int64_t rows, int64_t dim, const uint32_t* kt,
-                         int64_t num_keys, float* scores, Ahead& ahead);
+                         int64_t num_keys, float* scores, Ahead& ahead, const float* key_scales = nullptr);
 #endif

@@ -31,23 +31,27 @@ static inline void score_rows(const float* q, int64_t head_dim, const Cache* con
   }
 }
 
-// A scaled cache's probabilities probs_r[j] (ROWS rows, kKeySpan apart) times value j's row scale (and `factor`), so
-// that they weigh its loaded codes: each scale read once for all rows.
-template <int ROWS, class Cache>
-static inline void fold_value_scales(float* probs, const Cache* const* values, int64_t num_keys, int64_t head_dim,
-                                     float factor = 1.0f) {
-  float scales[kKeySpan];
-  for (int64_t j = 0; j < num_keys; ++j) scales[j] = KvElement<Cache>::scale(values[j], head_dim) * factor;
+// scales[j] = the scale of a scaled cache's row of[j] (a key's or a value's) times `factor`, for j < num_keys.
+template <class Cache>
+static inline void row_scales(const Cache* const* of, int64_t num_keys, int64_t head_dim, float factor, float* scales) {
+  for (int64_t j = 0; j < num_keys; ++j) scales[j] = KvElement<Cache>::scale(of[j], head_dim) * factor;
+}
+
+// Rows [first_row, rows) of a span's scores or probabilities (kKeySpan apart) times scales[j], for j < num_keys: a
+// scaled cache's scores (its codes' products summed) times its keys' scales, or its probabilities times its values'
+// scales, so that they weigh its loaded codes.
+static inline void times_row_scales(const float* scales, int64_t num_keys, int64_t first_row, int64_t rows,
+                                    float* scores) {
   const int64_t full = num_keys - num_keys % W;
-  for (int r = 0; r < ROWS; ++r) {
-    float* row = probs + r * kKeySpan;
+  for (int64_t r = first_row; r < rows; ++r) {
+    float* row = scores + r * kKeySpan;
     for (int64_t j = 0; j < full; j += W) Vec::store(row + j, Vec::mul(Vec::load(row + j), Vec::load(scales + j)));
     for (int64_t j = full; j < num_keys; ++j) row[j] *= scales[j];
   }
 }
 
 // acc_r[0..head_dim) += sum_j probs_r[j] * values[j] for ROWS rows at once: each value vector is loaded
-// once for all rows (a scaled cache's probabilities folded with its value scales first: fold_value_scales).
+// once for all rows (a scaled cache's probabilities folded with its value scales first: times_row_scales).
 // CHUNK vectors of the head per pass keep ROWS * CHUNK accumulators in registers.
 // ahead() is called once per 4 keys of a pass.
 template <int ROWS>

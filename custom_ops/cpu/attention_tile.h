@@ -265,9 +265,7 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
 #endif
           alignas(64) float key_scales[kKeySpan];  // a scaled cache's: its codes' products times the keys' scales
           if constexpr (KvElement<Cache>::kScaled) {
-            for (int64_t j = 0; j < lane_keys; ++j) {
-              key_scales[j] = KvElement<Cache>::scale(keys[j], dim) / DotCache<Cache>::kQuery;
-            }
+            row_scales(keys, lane_keys, dim, 1.0f / DotCache<Cache>::kQuery, key_scales);
           }
           score_span_in_lanes(reinterpret_cast<const uint32_t*>(heads[h].q), first_row, rows, dim, keys_by_lane,
                               lane_keys, head_scores, ahead, KvElement<Cache>::kScaled ? key_scales : nullptr);

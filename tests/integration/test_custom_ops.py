@@ -674,6 +674,46 @@ def test_an_8bit_cache_holds_the_reference_encoding_of_each_row_and_attention_re
         np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("step", [mixed_step, short_decode_step])
+def test_an_fp8_cache_of_rows_orders_of_magnitude_apart_keeps_the_bf16_dots_bound(custom, step):
+    """fp8 on vdpbf16ps: its codes decode to 2^-120 times their values, and the query rows and the values' weights
+    carry 2^64 so that no product that counts is a denormal (read as zero), nor a weight too large for bf16
+    (attention_bf16_dot.h: DotCache<Fp8E4M3>). Rows whose magnitudes lie ten orders apart (1e-6 to 1e4) and queries
+    four orders apart stay within the bf16 dot's bound of the attention over the rows as it reads them. A product of a
+    weight and a value under 2^-126 (2^-70 of the output's units, after the 2^56 the sums carry) is flushed: the only
+    absolute slack is 320 keys' worth of those (2^-61.7); a product that counts flushed to zero, or a weight gone to
+    infinity, breaks it."""
+    if not custom.isa.bf16:
+        pytest.skip("fp8 is read by vdpbf16ps only with AVX512-BF16; elsewhere its codes are widened to fp32")
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    rng = np.random.default_rng(41)
+    num_blocks = 2 * (-(-320 // block_size)) * 8 + 1
+    config = attention_config(num_heads, num_kv_heads, head_dim, MAX_POSITIONS)
+    rotary = RotaryEmbedding(config.rope, head_dim, MAX_POSITIONS)
+    inputs = step(rng, block_size, num_blocks)
+    shape = (2, num_blocks, block_size, num_kv_heads)
+    magnitudes = np.float32(10.0) ** rng.uniform(-6, 4, shape + (1,)).astype(np.float32)
+    rows = encode_rows(rng.standard_normal(shape + (head_dim,), dtype=np.float32) * magnitudes, "fp8_e4m3")
+    qkv = rng.standard_normal((len(inputs.positions), (num_heads + 2 * num_kv_heads) * head_dim), dtype=np.float32)
+    qkv *= np.float32(10.0) ** rng.uniform(-2, 2, (len(inputs.positions), 1)).astype(np.float32)
+    attention = custom.attention(config, block_size, rotary)
+    metadata = attention.prepare(inputs)
+    caches = [eight_bit_tensor(rows[0], "fp8_e4m3"), eight_bit_tensor(rows[1], "fp8_e4m3")]
+    output = attention.attend_qkv(tensor(qkv), *caches, metadata).numpy()
+
+    float_caches = [tensor(decode_rows(rows[0], "fp8_e4m3")), tensor(decode_rows(rows[1], "fp8_e4m3"))]
+    query = bf16_dot_query(
+        write_float_caches(custom, qkv, metadata, rotary, float_caches, num_heads, num_kv_heads), head_dim
+    )
+    decoded = [tensor(dot_fp8_decoded(eight_bit_rows(cache))) for cache in caches]
+    backend = PagedAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
+    batch = backend.prepare(inputs)
+    expected = backend.attend(query, *decoded, batch).numpy()
+    weighted_magnitude = backend.attend(query, decoded[0], decoded[1].abs(), batch).numpy()
+    bound = 2.0**-8 * weighted_magnitude + 1e-4 * np.abs(expected) + 2.0**-61
+    assert np.all(np.abs(output - expected) <= bound), np.max(np.abs(output - expected) / bound)
+
+
 WINDOWS_AND_CAPS = [(1, None), (7, None), (64, None), (None, 30.0), (7, 2.0), (64, 50.0)]
 WINDOWED_GEOMETRY = (8, 2, 32, 16)  # num_heads, num_kv_heads, head_dim, block_size
 

@@ -83,10 +83,6 @@ def measure(time_linear: TimeLinear, shapes: list[tuple[int, int]], rounds: int 
     return {dtype: statistics.median(times) for dtype, times in passes.items()}
 
 
-def cache_key(kernels: Kernels, shapes: list[tuple[int, int]]) -> str:
-    return machine_key(kernels, shapes)
-
-
 def measured_dtype(
     kernels: Kernels,
     config: ModelConfig,
@@ -96,7 +92,7 @@ def measured_dtype(
     """The dtype `auto` serves `config` in on these custom kernels, from the cache or measured now (and cached)."""
     shapes = layer_shapes(config)
     cache_path = cache_path or default_cache_path()
-    key = cache_key(kernels, shapes)
+    key = machine_key(kernels, shapes)
     cached = read_cache(cache_path).get(key)
     if isinstance(cached, dict) and set(cached) == set(CANDIDATES):
         seconds = {dtype: float(cached[dtype]) for dtype in CANDIDATES}

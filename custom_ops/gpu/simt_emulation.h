@@ -1,17 +1,21 @@
 // A CPU emulation of the CUDA subset in simt.cuh, for tests on machines without a GPU.
 //
-// A launch runs the grid's blocks one after another; the threads of a block are OpenMP threads,
-// so __syncthreads() is a real barrier and shared memory is one buffer the block's threads share.
-// Warp reductions go through a per-block array between two barriers, which is why they must be
-// reached by the whole block. Types: __nv_bfloat16 and __half are 16-bit patterns with
-// CUDA's round-to-nearest-even conversions. Built with -fopenmp (never by nvcc).
+// A launch runs the grid's blocks one after another; the threads of a block are fibers (ucontext) on
+// the calling thread, taking turns: each runs until it reaches __syncthreads() or returns, and a
+// round of turns ends only when every thread of the block has, so __syncthreads() is a barrier.
+// Shared memory is one buffer the block's threads share. Warp reductions go through a per-block
+// array between two barriers, which is why they must be reached by the whole block. (OpenMP threads
+// before: on a 2-core machine, the barriers of 128-thread blocks spent their time switching threads,
+// and the kernels' own arithmetic was under 1% of a check's profile.) Types: __nv_bfloat16 and __half
+// are 16-bit patterns with CUDA's round-to-nearest-even conversions. Never built by nvcc.
 #pragma once
 
-#include <omp.h>
+#include <ucontext.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #define __global__
@@ -97,11 +101,8 @@ using Status = int;
 using Stream = void*;
 constexpr Status kSuccess = 0;
 constexpr Status kInvalidArgument = 1;
-constexpr Status kTooFewThreads = 2;
 
-inline const char* status_text(Status status) {
-  return status == kSuccess ? "success" : status == kInvalidArgument ? "invalid argument" : "too few threads";
-}
+inline const char* status_text(Status status) { return status == kSuccess ? "success" : "invalid argument"; }
 
 namespace emu {
 
@@ -109,7 +110,7 @@ struct Index3 {
   unsigned x, y, z;
 };
 
-inline thread_local Index3 thread_index;
+inline Index3 thread_index;  // the running fiber's
 inline Index3 block_index, block_dim, grid_dim;
 
 struct BlockMemory {
@@ -121,6 +122,59 @@ inline BlockMemory block_memory;
 inline unsigned char* shared_memory() { return block_memory.shared; }
 
 inline Status last_status = kSuccess;
+
+// The block's threads as fibers: each with its own stack, run in turns from `scheduler`.
+struct Fibers {
+  static constexpr size_t kStackBytes = 64 * 1024;
+  struct Fiber {
+    ucontext_t context;
+    bool done;
+  };
+  ucontext_t scheduler;
+  std::vector<Fiber> fibers;
+  std::unique_ptr<char[]> stacks;  // left uninitialized: only the pages a fiber touches are mapped
+  size_t stack_count = 0;
+  int running = 0;
+  void (*body)(void*) = nullptr;  // the kernel's call, the same for every thread of the launch
+  void* call = nullptr;
+};
+inline Fibers fibers;
+
+inline void fiber_entry() {
+  fibers.body(fibers.call);
+  fibers.fibers[fibers.running].done = true;  // returning resumes the scheduler (uc_link)
+}
+
+// Back to the scheduler until every thread of the block has reached a barrier or returned.
+inline void yield_to_block() { swapcontext(&fibers.fibers[fibers.running].context, &fibers.scheduler); }
+
+// One block: every thread from its start, in turns from one barrier to the next, until all have returned.
+inline void run_block(int threads) {
+  if (fibers.stack_count < static_cast<size_t>(threads)) {
+    fibers.stacks.reset(new char[threads * Fibers::kStackBytes]);
+    fibers.stack_count = threads;
+  }
+  fibers.fibers.resize(threads);
+  for (int i = 0; i < threads; ++i) {
+    Fibers::Fiber& fiber = fibers.fibers[i];
+    getcontext(&fiber.context);
+    fiber.context.uc_stack.ss_sp = fibers.stacks.get() + i * Fibers::kStackBytes;
+    fiber.context.uc_stack.ss_size = Fibers::kStackBytes;
+    fiber.context.uc_link = &fibers.scheduler;
+    fiber.done = false;
+    makecontext(&fiber.context, fiber_entry, 0);
+  }
+  for (bool waiting = true; waiting;) {  // one round: each thread that has not returned, to its next barrier
+    waiting = false;
+    for (int i = 0; i < threads; ++i) {
+      if (fibers.fibers[i].done) continue;
+      fibers.running = i;
+      thread_index = {static_cast<unsigned>(i), 0, 0};
+      swapcontext(&fibers.scheduler, &fibers.fibers[i].context);
+      waiting = waiting || !fibers.fibers[i].done;
+    }
+  }
+}
 
 // Runs kernel(args...) for every block of `grid`, each with `block.x` threads.
 template <class Kernel, class... Args>
@@ -135,23 +189,14 @@ Status launch(Kernel kernel, dim3 grid, dim3 block, size_t shared_bytes, Args...
   block_memory = {shared.front().bytes, lanes.data()};
   block_dim = {block.x, 1, 1};
   grid_dim = {grid.x, grid.y, grid.z};
-  omp_set_dynamic(0);
-  bool short_of_threads = false;
+  auto call = [&] { kernel(args...); };
+  fibers.body = [](void* of) { (*static_cast<decltype(call)*>(of))(); };
+  fibers.call = &call;
   for (unsigned z = 0; z < grid.z; ++z) {
     for (unsigned y = 0; y < grid.y; ++y) {
       for (unsigned x = 0; x < grid.x; ++x) {
         block_index = {x, y, z};
-#pragma omp parallel num_threads(threads)
-        {
-          if (omp_get_num_threads() != threads) {
-#pragma omp single
-            short_of_threads = true;
-          } else {
-            thread_index = {static_cast<unsigned>(omp_get_thread_num()), 0, 0};
-            kernel(args...);
-          }
-        }
-        if (short_of_threads) return last_status = kTooFewThreads;
+        run_block(threads);
       }
     }
   }
@@ -173,9 +218,7 @@ Status allow_shared_memory(Kernel, size_t) {
   return kSuccess;
 }
 
-inline void __syncthreads_emulated() {
-#pragma omp barrier
-}
+inline void __syncthreads_emulated() { emu::yield_to_block(); }
 
 // A warp's butterfly reduction: every lane publishes its value, then each replays the 32-lane
 // butterfly of its warp in CUDA's order (round by round, value op partner), so all lanes end with

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GPU_SOURCES = ROOT / "custom_ops" / "gpu"
 ENTRY_POINTS = GPU_SOURCES / "kernel_api.cu"
 NVCC_FLAGS = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-shared", "-lineinfo", "-ftz=false"]  # as cuda_build's
-EMULATION_FLAGS = ["-x", "c++", "-std=c++17", "-O2", "-fopenmp", "-fPIC", "-shared", "-fno-strict-aliasing"]
+EMULATION_FLAGS = ["-x", "c++", "-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing"]
 EMULATION_FLAGS += ["-Wno-unknown-pragmas"]  # #pragma unroll is for nvcc
 EMULATION_FLAGS += ["-ffp-contract=off"]  # a * b + c rounds twice, as the kernels' __fmul_rn/__fadd_rn do on a GPU
 PLAN_FIELDS = ("query_tile", "split_keys", "max_splits", "workspace_floats", "shared_bytes")

@@ -25,6 +25,19 @@ def custom_ops_built():
         pass  # the fallback's own tests say what a worker does then
 
 
+@pytest.fixture(scope="session")
+def emulated_kernels(tmp_path_factory) -> Path:
+    """kernel_api.cu built once by the host compiler with the SIMT emulation (tests/gpu/kernel_library.py), for
+    the emulated kernel checks and the GPU harness's dry run."""
+    import shutil
+
+    from tests.gpu.kernel_library import build_emulated_library
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ to build the emulated kernels")
+    return build_emulated_library(tmp_path_factory.mktemp("emulated_kernels"))
+
+
 @pytest.fixture(scope="module")
 def stack():
     """A scripted scheduler and the real api app in front of it, shared by a test module."""

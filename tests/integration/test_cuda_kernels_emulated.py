@@ -5,20 +5,16 @@ show (memory coalescing, speed, races the barrier hides) needs the GPU harness."
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from tests.gpu.kernel_checks import CHECKS
-from tests.gpu.kernel_library import HostArrays, KernelLibrary, build_emulated_library
+from tests.gpu.kernel_library import HostArrays, KernelLibrary
 from tests.support.kernel_reference import DTYPES
 
 
 @pytest.fixture(scope="module")
-def emulated(tmp_path_factory) -> KernelLibrary:
-    if shutil.which("g++") is None:
-        pytest.skip("no g++ to build the emulated kernels")
-    return KernelLibrary(build_emulated_library(tmp_path_factory.mktemp("emulated_kernels")), HostArrays())
+def emulated(emulated_kernels) -> KernelLibrary:
+    return KernelLibrary(emulated_kernels, HostArrays())
 
 
 # Every check under every activation dtype, as the GPU harness runs them (24 of these 54 cases ran under bf16 only

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import shutil
 import sys
 import time
 import types
@@ -18,7 +17,6 @@ import tests.gpu.bench_kernels as bench
 import tests.gpu.check_kernels as check_kernels
 import tests.gpu.gpu_library as gpu_library_module
 from tests.gpu.kernel_checks import GPU_ONLY_CHECKS, check_rope_write_kv, check_silu_and_mul, for_kv_cache
-from tests.gpu.kernel_library import build_emulated_library
 
 
 class HostBackedArray(np.ndarray):
@@ -84,13 +82,10 @@ def fake_cupy() -> types.ModuleType:
 
 
 @pytest.fixture
-def stand_in_gpu(monkeypatch, tmp_path):
-    if shutil.which("g++") is None:
-        pytest.skip("no g++ to build the emulated kernels")
-    emulated = build_emulated_library(tmp_path / "build")
+def stand_in_gpu(monkeypatch, emulated_kernels):
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
     monkeypatch.setattr(gpu_library_module, "find_nvcc", lambda: "nvcc")
-    monkeypatch.setattr(gpu_library_module, "build_cuda_library", lambda build_dir, nvcc, arch: emulated)
+    monkeypatch.setattr(gpu_library_module, "build_cuda_library", lambda build_dir, nvcc, arch: emulated_kernels)
 
 
 def test_the_kernel_checks_run_and_report_each_check_and_dtype(stand_in_gpu, monkeypatch, capsys):

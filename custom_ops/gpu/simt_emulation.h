@@ -10,12 +10,13 @@
 // are 16-bit patterns with CUDA's round-to-nearest-even conversions. Never built by nvcc.
 #pragma once
 
+#include <sys/mman.h>
 #include <ucontext.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #define __global__
@@ -125,14 +126,16 @@ inline Status last_status = kSuccess;
 
 // The block's threads as fibers: each with its own stack, run in turns from `scheduler`.
 struct Fibers {
-  static constexpr size_t kStackBytes = 64 * 1024;
+  // Each fiber's stack, its lowest page a guard: a kernel that overflows its stack faults instead of writing over
+  // the next fiber's. Mapped once for the most threads a launch has had; only the pages a fiber touches are backed.
+  static constexpr size_t kStackBytes = 256 * 1024, kGuardBytes = 4096;
   struct Fiber {
     ucontext_t context;
     bool done;
   };
   ucontext_t scheduler;
   std::vector<Fiber> fibers;
-  std::unique_ptr<char[]> stacks;  // left uninitialized: only the pages a fiber touches are mapped
+  char* stacks = nullptr;
   size_t stack_count = 0;
   int running = 0;
   void (*body)(void*) = nullptr;  // the kernel's call, the same for every thread of the launch
@@ -151,14 +154,19 @@ inline void yield_to_block() { swapcontext(&fibers.fibers[fibers.running].contex
 // One block: every thread from its start, in turns from one barrier to the next, until all have returned.
 inline void run_block(int threads) {
   if (fibers.stack_count < static_cast<size_t>(threads)) {
-    fibers.stacks.reset(new char[threads * Fibers::kStackBytes]);
+    if (fibers.stacks != nullptr) munmap(fibers.stacks, fibers.stack_count * Fibers::kStackBytes);
+    void* mapped = mmap(nullptr, threads * Fibers::kStackBytes, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (mapped == MAP_FAILED) std::abort();
+    fibers.stacks = static_cast<char*>(mapped);
     fibers.stack_count = threads;
+    for (int i = 0; i < threads; ++i) mprotect(fibers.stacks + i * Fibers::kStackBytes, Fibers::kGuardBytes, PROT_NONE);
   }
   fibers.fibers.resize(threads);
   for (int i = 0; i < threads; ++i) {
     Fibers::Fiber& fiber = fibers.fibers[i];
     getcontext(&fiber.context);
-    fiber.context.uc_stack.ss_sp = fibers.stacks.get() + i * Fibers::kStackBytes;
+    fiber.context.uc_stack.ss_sp = fibers.stacks + i * Fibers::kStackBytes;
     fiber.context.uc_stack.ss_size = Fibers::kStackBytes;
     fiber.context.uc_link = &fibers.scheduler;
     fiber.done = false;

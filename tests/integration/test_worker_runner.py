@@ -266,8 +266,9 @@ def test_a_decode_of_many_sequences_writes_its_keys_inside_the_attention_and_com
     caches = runner.kv_cache.key_caches + runner.kv_cache.value_caches
     rope_stage, attention_stage = STACK_STAGES.index("rope + KV write"), STACK_STAGES.index("attention")
 
-    def run() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The prompts' and decodes' logits, and the decodes' stage seconds (fused) from empty caches."""
+    def run() -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        """The prompts' and decodes' logits, the prompts' stage seconds and each decode step's (fused), from empty
+        caches."""
         for cache in caches:
             cache.zero_()
         states = [
@@ -283,8 +284,12 @@ def test_a_decode_of_many_sequences_writes_its_keys_inside_the_attention_and_com
         ]
         logits = [batch_step_logits(runner, [(s, s.num_prompt_tokens) for s in states])]
         after_prompts = stack.stage_seconds.copy()
-        logits += [batch_step_logits(runner, [(s, 1) for s in states]) for _ in range(decodes)]
-        return np.concatenate(logits), after_prompts, stack.stage_seconds - after_prompts
+        decode_steps, before = [], after_prompts
+        for _ in range(decodes):
+            logits.append(batch_step_logits(runner, [(s, 1) for s in states]))
+            decode_steps.append(stack.stage_seconds - before)
+            before = stack.stage_seconds.copy()
+        return np.concatenate(logits), after_prompts, decode_steps
 
     fused, prompt_seconds, decode_seconds = run()
     fused_caches = [c.numpy().copy() for c in caches]
@@ -292,7 +297,9 @@ def test_a_decode_of_many_sequences_writes_its_keys_inside_the_attention_and_com
     single_ops, _, _ = run()
 
     assert prompt_seconds[rope_stage] > 0.01 * prompt_seconds[attention_stage]  # prompts: a stage of its own
-    assert decode_seconds[rope_stage] < 0.01 * decode_seconds[attention_stage]  # decodes: inside the attention
+    # Decodes: inside the attention, the stage two clock reads apart. Its least share over the decode steps: one
+    # step's share can be a hiccup of the host (a full suite once measured 58 us against 1.7 ms of attention).
+    assert min(step[rope_stage] / step[attention_stage] for step in decode_seconds) < 0.01, decode_seconds
     np.testing.assert_array_equal(fused, single_ops)
     for fused_cache, single_ops_cache in zip(fused_caches, caches, strict=True):
         np.testing.assert_array_equal(fused_cache, single_ops_cache.numpy())

@@ -250,7 +250,7 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
       }
       bool scored = false;  // every row's scores of the span computed at once, keys in lanes
       const Bf16* value_words[kKeySpan];  // a scaled cache's values of the span as bf16 words (rows_as_words)
-      bool decoded = false;
+      const Bf16* const* decoded = nullptr;  // value_words once they hold the span
       if constexpr (kDot && !by_slot) {
         if (t.num_queries > 1) {  // a decode's 3 rows would not pay for rewriting the keys
           const int64_t lane_keys = (span_keys + 15) / 16 * 16;
@@ -276,7 +276,7 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
             Bf16* words = reinterpret_cast<Bf16*>(keys_by_lane);
             rows_as_words(values, span_keys, dim, words);
             for (int64_t j = 0; j < span_keys; ++j) value_words[j] = words + j * dim;
-            decoded = true;
+            decoded = value_words;
           }
           scored = true;
         }
@@ -306,15 +306,15 @@ static void attend_tile_with(const AttentionTile<Cache>& t) {
       int64_t r = first_row;
       for (; r + 3 <= rows; r += 3) {
         attend_rows<3, kDot, by_slot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, value_scales,
-                                      head_scores, ahead, scored, decoded ? value_words : nullptr);
+                                      head_scores, ahead, scored, decoded);
       }
       if (rows - r == 2) {
         attend_rows<2, kDot, by_slot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, value_scales,
-                                      head_scores, ahead, scored, decoded ? value_words : nullptr);
+                                      head_scores, ahead, scored, decoded);
       }
       if (rows - r == 1) {
         attend_rows<1, kDot, by_slot>(t, heads[h], r, span, span_keys, padded_keys, keys, values, value_scales,
-                                      head_scores, ahead, scored, decoded ? value_words : nullptr);
+                                      head_scores, ahead, scored, decoded);
       }
     }
     if constexpr (kDot && by_slot) {

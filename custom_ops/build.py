@@ -7,6 +7,7 @@ Docker image prebuilds and installs the same extension).
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 EXTENSION_NAME = "blockserve_ops"
@@ -41,6 +42,12 @@ _ONEDNN_CXX, _ONEDNN_INCLUDE, _ONEDNN_LD = onednn_flags()
 # Baseline x86-64 code only: AVX2/FMA and AVX-512 live in functions with target attributes
 # (see cpu/cpu_isa.h) chosen at run time, so no "build for this machine" arch flag and no global -mavx*.
 CXX_FLAGS = ["-O3", "-fopenmp", "-std=c++17", *_ONEDNN_CXX]
+# Tests only (tests/integration/test_amx_emulated.py): with BLOCKSERVE_TEST_AMX_EMULATION=1 the AMX tile
+# instructions are emulated in C++ (cpu/amx_emulation.h), so that the AMX kernel set runs, slowly, on a CPU without
+# AMX. Its own flags give it its own build folder (source_hash); a served build never sets it.
+AMX_EMULATION_VARIABLE = "BLOCKSERVE_TEST_AMX_EMULATION"
+if os.environ.get(AMX_EMULATION_VARIABLE) == "1":
+    CXX_FLAGS.append("-DBS_AMX_EMULATION")
 # Extra headers and libraries: every build path reads these lists.
 EXTRA_INCLUDE_DIRS: list[str] = [str(SOURCE_DIR), *_ONEDNN_INCLUDE]
 EXTRA_LDFLAGS: list[str] = ["-fopenmp", *_ONEDNN_LD]

@@ -1,7 +1,7 @@
 // AMX tiles for the GEMM micro-kernels of linear_amx_bf16.h and linear_amx_int8.h and the prefill attention of
 // attention_amx.h: the tile configuration (ldtilecfg's 64-byte palette 1) and the tile instructions as inline
-// assembly. Included inside an AMX region (linear_gemm.cc, kernels_amx.cc); no include guard, nothing from the
-// standard library.
+// assembly, or, in the tests' build with BS_AMX_EMULATION, as amx_emulation.h's C++. Included inside an AMX region
+// (linear_gemm.cc, kernels_amx.cc); no include guard, nothing from the standard library.
 //
 // GCC's own intrinsics (amxtileintrin.h) tell the compiler neither that tileloadd reads memory nor that
 // tilestored writes it, and _tile_loadconfig reads its 64 bytes through an 8-byte operand: stores to a buffer
@@ -20,6 +20,22 @@ static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
 
 constexpr int kTileRegisterRows = 16;  // rows of a tile register, at most
 
+#ifndef BS_AMX_EMULATION
+#define BS_TILE_LOAD_CONFIG(config) asm volatile("ldtilecfg %0" ::"m"(config) : "memory")
+#define BS_TILE_STORE_CONFIG(config) asm volatile("sttilecfg %0" : "=m"(config)::"memory")
+#define BS_TILE_RELEASE() asm volatile("tilerelease" ::: "memory")
+#define BS_TILE_ZERO(tmm) asm volatile("tilezero %%tmm" #tmm ::)
+#define BS_TILE_LOAD(tmm, base, stride) \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #tmm ::"r"(base), "r"(static_cast<long>(stride)) : "memory")
+#define BS_TILE_STORE(tmm, base, stride) \
+  asm volatile("tilestored %%tmm" #tmm ", (%0,%1,1)" ::"r"(base), "r"(static_cast<long>(stride)) : "memory")
+// c += a . b: tdpbf16ps (bf16 pairs, fp32 sums), tdpbsud (signed bytes of a, unsigned bytes of b, int32 sums).
+#define BS_TILE_DPBF16PS(c, a, b) asm volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+#define BS_TILE_DPBSUD(c, a, b) asm volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+#else
+#include "amx_emulation.h"
+#endif
+
 static inline TileConfig empty_tile_config() {
   TileConfig config;
   __builtin_memset(&config, 0, sizeof config);
@@ -32,7 +48,7 @@ static inline void set_tile(TileConfig& config, int tile, int rows, int row_byte
   config.colsb[tile] = static_cast<uint16_t>(row_bytes);
 }
 
-static inline void load_tile_config(const TileConfig& config) { asm volatile("ldtilecfg %0" ::"m"(config) : "memory"); }
+static inline void load_tile_config(const TileConfig& config) { BS_TILE_LOAD_CONFIG(config); }
 
 // Loads `config` unless the thread's tiles are configured so already (sttilecfg reads the current configuration:
 // 64 zero bytes where none is loaded or the tiles were released): for configurations loaded now and then (a GEMM's
@@ -41,7 +57,7 @@ static inline void load_tile_config(const TileConfig& config) { asm volatile("ld
 // (Emerald Rapids), loading per tile more.
 static inline void configure_tiles(const TileConfig& config) {
   TileConfig current;
-  asm volatile("sttilecfg %0" : "=m"(current)::"memory");
+  BS_TILE_STORE_CONFIG(current);
   if (__builtin_memcmp(&current, &config, sizeof config) != 0) load_tile_config(config);
 }
 
@@ -61,7 +77,7 @@ static inline void load_row_block_tiles(int upper, int lower, int blocks, int a_
   if (lower > 0) set_tile(config, 5, lower, a_row_bytes);
   configure_tiles(config);
 }
-static inline void release_tiles() { asm volatile("tilerelease" ::: "memory"); }
+static inline void release_tiles() { BS_TILE_RELEASE(); }
 
 // The GEMMs' register plan at its largest (16 upper and 16 lower rows, two column blocks), which a thread configures
 // once per GEMM: a tile of fewer rows multiplies 16 (or 32) rows of x all the same, past its last row into the
@@ -73,11 +89,3 @@ static inline void load_gemm_tiles(int a_row_bytes, int b_rows) {
   load_row_block_tiles(kTileRegisterRows, kTileRegisterRows, 2, a_row_bytes, b_rows);
 }
 
-#define BS_TILE_ZERO(tmm) asm volatile("tilezero %%tmm" #tmm ::)
-#define BS_TILE_LOAD(tmm, base, stride) \
-  asm volatile("tileloadd (%0,%1,1), %%tmm" #tmm ::"r"(base), "r"(static_cast<long>(stride)) : "memory")
-#define BS_TILE_STORE(tmm, base, stride) \
-  asm volatile("tilestored %%tmm" #tmm ", (%0,%1,1)" ::"r"(base), "r"(static_cast<long>(stride)) : "memory")
-// c += a . b: tdpbf16ps (bf16 pairs, fp32 sums), tdpbsud (signed bytes of a, unsigned bytes of b, int32 sums).
-#define BS_TILE_DPBF16PS(c, a, b) asm volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
-#define BS_TILE_DPBSUD(c, a, b) asm volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)

@@ -30,8 +30,12 @@ inline bool cpu_has_avx2_fma_f16c() {
 // Whether the CPU has AMX-TILE, AMX-BF16 and AMX-INT8 (CPUID leaf 7) and Linux lets this process use the
 // tiles: their 8 KiB register state is off until the process asks for it (arch_prctl ARCH_REQ_XCOMP_PERM
 // for XFEATURE_XTILEDATA; the grant holds for every thread of the process, and asking again is harmless).
-// Asked once per process.
+// Asked once per process. A test build that emulates the tiles (BS_AMX_EMULATION: amx_emulation.h) has them on
+// any CPU.
 inline bool cpu_has_amx() {
+#ifdef BS_AMX_EMULATION
+  return true;
+#else
   static const bool granted = [] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
@@ -41,6 +45,7 @@ inline bool cpu_has_amx() {
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return granted;
+#endif
 }
 
 // AMX only above AVX512-BF16 and AVX512-VNNI (its kernels finish with them) and AVX512-VBMI (the dequantizing

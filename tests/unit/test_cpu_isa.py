@@ -29,6 +29,8 @@ SAPPHIRE_RAPIDS = {
 
 @pytest.fixture
 def granted(monkeypatch):
+    monkeypatch.delenv(cpu_isa.AMX_EMULATION_VARIABLE, raising=False)
+
     def grant(answer: bool):
         monkeypatch.setattr(cpu_isa, "os_grants_amx", lambda: answer)
 
@@ -54,6 +56,19 @@ def test_amx_needs_the_os_grant_all_three_of_its_flags_and_vbmi(granted):
     assert IsaSet.of(SAPPHIRE_RAPIDS).amx
     for flag in ("amx_tile", "amx_bf16", "amx_int8", "avx512_bf16", "avx512vbmi"):
         assert not IsaSet.of(SAPPHIRE_RAPIDS - {flag}).amx, flag
+
+
+def test_the_tests_amx_emulation_needs_vbmi_beside_the_dot_products_and_no_tiles(granted, monkeypatch):
+    """tests/integration/test_amx_emulated.py: the ops built with the tiles emulated run the AMX kernel set where
+    the CPU has everything else that set uses; only "all" reaches it, as on an AMX CPU."""
+    granted(False)
+    zen4 = SAPPHIRE_RAPIDS - {"amx_tile", "amx_bf16", "amx_int8"}
+    assert not IsaSet.of(zen4).amx
+    monkeypatch.setenv(cpu_isa.AMX_EMULATION_VARIABLE, "1")
+    assert IsaSet.of(zen4).amx
+    assert not IsaSet.of(zen4, "avx512+bf16+vnni").amx
+    for flag in ("avx512vbmi", "avx512_bf16", "avx512_vnni"):
+        assert not IsaSet.of(zen4 - {flag}).amx, flag
 
 
 def test_every_cpu_isa_setting_names_a_cap():

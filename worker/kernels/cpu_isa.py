@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from dataclasses import dataclass
 
 REQUIRED_CPU_FEATURES = ("avx2", "fma", "f16c")
@@ -19,6 +20,9 @@ ISA_CAPS = ("avx2", "avx512", "avx512+bf16+vnni", "all")
 
 # Linux's arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): the process asks for the AMX tiles' register state.
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
+# Tests only: "1" builds the ops with AMX's tile instructions emulated in C++ (custom_ops/cpu/amx_emulation.h), so
+# that the AMX kernel set runs on a CPU without AMX.
+AMX_EMULATION_VARIABLE = "BLOCKSERVE_TEST_AMX_EMULATION"
 
 
 @dataclass(frozen=True)
@@ -54,8 +58,22 @@ class IsaSet:
         avx512 = cap != "avx2" and "avx512f" in features
         extended = avx512 and cap != "avx512"
         bf16, vnni = extended and "avx512_bf16" in features, extended and "avx512_vnni" in features
-        amx = bf16 and vnni and cap == "all" and all(f in features for f in AMX_CPU_FEATURES) and os_grants_amx()
+        amx = bf16 and vnni and cap == "all" and has_amx(features)
         return cls(avx512, bf16, vnni, amx)
+
+
+def has_amx(features: set[str]) -> bool:
+    """Whether the ops may run AMX's tiles: the CPU has them and Linux grants them, or the ops are the tests' build
+    that emulates them (amx_emulated) on a CPU with the rest of the AMX kernel set's instructions."""
+    if amx_emulated():
+        return "avx512vbmi" in features
+    return all(f in features for f in AMX_CPU_FEATURES) and os_grants_amx()
+
+
+def amx_emulated() -> bool:
+    """Whether this process builds and loads the ops with AMX's tiles emulated (custom_ops/build.py reads the same
+    variable; tests only)."""
+    return os.environ.get(AMX_EMULATION_VARIABLE) == "1"
 
 
 @functools.cache

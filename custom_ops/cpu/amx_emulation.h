@@ -94,45 +94,39 @@ static inline float emulated_bf16_to_float(const uint8_t* pair, int i) {
   return emulated_flush_denormal(x);
 }
 
-static inline void emulated_tile_dpbf16ps(int c, int a, int b) {
+// c += a . b, the tiles' shapes checked: each of c's 4-byte sums (Sum) of row m and column n updated by
+// add(sum, a's 4 bytes at [m][k], b's 4 bytes at [k][n]) for k in order; the bytes past c's columns zeroed.
+template <class Sum, class Add>
+static inline void emulated_tile_product(int c, int a, int b, Add add) {
   int rows = 0, depth = 0, cols = 0;
   emulated_product_shape(c, a, b, rows, depth, cols);
   for (int m = 0; m < rows; ++m) {
-    float sums[16];
+    Sum sums[16];
     __builtin_memcpy(sums, emulated_tiles.data[c][m], sizeof sums);
     for (int k = 0; k < depth; ++k) {
       const uint8_t* x = emulated_tiles.data[a][m] + 4 * k;
-      for (int n = 0; n < cols; ++n) {
-        const uint8_t* y = emulated_tiles.data[b][k] + 4 * n;
-        // A product of two bf16 is exact in fp32 (16 significant bits): only the sums round.
-        const float first = emulated_flush_denormal(emulated_bf16_to_float(x, 0) * emulated_bf16_to_float(y, 0));
-        const float second = emulated_flush_denormal(emulated_bf16_to_float(x, 1) * emulated_bf16_to_float(y, 1));
-        sums[n] = emulated_flush_denormal(emulated_flush_denormal(sums[n] + first) + second);
-      }
+      for (int n = 0; n < cols; ++n) sums[n] = add(sums[n], x, emulated_tiles.data[b][k] + 4 * n);
     }
     __builtin_memset(emulated_tiles.data[c][m], 0, sizeof emulated_tiles.data[c][m]);
     __builtin_memcpy(emulated_tiles.data[c][m], sums, 4 * cols);
   }
 }
 
+static inline void emulated_tile_dpbf16ps(int c, int a, int b) {
+  emulated_tile_product<float>(c, a, b, [](float sum, const uint8_t* x, const uint8_t* y) {
+    // A product of two bf16 is exact in fp32 (16 significant bits): only the sums round.
+    const float first = emulated_flush_denormal(emulated_bf16_to_float(x, 0) * emulated_bf16_to_float(y, 0));
+    const float second = emulated_flush_denormal(emulated_bf16_to_float(x, 1) * emulated_bf16_to_float(y, 1));
+    return emulated_flush_denormal(emulated_flush_denormal(sum + first) + second);
+  });
+}
+
 static inline void emulated_tile_dpbsud(int c, int a, int b) {
-  int rows = 0, depth = 0, cols = 0;
-  emulated_product_shape(c, a, b, rows, depth, cols);
-  for (int m = 0; m < rows; ++m) {
-    uint32_t sums[16];
-    __builtin_memcpy(sums, emulated_tiles.data[c][m], sizeof sums);
-    for (int k = 0; k < depth; ++k) {
-      const int8_t* x = reinterpret_cast<const int8_t*>(emulated_tiles.data[a][m] + 4 * k);
-      for (int n = 0; n < cols; ++n) {
-        const uint8_t* y = emulated_tiles.data[b][k] + 4 * n;
-        int32_t dot = 0;
-        for (int i = 0; i < 4; ++i) dot += static_cast<int32_t>(x[i]) * static_cast<int32_t>(y[i]);
-        sums[n] += static_cast<uint32_t>(dot);
-      }
-    }
-    __builtin_memset(emulated_tiles.data[c][m], 0, sizeof emulated_tiles.data[c][m]);
-    __builtin_memcpy(emulated_tiles.data[c][m], sums, 4 * cols);
-  }
+  emulated_tile_product<uint32_t>(c, a, b, [](uint32_t sum, const uint8_t* x, const uint8_t* y) {
+    int32_t dot = 0;
+    for (int i = 0; i < 4; ++i) dot += static_cast<int32_t>(static_cast<int8_t>(x[i])) * static_cast<int32_t>(y[i]);
+    return sum + static_cast<uint32_t>(dot);  // wrapping, as the hardware's int32 sums
+  });
 }
 
 #define BS_TILE_LOAD_CONFIG(config) emulated_load_tile_config(config)

@@ -1,7 +1,7 @@
 """The AMX kernel set on a CPU without AMX: the per-instruction-set kernel tests' AMX cases (`-k all`: the bf16,
 int8 and GGUF GEMMs on tiles, the prompt attention on tiles, every cache type under the AMX set) run in a child
 process whose op library emulates the tile instructions (custom_ops/cpu/amx_emulation.h, built under
-BLOCKSERVE_TEST_AMX_EMULATION=1 in its own folder: about 3 minutes on 2 cores, then about 20 s of tests). There every
+BLOCKSERVE_TEST_AMX_EMULATION=1 in its own folder: 1.5-3 minutes on 2 cores, then about 20 s of tests). There every
 AMX case must run and pass; in this process they skip, saying the CPU has no AMX. The emulation follows Intel's
 pseudocode for tdpbf16ps and tdpbsud and traps where the hardware would fault (a tile not configured, shapes that do
 not fit), so a wrong tile plan fails here; how fast the tiles are, and anything the pseudocode leaves out, needs an
